@@ -1,0 +1,100 @@
+"""Argument checks shared by both backends.
+
+Everything here looks at metadata only (rank, shapes, dtype, device, Python scalars), so it costs
+nothing next to the estimate. Checks that must read the data (NaN/Inf, a zero median distance) live
+in the backends, where the data is read anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+def check_samples(name: str, x) -> None:
+    """A sample tensor: [n, d] or [B, n, d], float32/float64."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [n, d] or [B, n, d], got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32 or float64, got {x.dtype}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{name} must have shape [n, d] or [B, n, d], got shape {tuple(x.shape)}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{name} must have at least one dimension per sample (d >= 1), got shape {tuple(x.shape)}")
+    if x.shape[-2] < 1:
+        raise ValueError(f"{name} must hold at least one sample, got shape {tuple(x.shape)}")
+
+
+def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Two sample sets that are compared with each other: same rank, d, batch, dtype and device."""
+    check_samples(name_a, a)
+    check_samples(name_b, b)
+    if a.dim() != b.dim():
+        raise ValueError(
+            f"{name_a} and {name_b} must both be unbatched [n, d] or both batched [B, n, d], "
+            f"got shapes {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same sample dimension d, got {a.shape[-1]} and {b.shape[-1]}"
+        )
+    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"{name_a} and {name_b} must have the same batch size, got {a.shape[0]} and {b.shape[0]}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
+    if a.shape[-2] + b.shape[-2] < 2:
+        raise ValueError(
+            f"{name_a} and {name_b} must hold at least 2 samples in total (the median bandwidth needs a pair), "
+            f"got {a.shape[-2]} + {b.shape[-2]}"
+        )
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """NaN/Inf check for the reference backend (the compiled ops check while they read the data)."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_positive(name: str, value) -> float:
+    """A positive, finite Python number (lam, clip)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a positive number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value
+
+
+def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.Tensor | None:
+    """None for the median heuristic; otherwise a float64 tensor of shape [B] (batched) or [1].
+
+    The batch size is None for unbatched inputs. A scalar bandwidth is broadcast over the batch.
+    """
+    if isinstance(bandwidth, str):
+        if bandwidth != "median":
+            raise ValueError(f'bandwidth must be "median", a positive float or a tensor, got {bandwidth!r}')
+        return None
+    rows = 1 if batch is None else batch
+    if isinstance(bandwidth, torch.Tensor):
+        if bandwidth.is_complex() or not bandwidth.is_floating_point():
+            raise TypeError(f"bandwidth must be a floating-point tensor, got {bandwidth.dtype}")
+        if bandwidth.dim() > 1 or bandwidth.numel() not in (1, rows):
+            raise ValueError(
+                f"bandwidth must be a scalar or have shape [B] = [{rows}], got shape {tuple(bandwidth.shape)}"
+            )
+        sigma = bandwidth.detach().to(device=like.device, dtype=torch.float64).reshape(-1)
+        if not bool(torch.isfinite(sigma).all()) or not bool((sigma > 0).all()):
+            raise ValueError(f"bandwidth must be positive and finite, got {bandwidth}")
+        return sigma.expand(rows).contiguous()
+    value = check_positive("bandwidth", bandwidth)
+    return torch.full((rows,), value, dtype=torch.float64, device=like.device)

@@ -1,0 +1,47 @@
+"""Run folders: where an experiment writes its JSON results, PNG figures and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) -> Path:
+    """``explicit`` if given (reused, so a run can resume), else ``root/name-YYYYmmdd-HHMMSS``."""
+    path = Path(explicit) if explicit else Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(path: str | os.PathLike, data) -> None:
+    """Write atomically, so an interrupted run never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=float) + "\n")
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict | None:
+    path = Path(path)
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+def matplotlib_pyplot():
+    """pyplot on the non-interactive Agg backend (no display on servers and CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
