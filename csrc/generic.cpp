@@ -1,0 +1,80 @@
+// Device-generic implementation: ATen calls only, so it runs wherever ATen does (CUDA included).
+// It is also the baseline the CPU kernels (cpu.cpp) are tested against.
+#include "kivi.h"
+
+#include <c10/util/Exception.h>
+
+namespace kivi_fast {
+
+Tensor stack_points(const Tensor& denom, const Tensor& numer) { return at::cat({denom, numer}, 1); }
+
+void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
+  // A NaN/Inf coordinate makes the squared norm of its row NaN/Inf, so the norms (computed anyway
+  // for the distances) tell which input is bad without another pass over the samples.
+  auto ok = at::isfinite(sq_norms);
+  TORCH_CHECK_VALUE(ok.narrow(1, 0, n_den).all().item<bool>(), names.denom,
+                    " contains NaN or Inf (or values too large to square)");
+  TORCH_CHECK_VALUE(ok.narrow(1, n_den, sq_norms.size(1) - n_den).all().item<bool>(), names.numer,
+                    " contains NaN or Inf (or values too large to square)");
+}
+
+Tensor median_from_sqdist(const Tensor& sq) {
+  // Median over the N (N - 1) / 2 distinct pairs (upper triangle), numpy's convention for an even
+  // count (mean of the two middle distances). Selection, not a sort.
+  const int64_t n = sq.size(1);
+  auto idx = at::triu_indices(n, n, 1, sq.options().dtype(at::kLong));
+  auto flat = sq.flatten(1).index_select(1, idx[0] * n + idx[1]);  // [B, P]
+  const int64_t p = flat.size(1);
+  auto lo = std::get<0>(at::kthvalue(flat, (p + 1) / 2, 1)).clamp_min(0).sqrt();
+  auto hi = std::get<0>(at::kthvalue(flat, p / 2 + 1, 1)).clamp_min(0).sqrt();
+  auto sigma = p % 2 == 1 ? lo : (lo + hi) * 0.5;
+  TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(),
+                    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
+                    "pass an explicit bandwidth=...");
+  return sigma;
+}
+
+Tensor solve_alpha(const Tensor& kernel, int64_t n_den, double lam) {
+  const int64_t n_num = kernel.size(1) - n_den;
+  auto k_dd = kernel.narrow(1, 0, n_den).narrow(2, 0, n_den);
+  auto k_dn = kernel.narrow(1, 0, n_den).narrow(2, n_den, n_num);
+  auto system = k_dd / static_cast<double>(n_den);
+  system.diagonal(0, 1, 2).add_(lam);
+  auto [chol, info] = at::linalg_cholesky_ex(system);
+  TORCH_CHECK_VALUE((info == 0).all().item<bool>(),
+                    "the kernel system K/n + lam I is not positive definite in float64 (lam = ", lam,
+                    " is too small for these samples); increase lam");
+  auto rhs = k_dn.sum(-1, true) / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
+  return -at::cholesky_solve(rhs, chol).squeeze(-1);
+}
+
+namespace generic {
+
+Tensor sqdist(const Tensor& x, const Tensor& y) {
+  auto x64 = x.to(at::kDouble);
+  auto y64 = y.to(at::kDouble);
+  auto xn = x64.pow(2).sum(-1);
+  auto yn = y64.pow(2).sum(-1);
+  auto sq = at::baddbmm(xn.unsqueeze(2) + yn.unsqueeze(1), x64, y64.transpose(1, 2), 1.0, -2.0);
+  return sq.clamp_min_(0);
+}
+
+Tensor median_bandwidth(const Tensor& x) { return median_from_sqdist(sqdist(x, x)); }
+
+Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names) {
+  const int64_t n_den = denom.size(1);
+  auto pts = stack_points(denom, numer).to(at::kDouble);
+  auto norms = pts.pow(2).sum(-1);
+  check_finite_rows(norms, n_den, names);
+  auto sq = at::baddbmm(norms.unsqueeze(2) + norms.unsqueeze(1), pts, pts.transpose(1, 2), 1.0, -2.0).clamp_min_(0);
+  sq.diagonal(0, 1, 2).zero_();  // exact zeros where the GEMM formula leaves rounding noise
+  auto s = sigma.has_value() ? *sigma : median_from_sqdist(sq);
+  auto kernel = at::exp(sq / (s * s * -2.0).view({-1, 1, 1}));
+  auto alpha = solve_alpha(kernel, n_den, lam);
+  auto beta = at::full({alpha.size(0), numer.size(1)}, 1.0 / (lam * static_cast<double>(numer.size(1))),
+                       alpha.options());
+  return {at::cat({alpha, beta}, 1), s, kernel};
+}
+
+}  // namespace generic
+}  // namespace kivi_fast

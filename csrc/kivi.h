@@ -1,0 +1,56 @@
+// The KIVI estimator's building blocks, shared by the device-generic (ATen) and the CPU kernels.
+//
+// Conventions: every sample tensor is batched, [B, n, d], float32 or float64. The fit, the kernel
+// values and the ratio are computed in float64 whatever the input dtype: evaluating the fitted
+// ratio cancels terms of size ~1/lam (its two parts have opposite signs), so float32 arithmetic
+// there loses up to ~1e-1 relative accuracy at lam = 1e-3. Only the results go back to the input dtype.
+//
+// A fit of numer/denom works on the stacked points [denom; numer] ([B, N, d], N = n_den + n_num), so
+// one Gram matrix serves the median bandwidth, the linear system and the evaluation at the samples:
+//   r(z)  = sum_c coef_c k(c, z),  coef = [alpha; beta 1],  beta = 1 / (lam n_num),
+//   alpha = -1 / (lam n_den n_num) (K_dd / n_den + lam I)^{-1} K_dn 1.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace kivi_fast {
+
+using at::Tensor;
+
+// Which argument names to use in error messages for the two sample sets of a fit.
+struct Names {
+  const char* numer;
+  const char* denom;
+};
+
+// A fitted ratio together with what the evaluation at the fitted samples reuses.
+struct Fit {
+  Tensor coef;    // [B, N] float64: alpha for the denom points, then beta for the numer points
+  Tensor sigma;   // [B] float64
+  Tensor kernel;  // [B, N, N] float64, k over the stacked points [denom; numer]
+};
+
+namespace generic {
+Tensor sqdist(const Tensor& x, const Tensor& y);                 // [B, n, m] float64
+Tensor median_bandwidth(const Tensor& x);                        // [B] float64
+Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
+}  // namespace generic
+
+namespace cpu {
+Tensor sqdist(const Tensor& x, const Tensor& y);
+Tensor median_bandwidth(const Tensor& x);
+Tensor median_from_sqdist_cpu(const Tensor& sq);
+Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+                     const Tensor& denom);
+}  // namespace cpu
+
+// Device-independent pieces (ATen calls only), used by both paths.
+Tensor median_from_sqdist(const Tensor& sq);  // [B, N, N] float64 -> [B] median distance, checked > 0
+Tensor solve_alpha(const Tensor& kernel, int64_t n_den, double lam);  // [B, n_den] float64
+Tensor stack_points(const Tensor& denom, const Tensor& numer);        // [B, N, d]
+void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names);  // norms [B, N] of [denom; numer]
+
+}  // namespace kivi_fast

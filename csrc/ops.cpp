@@ -1,0 +1,140 @@
+// The torch custom ops of kivi_fast: schemas, and one kernel per op that picks the CPU or the
+// device-generic building blocks. Fake kernels and autograd formulas are registered from Python
+// (kivi_fast/_ops.py). All sample arguments are batched [B, n, d]; Python adds the batch dimension.
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "kivi.h"
+
+namespace kivi_fast {
+namespace {
+
+// Tests flip this to run the device-generic path on CPU tensors (the path CUDA tensors take).
+std::atomic<bool> force_generic{false};
+
+// kCpu: the kernel registered for the CPU dispatch key; otherwise the CompositeExplicitAutograd
+// kernel that serves CUDA and every other device.
+template <bool kCpu>
+bool use_cpu() { return kCpu && !force_generic.load(); }
+
+template <bool kCpu>
+Tensor sqdist_op(const Tensor& x, const Tensor& y) {
+  return use_cpu<kCpu>() ? cpu::sqdist(x.contiguous(), y.contiguous()) : generic::sqdist(x, y);
+}
+
+template <bool kCpu>
+Tensor rbf_gram_op(const Tensor& x, const Tensor& y, const Tensor& sigma) {
+  auto s = sigma.to(at::kDouble).view({-1, 1, 1});
+  return at::exp(sqdist_op<kCpu>(x, y) / (s * s * -2.0)).to(x.scalar_type());
+}
+
+template <bool kCpu>
+Tensor median_bandwidth_op(const Tensor& x) {
+  return use_cpu<kCpu>() ? cpu::median_bandwidth(x.contiguous()) : generic::median_bandwidth(x);
+}
+
+template <bool kCpu>
+Fit fit_any(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma,
+            Names names) {
+  std::optional<Tensor> s;
+  if (sigma.has_value()) s = sigma->to(at::kDouble).contiguous();
+  return use_cpu<kCpu>() ? cpu::fit(numer.contiguous(), denom.contiguous(), lam, s, names)
+                        : generic::fit(numer, denom, lam, s, names);
+}
+
+template <bool kCpu>
+std::tuple<Tensor, Tensor> fit_op(const Tensor& numer, const Tensor& denom, double lam,
+                                  const std::optional<Tensor>& sigma) {
+  auto f = fit_any<kCpu>(numer, denom, lam, sigma, {"numer", "denom"});
+  return {f.coef.narrow(1, 0, denom.size(1)).contiguous(), f.sigma};
+}
+
+// Evaluation of a fitted ratio from kernel values k(c, z_j) [B, m, N]: r_j = sum_c coef_c k(c, z_j),
+// and the float64 weights W_jc = coef_c k(c, z_j) / sigma^2 of its gradient (see weighted_grad).
+std::tuple<Tensor, Tensor> evaluate(const Tensor& kernel_zc, const Tensor& coef, const Tensor& sigma) {
+  auto terms = kernel_zc * coef.unsqueeze(1);
+  auto r = terms.sum(-1);
+  auto weights = terms.div_((sigma * sigma).view({-1, 1, 1}));
+  return {r, weights};
+}
+
+template <bool kCpu>
+std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const Tensor& denom, const Tensor& alpha,
+                                    double beta, const Tensor& sigma) {
+  auto pts = stack_points(denom, numer);
+  auto s = sigma.to(at::kDouble);
+  auto kernel = at::exp(sqdist_op<kCpu>(z, pts) / (s * s * -2.0).view({-1, 1, 1}));
+  auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta, kernel.options())}, 1);
+  auto [r, weights] = evaluate(kernel, coef, s);
+  return {r.to(z.scalar_type()), weights};
+}
+
+template <bool kCpu>
+std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                         const std::optional<Tensor>& sigma, bool reverse) {
+  // reverse: fit p/q, KL = -mean log r(q_z); otherwise fit q/p, KL = mean log r(q_z).
+  const auto& numer = reverse ? prior_z : q_z;
+  const auto& denom = reverse ? q_z : prior_z;
+  Names names = reverse ? Names{"prior_z", "q_z"} : Names{"q_z", "prior_z"};
+  auto f = fit_any<kCpu>(numer, denom, lam, sigma, names);
+  // The evaluation points q_z are fitted samples too: their kernel rows are already in f.kernel.
+  const int64_t n_q = q_z.size(1);
+  auto rows = f.kernel.narrow(1, reverse ? 0 : denom.size(1), n_q);
+  auto [r, weights] = evaluate(rows, f.coef, f.sigma);
+  auto kept = r > clip;
+  auto log_r = at::log(r.clamp_min(clip));
+  auto kl = (reverse ? -log_r : log_r).mean(-1);
+  // d log r / dz = (d r / dz) / r; clipped points get no gradient.
+  weights.mul_((kept.to(at::kDouble) / r).unsqueeze(-1));
+  return {kl.to(q_z.scalar_type()), weights, f.sigma};
+}
+
+template <bool kCpu>
+Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+                        const Tensor& denom) {
+  // d/dz_j sum_c W_jc-weighted kernels = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), from
+  // grad_z k(c, z) = k(c, z) (c - z) / sigma^2 with the centres c held fixed.
+  if (use_cpu<kCpu>()) {
+    return cpu::weighted_grad(row_scale.contiguous(), weights.contiguous(), z.contiguous(), numer.contiguous(),
+                              denom.contiguous());
+  }
+  auto pts = stack_points(denom, numer).to(at::kDouble);
+  auto grad = at::bmm(weights, pts) - weights.sum(-1, true) * z.to(at::kDouble);
+  return (grad * row_scale.unsqueeze(-1)).to(z.scalar_type());
+}
+
+bool set_force_generic(bool flag) { return force_generic.exchange(flag); }
+
+template <bool kCpu>
+void register_kernels(torch::Library& m) {
+  m.impl("sqdist", &sqdist_op<kCpu>);
+  m.impl("rbf_gram", &rbf_gram_op<kCpu>);
+  m.impl("median_bandwidth", &median_bandwidth_op<kCpu>);
+  m.impl("fit", &fit_op<kCpu>);
+  m.impl("ratio", &ratio_op<kCpu>);
+  m.impl("kl", &kl_op<kCpu>);
+  m.impl("weighted_grad", &weighted_grad_op<kCpu>);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kivi_fast, m) {
+  m.def("sqdist(Tensor x, Tensor y) -> Tensor");
+  m.def("rbf_gram(Tensor x, Tensor y, Tensor sigma) -> Tensor");
+  m.def("median_bandwidth(Tensor x) -> Tensor");
+  m.def("fit(Tensor numer, Tensor denom, float lam, Tensor? sigma) -> (Tensor, Tensor)");
+  m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma) -> (Tensor, Tensor)");
+  m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse) -> (Tensor, Tensor, Tensor)");
+  m.def("weighted_grad(Tensor row_scale, Tensor weights, Tensor z, Tensor numer, Tensor denom) -> Tensor");
+  // Not a tensor op: switches CPU tensors to the device-generic kernels (for tests); returns the old value.
+  m.def("_set_force_generic(bool flag) -> bool", &set_force_generic);
+}
+
+// CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from
+// ATen calls (CompositeExplicitAutograd: used where no device-specific kernel is registered, while
+// the autograd formula registered from Python still applies).
+TORCH_LIBRARY_IMPL(kivi_fast, CPU, m) { register_kernels<true>(m); }
+TORCH_LIBRARY_IMPL(kivi_fast, CompositeExplicitAutograd, m) { register_kernels<false>(m); }
+
+}  // namespace kivi_fast
