@@ -1,0 +1,1 @@
+"""Data sets of the experiments, read from the project's ``data/`` folder (never from elsewhere)."""

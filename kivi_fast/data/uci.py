@@ -1,0 +1,137 @@
+"""The UCI regression benchmarks with their standard 90/10 splits (PBP, MC-dropout, SVGD, KIVI).
+
+    data = load_split("boston", split=0)            # normalized with training statistics
+    data.x_train, data.y_train, data.x_test, data.y_test, data.y_scaler.inverse(y_hat)
+
+The files live in ``data/UCI_Datasets/<folder>/data/`` of the repository (see its README.md); a
+different folder can be passed as ``data_dir`` (the command line's ``--data-dir``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# the repository root is two levels above this file (kivi_fast/data/uci.py)
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "UCI_Datasets"
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    folder: str
+    n_hidden: int  # hidden units of the BNN (PBP's protocol: 50, 100 for the two largest sets)
+
+
+# short name -> where it lives; the names are the row labels of the paper's Table 1
+DATASETS = {
+    "boston": DatasetInfo("bostonHousing", 50),
+    "concrete": DatasetInfo("concrete", 50),
+    "energy": DatasetInfo("energy", 50),
+    "kin8nm": DatasetInfo("kin8nm", 50),
+    "naval": DatasetInfo("naval-propulsion-plant", 50),
+    "combined": DatasetInfo("power-plant", 50),
+    "protein": DatasetInfo("protein-tertiary-structure", 100),
+    "wine": DatasetInfo("wine-quality-red", 50),
+    "yacht": DatasetInfo("yacht", 50),
+}
+UNAVAILABLE = {
+    "year": "Year Prediction MSD is not available offline (about 200 MB compressed, not stored in "
+    "the project; see data/UCI_Datasets/README.md)",
+}
+
+
+def _folder(name: str, data_dir: str | os.PathLike | None) -> Path:
+    if name in UNAVAILABLE:
+        raise FileNotFoundError(UNAVAILABLE[name])
+    if name not in DATASETS:
+        raise KeyError(f"unknown UCI data set {name!r}; known: {', '.join(DATASETS)}")
+    folder = Path(data_dir or DEFAULT_DATA_DIR) / DATASETS[name].folder / "data"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no data for {name!r} at {folder} (see data/UCI_Datasets/README.md)")
+    return folder
+
+
+def _indices(path: Path) -> np.ndarray:
+    # the index files hold one 0-based integer per line (some written as floats)
+    return np.atleast_1d(np.loadtxt(path)).astype(np.int64)
+
+
+def n_splits(name: str, data_dir=None) -> int:
+    return int(np.loadtxt(_folder(name, data_dir) / "n_splits.txt"))
+
+
+def load_arrays(name: str, data_dir=None) -> tuple[np.ndarray, np.ndarray]:
+    """All rows of a data set: inputs [N, D] and targets [N], float64, in original units."""
+    folder = _folder(name, data_dir)
+    data = np.loadtxt(folder / "data.txt")
+    features = _indices(folder / "index_features.txt")
+    target = int(_indices(folder / "index_target.txt")[0])
+    return data[:, features], data[:, target]
+
+
+def split_indices(name: str, split: int, data_dir=None) -> tuple[np.ndarray, np.ndarray]:
+    """The 0-based (train, test) row indices of one standard split."""
+    folder = _folder(name, data_dir)
+    if not 0 <= split < n_splits(name, data_dir):
+        raise IndexError(f"{name} has splits 0..{n_splits(name, data_dir) - 1}, got {split}")
+    return _indices(folder / f"index_train_{split}.txt"), _indices(folder / f"index_test_{split}.txt")
+
+
+@dataclass(frozen=True)
+class Standardizer:
+    """x -> (x - mean) / std with training statistics; a constant column gets std 1 (as in PBP),
+    so it maps to 0 instead of dividing by zero.
+
+    "Constant" means std <= 1e-9 max(|mean|, 1), not std == 0: Naval's feature 8 (all 288) has std 0,
+    but its feature 11 (all 0.998) has a float std of 2.4e-13 from rounding, and dividing by it would
+    blow rounding noise up to values of order 1.
+    """
+
+    RELATIVE_TOLERANCE = 1e-9
+
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, x: np.ndarray) -> "Standardizer":
+        mean, std = x.mean(0), x.std(0)
+        constant = std <= cls.RELATIVE_TOLERANCE * np.maximum(np.abs(mean), 1.0)
+        return cls(mean, np.where(constant, 1.0, std))
+
+    def __call__(self, x):
+        return (x - self.mean) / self.std
+
+    def inverse(self, z):
+        return z * self.std + self.mean
+
+
+@dataclass(frozen=True)
+class Split:
+    """One train/test split, normalized with the training statistics, as float32 tensors."""
+
+    x_train: torch.Tensor  # [N, D]
+    y_train: torch.Tensor  # [N]
+    x_test: torch.Tensor
+    y_test: torch.Tensor  # normalized; y_test_raw is in original units
+    y_test_raw: torch.Tensor
+    x_scaler: Standardizer
+    y_scaler: Standardizer  # y_scaler.std is the factor between normalized and original units
+
+
+def load_split(name: str, split: int, data_dir=None, dtype=torch.float32) -> Split:
+    x, y = load_arrays(name, data_dir)
+    train, test = split_indices(name, split, data_dir)
+    x_scaler, y_scaler = Standardizer.fit(x[train]), Standardizer.fit(y[train])
+
+    def t(a):
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype)
+
+    return Split(
+        x_train=t(x_scaler(x[train])), y_train=t(y_scaler(y[train])),
+        x_test=t(x_scaler(x[test])), y_test=t(y_scaler(y[test])), y_test_raw=t(y[test]),
+        x_scaler=x_scaler, y_scaler=y_scaler,
+    )

@@ -1,0 +1,70 @@
+"""Matrix Multiplication Neural Network (MMNN, the paper's Algorithm 2): an implicit posterior over
+a weight matrix that never materializes a dense layer of size (input matrix) x (output matrix)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+class MatrixMultiplicationLayer(nn.Module):
+    """X [.., M_in, N_in] -> (A_l X + B_l) A_r + B_r  [.., M_out, N_out] (Alg. 2, lines 2-3).
+
+    A_l: [M_out, M_in], B_l: [M_out, N_in], A_r: [N_in, N_out], B_r: [M_out, N_out]; in all
+    M_out M_in + M_out N_in + N_in N_out + M_out N_out parameters (Sec. 4), against
+    M_in N_in M_out N_out for a dense layer between the flattened matrices.
+    """
+
+    def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int]):
+        super().__init__()
+        (m_in, n_in), (m_out, n_out) = tuple(in_shape), tuple(out_shape)
+        self.in_shape, self.out_shape = (m_in, n_in), (m_out, n_out)
+        # scaled like nn.Linear's default (fan-in 1/sqrt), so activations keep their size per layer
+        self.left = nn.Parameter(torch.empty(m_out, m_in).uniform_(-1, 1) / m_in**0.5)
+        self.left_bias = nn.Parameter(torch.zeros(m_out, n_in))
+        self.right = nn.Parameter(torch.empty(n_in, n_out).uniform_(-1, 1) / n_in**0.5)
+        self.right_bias = nn.Parameter(torch.zeros(m_out, n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.left @ x + self.left_bias) @ self.right + self.right_bias
+
+    @staticmethod
+    def n_parameters(in_shape: Sequence[int], out_shape: Sequence[int]) -> int:
+        """The count of Sec. 4: M M0 + M N0 + N0 N + M N for an M0 x N0 -> M x N layer."""
+        (m0, n0), (m, n) = tuple(in_shape), tuple(out_shape)
+        return m * m0 + m * n0 + n0 * n + m * n
+
+
+class MMNN(nn.Module):
+    """Implicit posterior over an M x N matrix: W = MMNN(W0), W0 ~ N(0, I) of shape ``shapes[0]``.
+
+    ``shapes`` lists the matrix shape after each layer, starting with the noise, e.g. the paper's
+    MNIST first layer ``[(30, 30), (500, 500), (500, 500), (L, 785)]``; ReLU between layers, the
+    last one linear. ``sample(n)`` returns the matrices flattened row-major, [n, M N], ready for
+    :func:`kivi_fast.kl`; ``sample_matrices(n)`` keeps them [n, M, N].
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[int]]):
+        super().__init__()
+        shapes = [tuple(int(v) for v in s) for s in shapes]
+        if len(shapes) < 2 or any(len(s) != 2 or min(s) < 1 for s in shapes):
+            raise ValueError(f"shapes must be at least two (rows, cols) pairs of positive sizes, got {shapes}")
+        self.noise_shape, self.shape = shapes[0], shapes[-1]
+        self.dim = self.shape[0] * self.shape[1]
+        self.layers = nn.ModuleList(MatrixMultiplicationLayer(a, b) for a, b in zip(shapes[:-1], shapes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+    def sample_matrices(self, n: int) -> torch.Tensor:
+        p = self.layers[0].left
+        return self(torch.randn(n, *self.noise_shape, dtype=p.dtype, device=p.device))
+
+    def sample(self, n: int) -> torch.Tensor:
+        return self.sample_matrices(n).reshape(n, self.dim)

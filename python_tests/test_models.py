@@ -1,0 +1,117 @@
+"""Variational posteriors over weights: the MLP generator, MMNN (the paper's Alg. 2) and the
+factorized Gaussian baseline."""
+
+import pytest
+import torch
+from torch.distributions import Normal, kl_divergence
+
+from kivi_fast.models import MMNN, FactorizedGaussian, MatrixMultiplicationLayer, MLPGenerator
+
+
+def n_params(module):
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---- MLP generator ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes", [(20, 30, 700), (100, 800, 357, 357), (5, 20, 51)])
+def test_mlp_generator_shapes_and_structure(sizes):
+    g = MLPGenerator(sizes)
+    z = g.sample(7)
+    assert z.shape == (7, sizes[-1]) and g.dim == sizes[-1] and g.noise_dim == sizes[0]
+    linears = [m for m in g.net if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == list(zip(sizes[:-1], sizes[1:]))
+    # ReLU between hidden layers only: the output layer is linear
+    assert sum(isinstance(m, torch.nn.ReLU) for m in g.net) == len(sizes) - 2
+    assert not isinstance(g.net[-1], torch.nn.ReLU)
+
+
+def test_mlp_generator_is_reparameterized_and_random():
+    g = MLPGenerator((4, 8, 3))
+    z = g.sample(5)
+    z.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in g.parameters())
+    assert not torch.equal(g.sample(5), g.sample(5))
+
+
+def test_mlp_generator_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        MLPGenerator((3,))
+    with pytest.raises(ValueError):
+        MLPGenerator((3, 0, 2))
+
+
+# ---- MMNN ---------------------------------------------------------------------------------------
+
+def test_mm_layer_computes_left_then_right_multiplication():
+    layer = MatrixMultiplicationLayer((3, 4), (5, 6))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(2, 3, 4)
+    expected = torch.stack([(layer.left @ xi + layer.left_bias) @ layer.right + layer.right_bias for xi in x])
+    torch.testing.assert_close(layer(x), expected)
+    assert layer.left.shape == (5, 3) and layer.left_bias.shape == (5, 4)
+    assert layer.right.shape == (4, 6) and layer.right_bias.shape == (5, 6)
+
+
+@pytest.mark.parametrize("m0,n0,m,n", [(30, 30, 400, 785), (3, 4, 5, 6), (1, 1, 1, 1), (30, 30, 10, 1201)])
+def test_mm_layer_parameter_count_is_the_papers_formula(m0, n0, m, n):
+    """Sec. 4: an M0 x N0 -> M x N layer has M M0 + M N0 + N0 N + M N parameters."""
+    layer = MatrixMultiplicationLayer((m0, n0), (m, n))
+    assert n_params(layer) == m * m0 + m * n0 + n0 * n + m * n
+    assert MatrixMultiplicationLayer.n_parameters((m0, n0), (m, n)) == n_params(layer)
+    # and far fewer than a dense layer between the flattened matrices, M0 N0 M N
+    if m0 * n0 * m * n > 1:
+        assert n_params(layer) < m0 * n0 * m * n + m * n
+
+
+def test_mmnn_shapes_and_count_for_the_papers_mnist_layer():
+    """App. "Classification", L = 400: noise 30 x 30, two 500 x 500 ReLU layers, a linear 400 x 785 output."""
+    shapes = [(30, 30), (500, 500), (500, 500), (400, 785)]
+    net = MMNN(shapes)
+    assert n_params(net) == sum(MatrixMultiplicationLayer.n_parameters(a, b) for a, b in zip(shapes[:-1], shapes[1:]))
+    small = MMNN([(3, 2), (4, 5), (6, 7)])
+    mats = small.sample_matrices(8)
+    assert mats.shape == (8, 6, 7)
+    assert small.sample(8).shape == (8, 42) and small.dim == 42
+
+
+def test_mmnn_relu_between_layers_linear_output():
+    net = MMNN([(3, 2), (4, 5), (6, 7), (2, 3)])
+    seen = []
+    for layer in net.layers:
+        layer.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
+    out = net.sample_matrices(50)
+    # the inputs of layers 2 and 3 went through a ReLU, the noise did not; the output is not clipped
+    assert (seen[0] < 0).any() and (seen[1] >= 0).all() and (seen[2] >= 0).all()
+    assert (out < 0).any()
+
+
+def test_mmnn_flattening_is_row_major():
+    net = MMNN([(2, 2), (3, 4)])
+    torch.manual_seed(0)
+    m = net.sample_matrices(2)
+    torch.manual_seed(0)
+    torch.testing.assert_close(net.sample(2), m.reshape(2, 12))
+
+
+# ---- factorized Gaussian -------------------------------------------------------------------------
+
+def test_factorized_kl_matches_torch_distributions():
+    q = FactorizedGaussian(20, init_mean_std=1.0, init_std=0.7)
+    with torch.no_grad():
+        q.rho.add_(torch.randn(20))
+    expected = kl_divergence(Normal(q.mean, q.std), Normal(0.0, 1.0)).sum()
+    torch.testing.assert_close(q.kl_to_standard_normal(), expected)
+
+
+def test_factorized_sample_moments_and_gradients():
+    q = FactorizedGaussian(3, init_std=0.5)
+    with torch.no_grad():
+        q.mean.copy_(torch.tensor([1.0, -2.0, 0.0]))
+    z = q.sample(20000)
+    torch.testing.assert_close(z.mean(0), q.mean.detach(), atol=0.03, rtol=0)
+    torch.testing.assert_close(z.std(0), q.std.detach(), atol=0.02, rtol=0)
+    z.sum().backward()
+    assert q.mean.grad is not None and q.rho.grad is not None

@@ -1,0 +1,297 @@
+"""BNN regression on the UCI sets: the ELBO pieces of App. E against independent computations, the
+test metrics, the data and its splits, and the experiment's training, resume and command line."""
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate, stats
+from torch import nn
+from torch.distributions import Gamma, kl_divergence
+
+from kivi_fast import bnn
+from kivi_fast.data import uci as uci_data
+from kivi_fast.experiments import uci
+
+# ---- the noise precision (App. E) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("aq,bq,ap,bp", [(3.0, 2.0, 6.0, 6.0), (230.0, 40.0, 6.0, 6.0), (0.7, 5.0, 2.0, 0.3)])
+def test_gamma_kl_closed_form_matches_monte_carlo_and_torch(aq, bq, ap, bp):
+    a_q, b_q, a_p, b_p = (torch.tensor(v, dtype=torch.float64) for v in (aq, bq, ap, bp))
+    kl = bnn.gamma_kl(a_q, b_q, a_p, b_p)
+    torch.testing.assert_close(kl, kl_divergence(Gamma(a_q, b_q), Gamma(a_p, b_p)))
+    # Monte Carlo with scipy (an independent implementation of the densities)
+    lam = stats.gamma(aq, scale=1 / bq).rvs(size=100_000, random_state=np.random.default_rng(0))
+    log_ratio = stats.gamma(aq, scale=1 / bq).logpdf(lam) - stats.gamma(ap, scale=1 / bp).logpdf(lam)
+    se = log_ratio.std() / math.sqrt(len(lam))
+    assert abs(float(kl) - log_ratio.mean()) < 5 * se + 1e-9
+
+
+def test_precision_kl_is_zero_at_the_prior_and_positive_elsewhere():
+    q = bnn.GammaPrecision()
+    assert abs(float(q.kl().detach())) < 1e-6
+    assert float(bnn.GammaPrecision(10.0, 3.0).kl().detach()) > 0
+
+
+def test_expected_log_likelihood_matches_monte_carlo_over_the_precision():
+    q = bnn.GammaPrecision(4.0, 2.5)
+    y, y_hat = torch.tensor([0.3, -1.2]), torch.tensor([0.0, 0.4])
+    lam = stats.gamma(4.0, scale=1 / 2.5).rvs(size=400_000, random_state=np.random.default_rng(1))
+    for i in range(2):
+        mc = stats.norm(float(y_hat[i]), 1 / np.sqrt(lam)).logpdf(float(y[i]))
+        got = float(q.expected_log_likelihood(y, y_hat)[i].detach())
+        assert abs(got - mc.mean()) < 5 * mc.std() / math.sqrt(len(lam))
+
+
+@pytest.mark.parametrize("a,b,r", [(3.0, 2.0, 0.7), (50.0, 10.0, -1.3), (1.5, 0.4, 0.0)])
+def test_predictive_log_prob_integrates_the_precision_exactly(a, b, r):
+    """int N(y; y_hat, 1/lam) Gamma(lam; a, b) dlam by quadrature = the Student-t we use."""
+    q = bnn.GammaPrecision(a, b)
+    f = lambda lam: stats.norm(0, 1 / np.sqrt(lam)).pdf(r) * stats.gamma(a, scale=1 / b).pdf(lam)  # noqa: E731
+    expected = math.log(integrate.quad(f, 0, np.inf, limit=200)[0])
+    got = float(q.predictive_log_prob(torch.tensor(r, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)).detach())
+    assert abs(got - expected) < 1e-4
+    plugin = float(q.predictive_log_prob(torch.tensor(r), torch.tensor(0.0), integrate=False).detach())
+    assert abs(plugin - stats.norm(0, math.sqrt(b / a)).logpdf(r)) < 1e-4
+
+
+# ---- the network, the ELBO and the test metrics --------------------------------------------------------
+
+class FixedSamples(nn.Module):
+    """A 'posterior' that returns given weight samples in turn (deterministic, for exact checks)."""
+
+    def __init__(self, samples):
+        super().__init__()
+        self.register_buffer("samples", samples)
+        self.dummy = nn.Parameter(torch.zeros(()))
+
+    def sample(self, n):
+        idx = torch.arange(n) % self.samples.shape[0]
+        return self.samples[idx] + 0 * self.dummy
+
+    def kl_to_standard_normal(self):
+        return torch.tensor(0.5)
+
+
+def fixed_bnn(d=3, h=4, s=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w0, w1 = torch.randn(s, (d + 1) * h, generator=g), torch.randn(s, h + 1, generator=g)
+    return bnn.RegressionBNN((d, h, 1), [FixedSamples(w0), FixedSamples(w1)], kl_method="factorized"), w0, w1
+
+
+def test_mlp_forward_matches_an_explicit_loop():
+    model, w0, w1 = fixed_bnn()
+    x = torch.randn(5, 3)
+    out = bnn.mlp_forward(x, model.weight_matrices(model.sample_weights(2)))
+    for s in range(2):
+        W0, W1 = w0[s].reshape(4, 4), w1[s].reshape(5, 1)
+        for i in range(5):
+            hidden = torch.relu((x[i] @ W0[:3] + W0[3]) / 2.0)  # sqrt(n_in + 1) = 2
+            y = (hidden @ W1[:4] + W1[4]) / math.sqrt(5)
+            torch.testing.assert_close(out[s, i], y[0])
+
+
+def test_elbo_minibatch_scaling_is_unbiased_and_terms_add_up():
+    model, _, _ = fixed_bnn()
+    with torch.no_grad():
+        model.precision.log_alpha.fill_(math.log(9.0))
+        model.precision.log_beta.fill_(math.log(4.0))
+    x, y = torch.randn(10, 3), torch.randn(10)
+    full = model.elbo(x, y, n_data=10, n_samples=2)
+    # the average of the N / B-scaled minibatch estimates over a partition of the data is the full sum
+    parts = [model.elbo(x[i:i + 5], y[i:i + 5], n_data=10, n_samples=2)["log_lik"] for i in (0, 5)]
+    torch.testing.assert_close(sum(parts) / 2, full["log_lik"])
+    # independent computation of App. E: 1/2 sum_i mean_s [psi(a) - log b - a/b (y - f)^2 - log 2 pi]
+    f = model.predict(x, 2)
+    a, b = 9.0, 4.0
+    expected = 0.5 * (float(torch.digamma(torch.tensor(a))) - math.log(b) - a / b * (y - f) ** 2
+                      - math.log(2 * math.pi)).mean(0).sum()
+    torch.testing.assert_close(full["log_lik"], expected)
+    torch.testing.assert_close(full["kl_weights"], torch.tensor(1.0))  # 0.5 per layer from FixedSamples
+    torch.testing.assert_close(full["elbo"], full["log_lik"] - full["kl_weights"] - full["kl_precision"])
+
+
+@pytest.mark.parametrize("method,name", [("kivi", "kl"), ("kivi-ac", "adaptive_contrast_kl")])
+def test_elbo_uses_one_kivi_kl_per_layer(method, name, monkeypatch):
+    import kivi_fast
+
+    calls = []
+    real = getattr(kivi_fast, name)
+
+    def spy(*args, **kw):
+        calls.append(([a.shape for a in args if torch.is_tensor(a)], args[-1], kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kivi_fast, name, spy)
+    model = uci.build_model("boston", 13, method, 50, 1e-3, 100)
+    terms = model.elbo(torch.randn(8, 13), torch.randn(8), n_data=455, n_samples=100)
+    # one estimate per layer, on that layer's 100 posterior samples, lam = 1e-3, 100 prior samples
+    assert [c[0][-1] for c in calls] == [(100, 700), (100, 51)]
+    assert all(c[1] == 1e-3 for c in calls)
+    if method == "kivi":
+        assert all(c[0][0][0] == 100 for c in calls)
+    else:
+        assert all(c[2]["n_prior"] == 100 for c in calls)
+    terms["elbo"].backward()
+    assert all(p.grad is not None for p in model.posteriors.parameters())
+
+
+def test_test_metrics_in_original_units_on_a_closed_form_case():
+    """Two weight samples, known outputs: RMSE of the mean and the log-mean-exp of Student-t densities."""
+    model, _, _ = fixed_bnn(s=2, seed=3)
+    with torch.no_grad():
+        model.precision.log_alpha.fill_(math.log(7.0))
+        model.precision.log_beta.fill_(math.log(2.0))
+    x = torch.randn(6, 3, dtype=torch.float32)
+    f = model.predict(x, 2).double().numpy()  # [2, 6], normalized units
+    y_mean, y_std = 20.0, 3.0
+    y_raw = torch.tensor(y_mean + y_std * (f.mean(0) + np.linspace(-1, 1, 6)), dtype=torch.float32)
+    out = bnn.evaluate(model, x, y_raw, y_mean, y_std, n_samples=2)
+    pred = y_mean + y_std * f
+    assert abs(out["rmse"] - np.sqrt(((pred.mean(0) - y_raw.numpy()) ** 2).mean())) < 1e-4
+    # predictive of y in original units: Student-t, 2a dof, location pred, scale y_std sqrt(b / a)
+    dens = stats.t(df=14.0, loc=pred, scale=y_std * math.sqrt(2.0 / 7.0)).pdf(y_raw.numpy())
+    assert abs(out["test_ll"] - np.log(dens.mean(0)).mean()) < 1e-4
+    dens = stats.norm(loc=pred, scale=y_std * math.sqrt(2.0 / 7.0)).pdf(y_raw.numpy())
+    assert abs(out["test_ll_plugin"] - np.log(dens.mean(0)).mean()) < 1e-4
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(uci_data.DATASETS))
+def test_splits_are_disjoint_and_complete(name):
+    x, y = uci_data.load_arrays(name)
+    assert x.shape[0] == y.shape[0] and np.isfinite(x).all() and np.isfinite(y).all()
+    n = uci_data.n_splits(name)
+    assert n == (5 if name == "protein" else 20)
+    for split in range(n):
+        train, test = uci_data.split_indices(name, split)
+        assert len(np.intersect1d(train, test)) == 0
+        assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(len(y)))
+
+
+def test_data_is_read_from_the_project_and_year_is_unavailable(tmp_path):
+    assert uci_data.DEFAULT_DATA_DIR.parts[-2:] == ("data", "UCI_Datasets")
+    assert "shared" not in uci_data.DEFAULT_DATA_DIR.parts
+    with pytest.raises(FileNotFoundError, match="not available offline"):
+        uci_data.load_arrays("year")
+    with pytest.raises(FileNotFoundError):
+        uci_data.load_arrays("boston", data_dir=tmp_path)
+
+
+def test_normalization_round_trips_and_guards_constant_columns():
+    split = uci_data.load_split("naval", 0, dtype=torch.float64)  # float64: the round trip is exact
+    x, y = uci_data.load_arrays("naval")
+    train, test = uci_data.split_indices("naval", 0)
+    # Naval's constant features: 8 (std exactly 0) and 11 (all 0.998, float std ~1e-13)
+    constant = np.array([len(np.unique(x[train, j])) == 1 for j in range(x.shape[1])])
+    assert list(np.flatnonzero(constant)) == [8, 11] and x[train, 8].std() == 0 < x[train, 11].std()
+    assert torch.isfinite(split.x_train).all() and torch.isfinite(split.x_test).all()
+    np.testing.assert_allclose(split.x_train.double().mean(0), 0, atol=1e-5)
+    sd = split.x_train.double().std(0, unbiased=False).numpy()
+    assert np.allclose(sd[~constant], 1, atol=1e-4) and np.allclose(sd[constant], 0)
+    assert np.abs(split.x_test.numpy()[:, constant]).max() < 1e-6
+    np.testing.assert_allclose(split.x_scaler.inverse(split.x_test.numpy()), x[test], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(split.y_scaler.inverse(split.y_train.numpy()), y[train], rtol=1e-12)
+    np.testing.assert_allclose(split.y_test_raw.numpy(), y[test], rtol=0)
+    s = uci_data.Standardizer.fit(np.array([[1.0, 5.0], [3.0, 5.0]]))
+    np.testing.assert_allclose(s(np.array([[2.0, 5.0]])), [[0.0, 0.0]])
+    np.testing.assert_allclose(s.inverse(s(np.array([[7.0, -1.0]]))), [[7.0, -1.0]])
+
+
+def test_parse_splits_and_paper_settings():
+    assert uci.parse_splits("0-3,7", 20) == [0, 1, 2, 3, 7]
+    assert uci.parse_splits(None, 5) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        uci.parse_splits("3-5", 5)
+    assert uci.paper_epochs(506) == 3000 and uci.paper_epochs(1030) == 500
+    assert uci_data.DATASETS["protein"].n_hidden == 100
+    model = uci.build_model("yacht", 6, "kivi", 50, 1e-3, 100)
+    assert [q.dim for q in model.posteriors] == [350, 51]
+    assert [m.out_features for m in model.posteriors[0].net if isinstance(m, nn.Linear)] == [800, 350, 350]
+
+
+# ---- the experiment -----------------------------------------------------------------------------------
+
+def make_args(tmp_path, *extra):
+    p = argparse.ArgumentParser()
+    uci.add_arguments(p)
+    return p.parse_args(["--out", str(tmp_path), "--samples", "20", "--no-profile", *extra])
+
+
+def test_smoke_training_improves_the_elbo(tmp_path):
+    args = make_args(tmp_path, "--dataset", "boston", "--splits", "0", "--epochs", "8", "--eval-every", "4",
+                     "--run-dir", str(tmp_path / "run"))
+    args.no_profile = False
+    assert uci.run(args) == 0
+    result = json.loads((tmp_path / "run" / "split_00.json").read_text())
+    elbo = result["history"]["elbo"]
+    assert np.mean(elbo[-3:]) > elbo[0] + 0.03  # per data point; noise between epochs ~0.01
+    assert math.isfinite(result["rmse"]) and math.isfinite(result["test_ll"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["n_splits"] == 1 and summary["paper"]["KIVI"]["rmse"] == 2.798
+    assert 0 < summary["profile"]["kl_share"] < 1.5
+    assert (tmp_path / "run" / "training.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("method", ["factorized", "kivi-ac"])
+def test_other_methods_train(tmp_path, method, monkeypatch):
+    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    args = make_args(tmp_path, "--dataset", "yacht", "--method", method, "--splits", "0", "--epochs", "6",
+                     "--run-dir", str(tmp_path / "run"))
+    assert uci.run(args) == 0
+    result = json.loads((tmp_path / "run" / "split_00.json").read_text())
+    assert result["history"]["elbo"][-1] > result["history"]["elbo"][0]
+
+
+def test_resume_after_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)  # figures are tested elsewhere; they cost seconds
+    common = ["--dataset", "boston", "--splits", "0-1", "--epochs", "5", "--eval-every", "2", "--batch-size", "200",
+              "--checkpoint-seconds", "0"]
+    assert uci.run(make_args(tmp_path, *common, "--run-dir", str(tmp_path / "straight"))) == 0
+
+    class Interrupt(Exception):
+        pass
+
+    seen = []
+
+    def interrupt_in_split_1(epoch):
+        seen.append(epoch)
+        if len(seen) == 5 + 3:  # all of split 0, then three epochs of split 1
+            raise Interrupt
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(Interrupt):
+        uci.run(make_args(tmp_path, *common, "--run-dir", str(resumed)), callback=interrupt_in_split_1)
+    assert (resumed / "split_00.json").exists() and not (resumed / "split_01.json").exists()
+    restarted_at = []
+    assert uci.run(make_args(tmp_path, *common, "--run-dir", str(resumed)), callback=restarted_at.append) == 0
+    assert restarted_at == [4, 5]  # resumed inside split 1, split 0 not redone
+    for split in (0, 1):
+        a = json.loads((tmp_path / "straight" / f"split_{split:02d}.json").read_text())
+        b = json.loads((resumed / f"split_{split:02d}.json").read_text())
+        for key in ("rmse", "test_ll", "test_ll_plugin", "noise_alpha", "noise_beta"):
+            assert a[key] == b[key], key
+        assert a["history"]["elbo"] == b["history"]["elbo"] and a["history"]["rmse"] == b["history"]["rmse"]
+
+
+def test_resume_refuses_other_settings(tmp_path, monkeypatch):
+    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    common = ["--dataset", "yacht", "--splits", "0", "--run-dir", str(tmp_path / "run")]
+    assert uci.run(make_args(tmp_path, *common, "--epochs", "1")) == 0
+    assert uci.run(make_args(tmp_path, *common, "--epochs", "2")) == 2
+
+
+def test_command_line_runs_and_reports_year_unavailable(tmp_path, capsys):
+    from kivi_fast import cli
+
+    assert cli.main(["uci", "--dataset", "year", "--out", str(tmp_path)]) == 2
+    assert "not available offline" in capsys.readouterr().err
+    assert cli.main(["uci", "--dataset", "yacht", "--splits", "3", "--epochs", "1", "--samples", "10",
+                     "--no-profile", "--run-dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "paper KIVI" in out and "0.737" in out and "ours (kivi, 1 splits)" in out
