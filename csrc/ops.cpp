@@ -38,7 +38,8 @@ template <bool kCpu>
 Fit fit_any(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma,
             Names names) {
   std::optional<Tensor> s;
-  if (sigma.has_value()) s = sigma->to(at::kDouble).contiguous();
+  // A copy: the returned bandwidth must not alias the argument (custom ops may not alias).
+  if (sigma.has_value()) s = sigma->to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).contiguous();
   return use_cpu<kCpu>() ? cpu::fit(numer.contiguous(), denom.contiguous(), lam, s, names)
                         : generic::fit(numer, denom, lam, s, names);
 }

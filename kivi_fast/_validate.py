@@ -48,11 +48,6 @@ def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> No
         raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
-    if a.shape[-2] + b.shape[-2] < 2:
-        raise ValueError(
-            f"{name_a} and {name_b} must hold at least 2 samples in total (the median bandwidth needs a pair), "
-            f"got {a.shape[-2]} + {b.shape[-2]}"
-        )
 
 
 def check_finite(name: str, x: torch.Tensor) -> None:

@@ -1,0 +1,61 @@
+"""Shared fixtures: the implementations under test and hypothesis settings.
+
+``impl`` runs a test on each implementation that users can get: the compiled CPU kernels, the
+device-generic kernels (what CUDA tensors run, forced on CPU here) and the pure-PyTorch fallback.
+"""
+
+import contextlib
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# The implementation fixtures only switch a flag and restore it, so sharing them across the
+# examples of one test is intended.
+
+import kivi_fast
+from kivi_fast import _backend
+
+settings.register_profile(
+    "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def has_ops() -> bool:
+    return kivi_fast.backend() == "cpp"
+
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """Run kivi_fast's public functions on one implementation: "cpu", "generic" or "reference"."""
+    if name in ("cpu", "generic") and not has_ops():
+        pytest.fail("the compiled ops are not built (pip install --no-build-isolation -e .)")
+    saved = _backend._state.get("name")
+    old_flag = None
+    try:
+        if name == "reference":
+            _backend._state["name"] = "reference"
+        elif name == "generic":
+            old_flag = torch.ops.kivi_fast._set_force_generic(True)
+        yield
+    finally:
+        if old_flag is not None:
+            torch.ops.kivi_fast._set_force_generic(old_flag)
+        _backend._state["name"] = saved
+
+
+IMPLEMENTATIONS = ["cpu", "generic", "reference"]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def impl(request):
+    with implementation(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=["cpu", "generic"])
+def compiled(request):
+    with implementation(request.param):
+        yield request.param

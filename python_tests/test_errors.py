@@ -1,0 +1,107 @@
+"""Bad input raises a clear Python exception naming the argument, on every implementation."""
+
+import pytest
+import torch
+
+import kivi_fast
+
+P = torch.randn(10, 3, dtype=torch.float64)
+Q = torch.randn(8, 3, dtype=torch.float64)
+
+
+def with_value(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+BAD_SAMPLES = [
+    ("rank", dict(prior_z=torch.randn(10), q_z=Q), ValueError, "prior_z must have shape"),
+    ("rank4", dict(prior_z=P, q_z=torch.randn(2, 2, 8, 3, dtype=torch.float64)), ValueError, "q_z must have shape"),
+    ("mixed rank", dict(prior_z=P, q_z=Q[None]), ValueError, "both be unbatched"),
+    ("d", dict(prior_z=P, q_z=torch.randn(8, 4, dtype=torch.float64)), ValueError, "same sample dimension"),
+    ("batch", dict(prior_z=P.expand(2, -1, -1), q_z=Q.expand(3, -1, -1)), ValueError, "same batch size"),
+    ("too few", dict(prior_z=P[:1], q_z=Q[:0]), ValueError, "q_z must hold at least one sample"),
+    ("empty prior", dict(prior_z=P[:0], q_z=Q), ValueError, "prior_z must hold at least one sample"),
+    ("int", dict(prior_z=P.long(), q_z=Q.long()), TypeError, "prior_z must have dtype float32 or float64"),
+    ("complex", dict(prior_z=P, q_z=Q.to(torch.complex128)), TypeError, "q_z must have dtype"),
+    ("half", dict(prior_z=P.half(), q_z=Q.half()), TypeError, "float32 or float64"),
+    ("mixed dtype", dict(prior_z=P, q_z=Q.float()), TypeError, "same dtype"),
+    ("device", dict(prior_z=P, q_z=Q.to("meta")), ValueError, "same device"),
+    ("not a tensor", dict(prior_z=P.numpy(), q_z=Q), TypeError, "prior_z must be a torch.Tensor"),
+    ("nan prior", dict(prior_z=with_value(P, (2, 1), float("nan")), q_z=Q), ValueError, "prior_z contains NaN or Inf"),
+    ("inf q", dict(prior_z=P, q_z=with_value(Q, (0, 0), float("inf"))), ValueError, "q_z contains NaN or Inf"),
+    ("nan batched", dict(prior_z=P.expand(2, -1, -1), q_z=with_value(Q.expand(2, -1, -1), (1, 3, 2), float("nan"))),
+     ValueError, "q_z contains NaN or Inf"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_SAMPLES, ids=[c[0] for c in BAD_SAMPLES])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_bad_samples(impl, case, reverse):
+    _, args, error, message = case
+    with pytest.raises(error, match=message):
+        kivi_fast.kl(**args, reverse=reverse)
+
+
+def test_one_sample_on_each_side_is_the_smallest_valid_input(impl):
+    """Both sides need a sample, so there are always >= 2 points and >= 1 pair for the median."""
+    for bandwidth in ("median", 1.0):
+        value = kivi_fast.kl(P[:1], Q[:1], bandwidth=bandwidth)
+        assert value.shape == () and torch.isfinite(value)
+
+
+@pytest.mark.parametrize("name,kwargs,error,message", [
+    ("lam zero", dict(lam=0.0), ValueError, "lam must be positive"),
+    ("lam negative", dict(lam=-1e-3), ValueError, "lam must be positive"),
+    ("lam nan", dict(lam=float("nan")), ValueError, "lam must be positive and finite"),
+    ("lam inf", dict(lam=float("inf")), ValueError, "lam must be positive and finite"),
+    ("lam str", dict(lam="0.1"), TypeError, "lam must be a positive number"),
+    ("clip zero", dict(clip=0.0), ValueError, "clip must be positive"),
+    ("clip negative", dict(clip=-1.0), ValueError, "clip must be positive"),
+    ("bandwidth zero", dict(bandwidth=0.0), ValueError, "bandwidth must be positive"),
+    ("bandwidth negative tensor", dict(bandwidth=torch.tensor(-1.0)), ValueError, "bandwidth must be positive"),
+    ("bandwidth name", dict(bandwidth="mean"), ValueError, 'bandwidth must be "median"'),
+    ("bandwidth shape", dict(bandwidth=torch.ones(3)), ValueError, "bandwidth must be a scalar or have shape"),
+])
+def test_bad_parameters(impl, name, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        kivi_fast.kl(P, Q, **kwargs)
+
+
+def test_all_points_equal_asks_for_a_bandwidth(impl):
+    same = torch.ones(6, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="median pairwise distance of the samples is 0.*bandwidth"):
+        kivi_fast.kl(same, same.clone())
+    with pytest.raises(ValueError, match="median pairwise distance"):
+        kivi_fast.median_bandwidth(same)
+    assert torch.isfinite(kivi_fast.kl(same, same.clone(), bandwidth=1.0))
+
+
+def test_system_that_float64_cannot_factor_raises(impl):
+    q = torch.ones(7, 2, dtype=torch.float64)  # identical points: K_qq has rank one
+    with pytest.raises(ValueError, match="not positive definite.*increase lam"):
+        kivi_fast.kl(P[:, :2], q, lam=1e-300, bandwidth=1.0)
+
+
+def test_density_ratio_errors(impl):
+    fit = kivi_fast.DensityRatio(lam=1e-2).fit(P, Q)
+    with pytest.raises(ValueError, match="same sample dimension"):
+        fit.ratio(torch.randn(4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="clip must be positive"):
+        fit.log_ratio(P, clip=0)
+    with pytest.raises(RuntimeError, match="call fit"):
+        kivi_fast.DensityRatio().ratio(P)
+    with pytest.raises(ValueError, match="lam must be positive"):
+        kivi_fast.DensityRatio(lam=0)
+    with pytest.raises(ValueError, match="numer contains NaN"):
+        kivi_fast.DensityRatio().fit(with_value(P, (0, 0), float("nan")), Q)
+
+
+def test_adaptive_contrast_errors(impl):
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        kivi_fast.adaptive_contrast_kl(Q[:1])
+    with pytest.raises(ValueError, match="zero standard deviation"):
+        kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="log_prior must map"):
+        kivi_fast.adaptive_contrast_kl(Q, lambda z: z.sum())

@@ -1,0 +1,179 @@
+"""Float32 accuracy, the fixed-ratio gradient against finite differences, opcheck and torch.compile."""
+
+import pytest
+import torch
+
+import kivi_fast
+from kivi_fast import reference
+
+
+def rel_err(actual, expected):
+    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
+def kl_and_grad(p, q, **kw):
+    q = q.clone().requires_grad_(True)
+    value = kivi_fast.kl(p, q, **kw)
+    value.sum().backward()
+    return value.detach(), q.grad
+
+
+@pytest.mark.parametrize("n,d,batch", [(100, 8, None), (100, 8, 16), (50, 700, None), (10, 20000, None), (300, 3, None)])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_float32_agrees_with_float64_of_the_same_inputs(impl, n, d, batch, reverse):
+    """The fit cancels terms of size ~1/lam: float32 must still agree with float64 to 1e-3."""
+    g = torch.Generator().manual_seed(n + d)
+    lead = () if batch is None else (batch,)
+    p = torch.randn(*lead, n, d, generator=g)
+    q = torch.randn(*lead, n, d, generator=g) * 0.7 + 0.5
+    v32, g32 = kl_and_grad(p, q, reverse=reverse)
+    v64, g64 = kl_and_grad(p.double(), q.double(), reverse=reverse)
+    assert v32.dtype == g32.dtype == torch.float32
+    assert rel_err(v32, v64) < 1e-3
+    assert rel_err(g32, g64) < 1e-3
+
+
+def test_plain_float32_evaluation_would_not_be_accurate():
+    """Why the ops work in float64: evaluating the same fit in float32 loses accuracy (n=100, d=8)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(100, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(100, 8, generator=g, dtype=torch.float64) * 0.7 + 0.5
+    fit = reference.DensityRatio(lam=1e-3).fit(p, q)
+    centres = torch.cat([q, p])
+    coef = torch.cat([fit.alpha, torch.full((100,), fit.beta, dtype=torch.float64)])
+
+    def grad_log_r(dtype):
+        z, c, w = q.to(dtype), centres.to(dtype), coef.to(dtype)
+        k = torch.exp(-torch.cdist(z, c) ** 2 / (2 * fit.sigma.to(dtype) ** 2))
+        r = k @ w
+        return ((k * w) @ c - r[:, None] * z) / r[:, None]
+
+    assert rel_err(grad_log_r(torch.float32), grad_log_r(torch.float64)) > 1e-3
+    _, ours32 = kl_and_grad(p.float(), q.float())
+    _, ours64 = kl_and_grad(p, q)
+    assert rel_err(ours32, ours64) < 1e-4
+
+
+def test_float32_system_that_float32_cholesky_cannot_factor(impl):
+    """Nearly coincident samples and a small lam: a float32 Cholesky of K/n + lam I fails; ours
+    factors in float64 and returns the float64 answer instead of garbage."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(1, 4, generator=g, dtype=torch.float64)
+    q = base + 1e-4 * torch.randn(60, 4, generator=g, dtype=torch.float64)
+    p = torch.randn(60, 4, generator=g, dtype=torch.float64)
+    lam = 1e-9
+    fit = reference.DensityRatio(lam=lam).fit(p, q)
+    k_qq = reference.rbf_gram(q, q, fit.sigma)
+    system32 = (k_qq / 60 + lam * torch.eye(60, dtype=torch.float64)).float()
+    assert torch.linalg.cholesky_ex(system32).info.item() != 0
+    v32, g32 = kl_and_grad(p.float(), q.float(), lam=lam)
+    v64, g64 = kl_and_grad(p.float().double(), q.float().double(), lam=lam)
+    assert torch.isfinite(v32) and torch.isfinite(g32).all()
+    assert rel_err(v32, v64) < 1e-3
+
+
+def fixed_ratio_objective(p, q0, reverse):
+    """z -> the KL estimate with the ratio fitted on (p, q0) and held fixed (the paper's Eq. 8)."""
+    fit = kivi_fast.DensityRatio(lam=1e-2).fit(p, q0) if reverse else kivi_fast.DensityRatio(lam=1e-2).fit(q0, p)
+    sign = -1.0 if reverse else 1.0
+    return lambda z: sign * fit.log_ratio(z, clip=1e-8).mean(-1)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_kl_gradient_is_the_fixed_ratio_gradient(impl, reverse):
+    g = torch.Generator().manual_seed(7)
+    p = torch.randn(2, 15, 3, generator=g, dtype=torch.float64)
+    q0 = torch.randn(2, 12, 3, generator=g, dtype=torch.float64) * 0.8 + 0.3
+    _, grad = kl_and_grad(p, q0, lam=1e-2, reverse=reverse)
+    objective = fixed_ratio_objective(p, q0, reverse)
+    # Central finite differences of the fixed-ratio objective, coordinate by coordinate.
+    eps = 1e-6
+    numeric = torch.zeros_like(q0)
+    flat = numeric.view(-1)
+    for i in range(q0.numel()):
+        step = torch.zeros_like(q0).view(-1)
+        step[i] = eps
+        step = step.view_as(q0)
+        flat[i] = (objective(q0 + step).sum() - objective(q0 - step).sum()) / (2 * eps)
+    torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_gradcheck_of_the_ratio(impl):
+    g = torch.Generator().manual_seed(8)
+    p = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    q = torch.randn(12, 3, generator=g, dtype=torch.float64) + 0.5
+    fit = kivi_fast.DensityRatio(lam=1e-2).fit(p, q)
+    z = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: fit.ratio(x), (z,))
+    assert torch.autograd.gradcheck(lambda x: fit.log_ratio(x, clip=1e-8), (z,))
+
+
+def test_clipped_points_get_zero_gradient(impl):
+    g = torch.Generator().manual_seed(9)
+    p = torch.randn(50, 2, generator=g, dtype=torch.float64)
+    q = torch.randn(50, 2, generator=g, dtype=torch.float64) * 0.3 + 4.0   # far from p: tiny p/q
+    q[:5] = torch.randn(5, 2, generator=g, dtype=torch.float64) * 0.3     # a few points where p lives
+    clip = 1e-3
+    r = kivi_fast.DensityRatio(lam=1e-3).fit(p, q).ratio(q)
+    clipped = r <= clip
+    assert clipped.any() and (~clipped).any()
+    _, grad = kl_and_grad(p, q, clip=clip)
+    assert (grad[clipped] == 0).all()
+    assert (grad[~clipped].abs().sum(-1) > 0).all()
+
+
+def test_prior_samples_get_no_gradient(impl):
+    p = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
+    kivi_fast.kl(p, q).backward()
+    assert p.grad is None and q.grad is not None
+
+
+def op_samples(requires_grad=False):
+    g = torch.Generator().manual_seed(10)
+    p = torch.randn(2, 9, 3, generator=g, dtype=torch.float64)
+    q = (torch.randn(2, 7, 3, generator=g, dtype=torch.float64) + 0.2).requires_grad_(requires_grad)
+    return p, q
+
+
+def op_cases():
+    ops = torch.ops.kivi_fast
+    p, q = op_samples()
+    _, qg = op_samples(requires_grad=True)
+    sigma = torch.tensor([1.0, 1.5], dtype=torch.float64)
+    alpha, sig = ops.fit(p, q, 1e-2, None)
+    _, weights, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)
+    return [
+        ("sqdist", ops.sqdist.default, (p, q)),
+        ("rbf_gram", ops.rbf_gram.default, (p, q, sigma)),
+        ("median_bandwidth", ops.median_bandwidth.default, (p,)),
+        ("fit", ops.fit.default, (p, q, 1e-2, None)),
+        ("fit_sigma", ops.fit.default, (p, q, 1e-2, sigma)),
+        ("ratio", ops.ratio.default, (qg, p, q, alpha, 3.0, sig)),
+        ("kl", ops.kl.default, (p, qg, 1e-3, 1e-8, None, True)),
+        ("kl_forward", ops.kl.default, (p, qg, 1e-3, 1e-8, sigma, False)),
+        ("weighted_grad", ops.weighted_grad.default, (torch.ones(2, 7, dtype=torch.float64), weights, q, p, q)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_opcheck(compiled, case):
+    name, op, args = op_cases()[case]
+    torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph(compiled):
+    p, q = op_samples()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def loss(prior, post):
+        return kivi_fast.kl(prior, post * 1.5, lam=1e-3).sum()
+
+    q1 = q.clone().requires_grad_(True)
+    q2 = q.clone().requires_grad_(True)
+    compiled_value = loss(p, q1)
+    compiled_value.backward()
+    eager_value = kivi_fast.kl(p, q2 * 1.5, lam=1e-3).sum()
+    eager_value.backward()
+    torch.testing.assert_close(compiled_value, eager_value)
+    torch.testing.assert_close(q1.grad, q2.grad)
