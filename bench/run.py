@@ -1,0 +1,388 @@
+"""Benchmark: kivi_fast.kl ("ours") against the best pure-PyTorch KIVI KL (bench/pure_torch.py).
+
+    python bench/run.py                      # the full table (~5-10 min on 2 cores)
+    python bench/run.py --quick              # a fast subset
+    python bench/run.py --markdown --json bench/results.json
+    python bench/run.py --shapes 100x8,128x100x8 --dtypes float32 --threads 1
+
+Shapes are n x d (n_p = n_q = n) or B x n x d. For each shape, dtype and thread count it times the
+forward and the forward+backward (gradient w.r.t. q_z) of both implementations: warm-up, then the
+median of an adaptive number of repetitions (about --target-s seconds each). Peak memory comes from
+a fresh subprocess per (implementation, shape, dtype): the RSS high-water mark of one forward+backward
+minus the RSS after imports and input creation. The roofline (bench/roofline.py) uses this machine's
+GEMM GFLOP/s and memory read GB/s measured in the same run. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+try:
+    import kivi_fast  # noqa: F401
+except ImportError:  # not installed: run from the checkout
+    sys.path.insert(0, ROOT)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import kivi_fast
+    from kivi_fast import reference
+sys.path.insert(0, HERE)
+import pure_torch  # noqa: E402
+import roofline  # noqa: E402
+
+DEFAULT_SHAPES = "10x314000,100x700,100x8,128x100x8,1000x32,2000x32,100x50000"
+QUICK_SHAPES = "100x8,128x100x8,100x700,1000x32"
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+LAM = 1e-3
+
+
+def parse_shape(s: str) -> tuple[int, int, int, bool]:
+    """'n x d' -> (1, n, d, False); 'B x n x d' -> (B, n, d, True)."""
+    parts = [int(v) for v in s.lower().split("x")]
+    if len(parts) == 2:
+        return 1, parts[0], parts[1], False
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2], True
+    raise ValueError(f"shape must be NxD or BxNxD, got {s!r}")
+
+
+def shape_name(b: int, n: int, d: int, batched: bool) -> str:
+    return f"{b}x({n}, {d})" if batched else f"({n}, {d})"
+
+
+def make_inputs(b, n, d, batched, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lead = (b,) if batched else ()
+    p = torch.randn(*lead, n, d, generator=g, dtype=torch.float64).to(dtype)
+    q = (0.8 * torch.randn(*lead, n, d, generator=g, dtype=torch.float64) + 0.3).to(dtype)
+    return p, q
+
+
+def ours_kl(p, q):
+    return kivi_fast.kl(p, q, LAM)
+
+
+def pure_kl(p, q):
+    return pure_torch.kl(p, q, LAM)
+
+
+IMPLS = {"pure": pure_kl, "ours": ours_kl}
+
+
+def call(fn, p, q, backward: bool):
+    if backward:
+        q = q.detach().requires_grad_(True)
+        out = fn(p, q)
+        (g,) = torch.autograd.grad(out.sum(), q)
+        return out, g
+    return fn(p, q), None
+
+
+def reference_bytes(b, n, d) -> float:
+    """The reference backend materializes [B, N, N, d] float64 differences (twice, for pow)."""
+    return 2.0 * b * (2 * n) ** 2 * d * 8
+
+
+def ours_runnable(b, n, d, max_ref_gb: float) -> bool:
+    return kivi_fast.backend() != "reference" or reference_bytes(b, n, d) <= max_ref_gb * 1e9
+
+
+# ---------------------------------------------------------------------------------------------------
+# Self-check: both implementations agree with the oracle on small shapes (value and gradient).
+
+def self_check(check_ours: bool) -> None:
+    cases = [(1, 30, 5, False), (3, 12, 4, True), (1, 20, 300, False), (1, 100, 8, False)]
+    for dtype, rtol in ((torch.float64, 1e-8), (torch.float32, 1e-3)):
+        for b, n, d, batched in cases:
+            p, q = make_inputs(b, n, d, batched, dtype, seed=1)
+            want, want_g = call(lambda p_, q_: reference.kl(p_, q_, LAM), p, q, True)
+            impls = {"pure": pure_kl, "ours": ours_kl} if check_ours else {"pure": pure_kl}
+            for name, fn in impls.items():
+                got, got_g = call(fn, p, q, True)
+                what = f"{name} vs kivi_fast.reference.kl on {shape_name(b, n, d, batched)} {dtype}"
+                assert got.dtype == dtype and got_g.dtype == dtype, what + ": dtype"
+                err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+                gerr = ((got_g.double() - want_g.double()).norm() / want_g.double().norm()).item()
+                assert err <= rtol, f"{what}: value relative error {err:.3g} > {rtol}"
+                assert gerr <= rtol, f"{what}: gradient relative error {gerr:.3g} > {rtol}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing.
+
+def time_calls(fns: dict, p, q, backward: bool, target_s: float, min_reps: int = 5, max_reps: int = 2000):
+    """Median wall time (s) and repetition count of each fn, after warm-up.
+
+    The implementations are timed alternately, call by call, so that a change of load on a shared
+    machine hits both alike; repetitions go on until ~target_s per implementation have elapsed.
+    """
+    first = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        call(fn, p, q, backward)
+        first[name] = time.perf_counter() - t0
+        if first[name] < target_s / 4:  # a second warm-up when it is cheap
+            call(fn, p, q, backward)
+    if max(first.values(), default=0.0) > target_s:
+        min_reps = 3
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    while True:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            call(fn, p, q, backward)
+            times[name].append(time.perf_counter() - t0)
+        reps = len(next(iter(times.values()), []))
+        if reps >= max_reps or (reps >= min_reps and time.perf_counter() - start >= target_s * len(fns)):
+            break
+    return {name: (statistics.median(ts), min(ts), len(ts)) for name, ts in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory, in a fresh subprocess.
+
+def _proc_status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _mem_child(impl: str, shape: str, dtype: str) -> None:
+    torch.set_num_threads(1)
+    b, n, d, batched = parse_shape(shape)
+    fn = IMPLS[impl]
+    # Initialize lazy state (library, thread pools, BLAS buffers) on a tiny problem first.
+    tp, tq = make_inputs(2, 6, 3, True, DTYPES[dtype], seed=2)
+    call(fn, tp, tq, True)
+    call(fn, tp[0], tq[0], True)
+    p, q = make_inputs(b, n, d, batched, DTYPES[dtype])
+    base = _proc_status_kb("VmRSS")
+    try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm0 = _proc_status_kb("VmHWM")
+    except OSError:
+        hwm0 = None
+    call(fn, p, q, True)
+    peak = _proc_status_kb("VmHWM")
+    print(json.dumps({"peak_delta_mb": (peak - base) / 1024.0, "hwm_reset": hwm0 is not None}))
+
+
+def peak_memory_mb(impl: str, shape: str, dtype: str) -> float | None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_mem", impl, shape, dtype],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        print(f"  peak memory of {impl} {shape} {dtype} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_delta_mb"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Machine description.
+
+def machine_info() -> dict:
+    model, cores_per_socket, sockets = platform.processor() or "?", None, set()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key, val = key.strip(), val.strip()
+                if key == "model name":
+                    model = val
+                elif key == "cpu cores":
+                    cores_per_socket = int(val)
+                elif key == "physical id":
+                    sockets.add(val)
+                elif key == "flags" and not flags:
+                    flags = val
+    except OSError:
+        pass
+    blas = re.findall(r"(?:BLAS|LAPACK)_INFO=\w+", torch.__config__.show())
+    return {
+        "cpu": model,
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": cores_per_socket * max(len(sockets), 1) if cores_per_socket else None,
+        "avx512": "avx512f" in flags.split(),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "blas": "; ".join(blas),
+        "mkl": torch.backends.mkl.is_available(),
+        "python": platform.python_version(),
+        "kivi_fast_backend": kivi_fast.backend(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Table.
+
+def _fmt_ms(s):
+    return "-" if s is None else (f"{s * 1e3:.3g}" if s * 1e3 < 100 else f"{s * 1e3:.0f}")
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[dict], markdown: bool) -> str:
+    head = ["shape", "dtype", "thr", "pass", "pure ms", "ours ms", "pure/ours", "roofline ms",
+            "ours % roofline", "pure MB", "ours MB"]
+    body = []
+    for r in rows:
+        body.append([r["shape"], r["dtype"], str(r["threads"]), r["pass"], _fmt_ms(r["pure_s"]), _fmt_ms(r["ours_s"]),
+                     _fmt(r["ratio"], ".2f"), _fmt_ms(r["roofline_s"]),
+                     _fmt(None if r["roofline_frac"] is None else 100 * r["roofline_frac"], ".1f"),
+                     _fmt(r["pure_mb"], ".1f"), _fmt(r["ours_mb"], ".1f")])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(head)]
+    fmt = lambda row: "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in body])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=None, help=f"comma-separated NxD or BxNxD (default {DEFAULT_SHAPES})")
+    ap.add_argument("--dtypes", default="float32,float64")
+    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2 capped at the CPUs)")
+    ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, shorter timing, smaller probes")
+    ap.add_argument("--target-s", type=float, default=None, help="seconds per timing (default 1.0, --quick 0.3)")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--json", metavar="PATH", help="save machine, rates and results as JSON")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--no-check", action="store_true", help="skip the start-up agreement check")
+    ap.add_argument("--max-ref-gb", type=float, default=3.0,
+                    help="on the reference backend, skip 'ours' where it would materialize more than this")
+    ap.add_argument("--_mem", nargs=3, metavar=("IMPL", "SHAPE", "DTYPE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._mem:
+        _mem_child(*args._mem)
+        return 0
+
+    shapes = [s.strip() for s in (args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)).split(",") if s.strip()]
+    dtypes = [s.strip() for s in args.dtypes.split(",") if s.strip()]
+    ncpu = os.cpu_count() or 1
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, min(2, ncpu)})
+    target_s = args.target_s if args.target_s is not None else (0.3 if args.quick else 1.0)
+
+    info = machine_info()
+    load0 = os.getloadavg()
+    print(f"kivi_fast backend (ours): {info['kivi_fast_backend']}")
+    print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, "
+          f"ISA {info['cpu_capability']}, load average {load0[0]:.2f}")
+    if info["kivi_fast_backend"] == "reference":
+        print("WARNING: the compiled ops are not built; 'ours' is the pure-PyTorch reference (kivi_fast/reference.py)")
+
+    if not args.no_check:
+        t0 = time.perf_counter()
+        self_check(check_ours=True)
+        print(f"self-check passed: pure_torch and ours agree with kivi_fast.reference.kl "
+              f"(value and gradient; float64 1e-8, float32 1e-3 relative) [{time.perf_counter() - t0:.1f} s]")
+
+    rates = {}
+    for t in threads:
+        rates[t] = roofline.machine_rates(t, mem_bytes=(256 << 20) if args.quick else (1 << 30))
+        r = rates[t]
+        print(f"machine limits at {t} thread(s): GEMM float32 {r['gemm_gflops_float32']:.1f} GFLOP/s, "
+              f"float64 {r['gemm_gflops_float64']:.1f} GFLOP/s, memory read {r['read_gbs']:.1f} GB/s")
+
+    # The roofline uses, per thread count t, the best rate seen at any count <= t (t threads can do at
+    # least what fewer do; on a shared machine a depressed measurement would flatter the fraction).
+    roof_rates = {}
+    for t in threads:
+        lower = [rates[u] for u in threads if u <= t]
+        roof_rates[t] = {k: max(r[k] for r in lower) for k in rates[t] if k != "threads"}
+
+    mem = {}
+    if not args.no_memory:
+        t0 = time.perf_counter()
+        for shape in shapes:
+            b, n, d, _ = parse_shape(shape)
+            for dt in dtypes:
+                mem[("pure", shape, dt)] = peak_memory_mb("pure", shape, dt)
+                mem[("ours", shape, dt)] = (peak_memory_mb("ours", shape, dt)
+                                            if ours_runnable(b, n, d, args.max_ref_gb) else None)
+        print(f"peak memory measured in {len(mem)} subprocesses [{time.perf_counter() - t0:.1f} s]")
+
+    rows = []
+    t_start = time.perf_counter()
+    prev_threads = torch.get_num_threads()
+    for shape in shapes:
+        b, n, d, batched = parse_shape(shape)
+        name = shape_name(b, n, d, batched)
+        for dt in dtypes:
+            dtype = DTYPES[dt]
+            p, q = make_inputs(b, n, d, batched, dtype)
+            run_ours = ours_runnable(b, n, d, args.max_ref_gb)
+            for t in threads:
+                torch.set_num_threads(t)
+                for backward in (False, True):
+                    fns = {k: v for k, v in IMPLS.items() if k != "ours" or run_ours}
+                    res = time_calls(fns, p, q, backward, target_s)
+                    res.setdefault("ours", (None, None, 0))
+                    w = roofline.work(b, n, n, d, p.element_size(), backward)
+                    roof = roofline.roofline_s(w, roof_rates[t], dtype)
+                    pure_s, ours_s = res["pure"][0], res["ours"][0]
+                    row = {
+                        "shape": name, "B": b, "n": n, "d": d, "batched": batched, "dtype": dt, "threads": t,
+                        "pass": "fwd+bwd" if backward else "fwd",
+                        "pure_s": pure_s, "ours_s": ours_s, "pure_min_s": res["pure"][1], "ours_min_s": res["ours"][1],
+                        "pure_reps": res["pure"][2], "ours_reps": res["ours"][2],
+                        "ratio": None if ours_s is None else pure_s / ours_s,
+                        "roofline_s": roof, "roofline_frac": None if ours_s is None else roof / ours_s,
+                        "pure_roofline_frac": roof / pure_s,
+                        "pure_mb": mem.get(("pure", shape, dt)), "ours_mb": mem.get(("ours", shape, dt)),
+                        **w,
+                    }
+                    rows.append(row)
+                    print(f"  {name:>16} {dt} {t} thr {row['pass']:>7}: pure {_fmt_ms(pure_s)} ms, "
+                          f"ours {_fmt_ms(ours_s)} ms" + ("" if run_ours else " (skipped: reference backend too big)"),
+                          flush=True)
+    torch.set_num_threads(prev_threads)
+    load1 = os.getloadavg()
+    print(f"timings took {time.perf_counter() - t_start:.1f} s; load average {load0[0]:.2f} -> {load1[0]:.2f}")
+    print()
+    print(table(rows, args.markdown))
+    print()
+    busy = max(load0[0], load1[0]) > 0.5 * ncpu
+    if busy or info["kivi_fast_backend"] != "cpp":
+        print("PRELIMINARY: " + "; ".join(
+            ([f"the machine was busy (load average {load0[0]:.2f} -> {load1[0]:.2f} on {ncpu} CPUs)"] if busy else [])
+            + (["'ours' ran on the reference backend, not the compiled ops"] if info["kivi_fast_backend"] != "cpp" else [])))
+    print(f"ours = kivi_fast.kl on the {info['kivi_fast_backend']} backend; pure = bench/pure_torch.py; "
+          "ms = median wall time; MB = peak RSS increase of one forward+backward (1 thread); "
+          "roofline = max(flops / GEMM rate, bytes / bandwidth) at the same thread count")
+
+    if args.json:
+        out = {"machine": info, "rates": {str(t): r for t, r in rates.items()},
+               "roofline_rates": {str(t): r for t, r in roof_rates.items()}, "load_average": [load0, load1],
+               "target_s": target_s, "lam": LAM, "preliminary": bool(busy or info["kivi_fast_backend"] != "cpp"),
+               "results": rows,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
