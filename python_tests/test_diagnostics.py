@@ -105,10 +105,22 @@ def test_gaussian_kl_closed_form():
     torch.testing.assert_close(vi.log_prob(mu[None]), q.log_prob(mu[None]).sum(-1))
 
 
+def _boston_available() -> bool:
+    try:
+        from kivi_fast.data import uci as uci_data
+
+        uci_data.load_split("boston", 0)
+        return True
+    except (FileNotFoundError, ImportError):
+        return False
+
+
 @pytest.mark.parametrize("command,files", [
     ("blr", ["blr.png", "metrics.json", "training.json"]),
     ("reverse-ablation", ["reverse_ablation.png", "metrics.json"]),
     ("kl-accuracy", ["kl_accuracy.png", "clipped.png", "results.json", "table.md"]),
+    pytest.param("boston-posterior", ["boston_posterior.png", "posterior_stats.json"],
+                 marks=pytest.mark.skipif(not _boston_available(), reason="Boston housing data not present")),
 ])
 def test_quick_smoke_run_writes_its_files(command, files, tmp_path, capsys):
     run_dir = tmp_path / command
