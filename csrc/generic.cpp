@@ -76,5 +76,21 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   return {at::cat({alpha, beta}, 1), s, kernel};
 }
 
+std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
+                                              const Tensor& sigma, double clip) {
+  auto terms = kernel.narrow(1, row0, m) * coef.unsqueeze(1);
+  auto r = terms.sum(-1);
+  // d log r / dz = (d r / dz) / r, and grad_z k(c, z) = k(c, z) (c - z) / sigma^2.
+  auto scale = (r > clip).to(at::kDouble) / (r * (sigma * sigma).unsqueeze(1));
+  return {at::log(r.clamp_min(clip)), terms.mul_(scale.unsqueeze(-1))};
+}
+
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+                     const Tensor& denom) {
+  auto pts = stack_points(denom, numer).to(at::kDouble);
+  auto grad = at::bmm(weights, pts) - weights.sum(-1, true) * z.to(at::kDouble);
+  return (grad * row_scale.to(at::kDouble).unsqueeze(-1)).to(z.scalar_type());
+}
+
 }  // namespace generic
 }  // namespace kivi_fast

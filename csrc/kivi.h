@@ -32,10 +32,19 @@ struct Fit {
   Tensor kernel;  // [B, N, N] float64, k over the stacked points [denom; numer]
 };
 
+// Each backend provides the same functions; generic:: uses ATen calls only (any device), cpu::
+// fuses loops and parallelizes for CPU tensors.
 namespace generic {
-Tensor sqdist(const Tensor& x, const Tensor& y);                 // [B, n, m] float64
-Tensor median_bandwidth(const Tensor& x);                        // [B] float64
+Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
+Tensor median_bandwidth(const Tensor& x);         // [B] float64
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
+// log max(r, clip) [B, m] at kernel rows [row0, row0 + m), and the weights W_jc = coef_c k(c, z_j) /
+// (sigma^2 r_j) of grad log r ([B, m, N], zero rows where clipped), both float64.
+std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
+                                              const Tensor& sigma, double clip);
+// grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+                     const Tensor& denom);
 }  // namespace generic
 
 namespace cpu {
@@ -43,6 +52,8 @@ Tensor sqdist(const Tensor& x, const Tensor& y);
 Tensor median_bandwidth(const Tensor& x);
 Tensor median_from_sqdist_cpu(const Tensor& sq);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
+std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
+                                              const Tensor& sigma, double clip);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
 }  // namespace cpu

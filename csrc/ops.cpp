@@ -80,29 +80,19 @@ std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z, const Tensor& q_
   Names names = reverse ? Names{"prior_z", "q_z"} : Names{"q_z", "prior_z"};
   auto f = fit_any<kCpu>(numer, denom, lam, sigma, names);
   // The evaluation points q_z are fitted samples too: their kernel rows are already in f.kernel.
-  const int64_t n_q = q_z.size(1);
-  auto rows = f.kernel.narrow(1, reverse ? 0 : denom.size(1), n_q);
-  auto [r, weights] = evaluate(rows, f.coef, f.sigma);
-  auto kept = r > clip;
-  auto log_r = at::log(r.clamp_min(clip));
-  auto kl = (reverse ? -log_r : log_r).mean(-1);
-  // d log r / dz = (d r / dz) / r; clipped points get no gradient.
-  weights.mul_((kept.to(at::kDouble) / r).unsqueeze(-1));
+  const int64_t row0 = reverse ? 0 : denom.size(1);
+  auto [log_r, weights] = use_cpu<kCpu>() ? cpu::evaluate_log_ratio(f.kernel, row0, q_z.size(1), f.coef, f.sigma, clip)
+                                          : generic::evaluate_log_ratio(f.kernel, row0, q_z.size(1), f.coef, f.sigma, clip);
+  auto kl = log_r.mean(-1);
+  if (reverse) kl.neg_();
   return {kl.to(q_z.scalar_type()), weights, f.sigma};
 }
 
 template <bool kCpu>
 Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                         const Tensor& denom) {
-  // d/dz_j sum_c W_jc-weighted kernels = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), from
-  // grad_z k(c, z) = k(c, z) (c - z) / sigma^2 with the centres c held fixed.
-  if (use_cpu<kCpu>()) {
-    return cpu::weighted_grad(row_scale.contiguous(), weights.contiguous(), z.contiguous(), numer.contiguous(),
-                              denom.contiguous());
-  }
-  auto pts = stack_points(denom, numer).to(at::kDouble);
-  auto grad = at::bmm(weights, pts) - weights.sum(-1, true) * z.to(at::kDouble);
-  return (grad * row_scale.unsqueeze(-1)).to(z.scalar_type());
+  return use_cpu<kCpu>() ? cpu::weighted_grad(row_scale, weights.contiguous(), z, numer, denom)
+                         : generic::weighted_grad(row_scale, weights, z, numer, denom);
 }
 
 bool set_force_generic(bool flag) { return force_generic.exchange(flag); }
