@@ -72,21 +72,29 @@ def train(net: StochasticNet2D, reverse: bool, args, generator: torch.Generator,
 
 
 def plot(path, clouds: dict, titles: dict) -> None:
+    """Top row: the clouds over the prior's contours in a fixed window; bottom row: each cloud on its
+    own scale, so that one that ran away from the prior is still seen."""
     plt = runs.matplotlib_pyplot()
-    fig, axes = plt.subplots(1, len(clouds), figsize=(4.2 * len(clouds), 4.4))
+    fig, axes = plt.subplots(2, len(clouds), figsize=(4.2 * len(clouds), 8.4), squeeze=False)
     t = torch.linspace(-4, 4, 200)
     g1, g2 = torch.meshgrid(t, t, indexing="xy")
     prior = torch.exp(-0.5 * (g1**2 + g2**2)) / (2 * torch.pi)
-    for ax, (name, s) in zip(axes, clouds.items()):
-        ax.contour(g1.numpy(), g2.numpy(), prior.numpy(), levels=6, colors="0.5", linewidths=0.8)
+    for j, (name, s) in enumerate(clouds.items()):
         s = s.numpy()
-        ax.scatter(s[:, 0], s[:, 1], s=2, alpha=0.4, c="tab:blue", rasterized=True)
-        ax.set(xlim=(-4, 4), ylim=(-4, 4), title=titles[name], xlabel="w1", ylabel="w2")
-        ax.set_aspect("equal")
+        for i, ax in enumerate(axes[:, j]):
+            ax.contour(g1.numpy(), g2.numpy(), prior.numpy(), levels=6, colors="0.5", linewidths=0.8)
+            ax.scatter(s[:, 0], s[:, 1], s=2, alpha=0.4, c="tab:blue", rasterized=True)
+            if i == 0:
+                ax.set(xlim=(-4, 4), ylim=(-4, 4), title=titles[name])
+                ax.set_aspect("equal")
+            else:
+                ax.set_title("same samples, own scale", fontsize=9)
+                ax.ticklabel_format(style="sci", scilimits=(-3, 3))
+            ax.set(xlabel="w1", ylabel="w2")
     fig.suptitle("q trained to minimize only the KIVI estimate of KL(q || N(0, I)) (gray: prior contours)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -113,14 +121,13 @@ def run(args) -> int:
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     runs.write_json(out / "metrics.json", {"config": config, "backend": kivi_fast.backend(), "initial": initial,
                                            "final": finals, "history": histories, "timings_s": timings})
-    titles = {"initial q": f"initial q\n|mean| {initial['mean_error']:.2f}, ||cov - I||_F {initial['cov_error']:.2f}"}
-    for name, f in finals.items():
-        titles[name] = f"{name}\n|mean| {f['mean_error']:.2f}, ||cov - I||_F {f['cov_error']:.2f}"
+    titles = {name: f"{name}\n|mean| {f['mean_error']:.3g}, ||cov - I||_F {f['cov_error']:.3g}"
+              for name, f in {"initial q": initial, **finals}.items()}
     plot(out / "reverse_ablation.png", clouds, titles)
 
     print(f"distance to the prior N(0, I) after {args.steps} steps (lam={args.lam:g}, n={args.samples}):")
-    print(f"{'':<32}{'|mean|':>9}{'||cov-I||_F':>13}{'MMD^2':>10}")
+    print(f"{'':<32}{'|mean|':>11}{'||cov-I||_F':>13}{'MMD^2':>10}")
     for name, f in {"initial q": initial, **finals}.items():
-        print(f"{name:<32}{f['mean_error']:>9.3f}{f['cov_error']:>13.3f}{f['mmd2']:>10.4f}")
+        print(f"{name:<32}{f['mean_error']:>11.4g}{f['cov_error']:>13.4g}{f['mmd2']:>10.4f}")
     print(f"wrote {out}/reverse_ablation.png, metrics.json")
     return 0
