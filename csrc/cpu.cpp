@@ -13,10 +13,21 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kivi.h"
+#include "simd_rows.h"
+
+// LAPACK as linked into torch (MKL or OpenBLAS export these Fortran names). Weak: where a build of
+// torch does not export them, they are null and the ATen calls (one more copy each) are used instead.
+extern "C" {
+void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info) __attribute__((weak));
+void dpotrs_(const char* uplo, const int* n, const int* nrhs, const double* a, const int* lda, double* b,
+             const int* ldb, int* info) __attribute__((weak));
+}
 
 namespace kivi_fast {
 namespace cpu {
@@ -51,7 +62,7 @@ struct Stack {
         const scalar_t* src = parts[i].data_ptr<scalar_t>() + b * n * d + c0;
         double* out = dst + offsets[i] * w;
         for (int64_t r = 0; r < n; ++r) {
-          for (int64_t c = 0; c < w; ++c) out[r * w + c] = static_cast<double>(src[r * d + c]);
+          rows::to_double(src + r * d, out + r * w, w);
         }
       }
     });
@@ -118,23 +129,83 @@ void gram_to_sqdist(double* g, int64_t n) {
   for (int64_t i = 0; i < n; ++i) norms[i] = g[i * n + i];
   for (int64_t i = 0; i < n; ++i) {
     double* row = g + i * n;
-    for (int64_t j = 0; j < n; ++j) row[j] = std::max(0.0, norms[i] + norms[j] - 2.0 * row[j]);
+    rows::gram_row_to_sqdist(row, norms.data(), norms[i], n);
     row[i] = 0.0;
   }
 }
 
-// Median distance over the n (n - 1) / 2 distinct pairs (numpy's convention for an even count).
-double median_of_pairs(const double* sq, int64_t n, std::vector<double>& values) {
+// Median distance over the n (n - 1) / 2 distinct pairs (numpy's convention for an even count: the
+// mean of the two middle distances), from squared distances. Exact: a selection, not an estimate.
+constexpr int64_t kRadixBits = 16;
+constexpr int64_t kRadixPairs = int64_t{1} << 16;  // below this, std::nth_element on a copy is faster
+
+// Visits the upper triangle of an n x n matrix as fn(row i, pointer to row[i + 1], count). Rows are
+// taken in pairs (t, n - 1 - t) so that parallel chunks of t carry equal work.
+template <class Fn>
+void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
+  auto body = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      fn(t, m + t * n + t + 1, n - 1 - t);
+      const int64_t u = n - 1 - t;
+      if (u != t) fn(u, m + u * n + u + 1, n - 1 - u);
+    }
+  };
+  const int64_t half = (n + 1) / 2;
+  if (parallel) {
+    at::parallel_for(0, half, 16, body);
+  } else {
+    body(0, half);
+  }
+}
+
+inline uint64_t radix_bin(double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);  // non-negative doubles order like their bit patterns
+  return bits >> (64 - kRadixBits);
+}
+
+// The values of rank k and k + 1 (0-based) among the upper-triangle entries of sq (all >= 0).
+std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel) {
   const int64_t pairs = n * (n - 1) / 2;
-  values.resize(pairs);
-  int64_t k = 0;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = i + 1; j < n; ++j) values[k++] = sq[i * n + j];
-  const int64_t mid = (pairs - 1) / 2;
-  std::nth_element(values.begin(), values.begin() + mid, values.end());
-  const double lo = std::sqrt(values[mid]);
-  if (pairs % 2 == 1) return lo;
-  return 0.5 * (lo + std::sqrt(*std::min_element(values.begin() + mid + 1, values.end())));
+  std::vector<double> cand;
+  int64_t below = 0;
+  if (pairs < kRadixPairs) {
+    cand.reserve(pairs);
+    for_upper_rows(sq, n, false, [&](int64_t, const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
+  } else {
+    // One histogram pass on the top bits, then only the bins holding ranks k and k + 1 are selected from.
+    const int64_t bins = int64_t{1} << kRadixBits;
+    const int threads = parallel ? at::get_num_threads() : 1;
+    std::vector<int64_t> hist(threads * bins, 0);
+    for_upper_rows(sq, n, parallel, [&](int64_t, const double* row, int64_t count) {
+      int64_t* h = hist.data() + (parallel ? at::get_thread_num() : 0) * bins;
+      for (int64_t j = 0; j < count; ++j) ++h[radix_bin(row[j])];
+    });
+    for (int t = 1; t < threads; ++t)
+      for (int64_t b = 0; b < bins; ++b) hist[b] += hist[t * bins + b];
+    int64_t lo_bin = 0;
+    while (below + hist[lo_bin] <= k) below += hist[lo_bin++];
+    uint64_t hi_bin = lo_bin;
+    for (int64_t seen = below + hist[lo_bin]; seen <= k + 1 && hi_bin + 1 < static_cast<uint64_t>(bins);) seen += hist[++hi_bin];
+    for_upper_rows(sq, n, false, [&](int64_t, const double* row, int64_t count) {
+      for (int64_t j = 0; j < count; ++j) {
+        const uint64_t b = radix_bin(row[j]);
+        if (b >= static_cast<uint64_t>(lo_bin) && b <= hi_bin) cand.push_back(row[j]);
+      }
+    });
+  }
+  const int64_t r = k - below;
+  std::nth_element(cand.begin(), cand.begin() + r, cand.end());
+  const double lo = cand[r];
+  const double hi = r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : lo;
+  return {lo, hi};
+}
+
+double median_of_pairs(const double* sq, int64_t n, bool parallel) {
+  const int64_t pairs = n * (n - 1) / 2;
+  const auto [lo, hi] = select_two(sq, n, (pairs - 1) / 2, parallel);
+  if (pairs % 2 == 1) return std::sqrt(lo);
+  return 0.5 * (std::sqrt(lo) + std::sqrt(hi));
 }
 
 void check_median(const Tensor& sigma) {
@@ -143,87 +214,178 @@ void check_median(const Tensor& sigma) {
                     "pass an explicit bandwidth=...");
 }
 
+// Up to this many dimensions, distances are summed from coordinate differences (exact up to the
+// last rounding, and faster than a GEMM with such a short inner dimension); above, from a Gram.
+constexpr int64_t kDirectMaxDim = 8;
+
+// Squared distances of batch element b by differences, full symmetric matrix into out ([N, N]).
+void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel) {
+  const int64_t n = s.rows, d = s.d;
+  std::vector<double> pt(n * d);  // transposed points [d, n]: the inner loop runs over points
+  {
+    std::vector<double> rows(n * d);
+    s.load(b, 0, d, rows.data());
+    for (int64_t i = 0; i < n; ++i) {
+      double sq = 0.0;
+      for (int64_t k = 0; k < d; ++k) {
+        pt[k * n + i] = rows[i * d + k];
+        sq += rows[i * d + k] * rows[i * d + k];
+      }
+      norms[i] = sq;
+    }
+  }
+  auto row = [&](int64_t i) {
+    double* o = out + i * n;
+    std::fill(o + i, o + n, 0.0);
+    for (int64_t k = 0; k < d; ++k) {
+      const double* x = pt.data() + k * n;
+      const double xi = x[i];
+      rows::add_sq_diff(x + i + 1, xi, o + i + 1, n - i - 1);
+    }
+  };
+  // Rows in pairs (t, n - 1 - t) balance the triangle over the threads.
+  auto body = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      row(t);
+      if (n - 1 - t != t) row(n - 1 - t);
+    }
+  };
+  if (parallel) {
+    at::parallel_for(0, (n + 1) / 2, 8, body);
+  } else {
+    body(0, (n + 1) / 2);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < i; ++j) out[i * n + j] = out[j * n + i];
+}
+
+// Squared distances [B, N, N] of the stacked points, and the squared norms [B, N] (whose
+// finiteness tells whether the samples were).
+std::pair<Tensor, Tensor> sqdists(const Stack& s) {
+  const int64_t n = s.rows;
+  if (s.d <= kDirectMaxDim) {
+    auto out = at::empty({s.batch, n, n}, at::kDouble);
+    auto norms = at::empty({s.batch, n}, at::kDouble);
+    double* op = out.data_ptr<double>();
+    double* np = norms.data_ptr<double>();
+    if (s.batch >= at::get_num_threads()) {
+      at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) direct_sqdist(s, b, op + b * n * n, np + b * n, false);
+      });
+    } else {
+      for (int64_t b = 0; b < s.batch; ++b) direct_sqdist(s, b, op + b * n * n, np + b * n, true);
+    }
+    return {out, norms};
+  }
+  auto g = gram(s);
+  auto norms = g.diagonal(0, 1, 2).clone();
+  double* gp = g.data_ptr<double>();
+  at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) gram_to_sqdist(gp + b * n * n, n);
+  });
+  return {g, norms};
+}
+
+Tensor medians(const Tensor& sq) {
+  const int64_t batch = sq.size(0), n = sq.size(1);
+  auto sigma = at::empty({batch}, at::kDouble);
+  const double* src = sq.data_ptr<double>();
+  double* out = sigma.data_ptr<double>();
+  if (batch >= at::get_num_threads()) {
+    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) out[b] = median_of_pairs(src + b * n * n, n, false);
+    });
+  } else {
+    for (int64_t b = 0; b < batch; ++b) out[b] = median_of_pairs(src + b * n * n, n, true);
+  }
+  check_median(sigma);
+  return sigma;
+}
+
 // Kernel matrix [B, N, N] of the stacked points, and the bandwidth used (given, or the median).
 std::pair<Tensor, Tensor> kernel_matrix(const Stack& s, const std::optional<Tensor>& sigma, int64_t n_den,
-                                        const Names* names) {
-  auto g = gram(s);
-  if (names != nullptr) check_finite_rows(g.diagonal(0, 1, 2), n_den, *names);
-  auto out_sigma = sigma.has_value() ? *sigma : at::empty({s.batch}, at::kDouble);
+                                        const Names& names) {
+  auto [sq, norms] = sqdists(s);
+  check_finite_rows(norms, n_den, names);
+  auto used = sigma.has_value() ? *sigma : medians(sq);
   const int64_t n = s.rows;
-  double* gp = g.data_ptr<double>();
-  double* sp = out_sigma.data_ptr<double>();
-  const bool median = !sigma.has_value();
-  at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<double> values;
-    for (int64_t b = b0; b < b1; ++b) {
-      double* m = gp + b * n * n;
-      gram_to_sqdist(m, n);
-      if (median) sp[b] = median_of_pairs(m, n, values);
-      const double scale = -0.5 / (sp[b] * sp[b]);
-      for (int64_t i = 0; i < n * n; ++i) m[i] *= scale;
+  double* p = sq.data_ptr<double>();
+  const double* sp = used.data_ptr<double>();
+  at::parallel_for(0, s.batch * n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const double scale = -0.5 / (sp[r / n] * sp[r / n]);
+      double* row = p + r * n;
+      rows::scale(row, scale, n);
     }
   });
-  if (median) check_median(out_sigma);
-  return {g.exp_(), out_sigma};
+  return {sq.exp_(), used};
+}
+
+// alpha for each batch element by LAPACK on the kernel's leading block:
+// (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num). False if LAPACK is not available.
+bool solve_alpha_lapack(const Tensor& kernel, int64_t n_den, double lam, Tensor& alpha) {
+  if (dpotrf_ == nullptr || dpotrs_ == nullptr) return false;
+  const int64_t batch = kernel.size(0), n = kernel.size(1), n_num = n - n_den;
+  alpha = at::empty({batch, n_den}, at::kDouble);
+  const double* kp = kernel.data_ptr<double>();
+  double* ap = alpha.data_ptr<double>();
+  std::atomic<bool> failed{false};
+  auto solve = [&](int64_t b, std::vector<double>& a) {
+    const double* k = kp + b * n * n;
+    double* x = ap + b * n_den;
+    a.resize(n_den * n_den);
+    const double inv_n = 1.0 / static_cast<double>(n_den);
+    const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
+    for (int64_t i = 0; i < n_den; ++i) {
+      const double* row = k + i * n;
+      for (int64_t j = 0; j < n_den; ++j) a[i * n_den + j] = row[j] * inv_n;
+      a[i * n_den + i] += lam;
+      double sum = 0.0;
+      for (int64_t j = n_den; j < n; ++j) sum += row[j];
+      x[i] = sum * rhs_scale;
+    }
+    // Symmetric, so the row-major buffer is also the column-major matrix.
+    const int nn = static_cast<int>(n_den), one = 1;
+    int info = 0;
+    dpotrf_("L", &nn, a.data(), &nn, &info);
+    if (info != 0) {
+      failed = true;
+      return;
+    }
+    dpotrs_("L", &nn, &one, a.data(), &nn, x, &nn, &info);
+  };
+  if (batch >= 2 && at::get_num_threads() > 1) {
+    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<double> a;
+      for (int64_t b = b0; b < b1; ++b) solve(b, a);
+    });
+  } else {
+    std::vector<double> a;  // one large system: LAPACK uses the threads itself
+    for (int64_t b = 0; b < batch; ++b) solve(b, a);
+  }
+  TORCH_CHECK_VALUE(!failed.load(), "the kernel system K/n + lam I is not positive definite in float64 (lam = ", lam,
+                    " is too small for these samples); increase lam");
+  return true;
 }
 
 }  // namespace
 
 Tensor sqdist(const Tensor& x, const Tensor& y) {
-  // One Gram of the stacked points gives every norm and inner product in the same rounding.
-  Stack s({x, y});
-  auto g = gram(s);
-  const int64_t n = s.rows;
-  double* gp = g.data_ptr<double>();
-  at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) gram_to_sqdist(gp + b * n * n, n);
-  });
-  return g.narrow(1, 0, x.size(1)).narrow(2, x.size(1), y.size(1)).contiguous();
+  auto sq = sqdists(Stack({x, y})).first;
+  return sq.narrow(1, 0, x.size(1)).narrow(2, x.size(1), y.size(1)).contiguous();
 }
 
-Tensor median_from_sqdist_cpu(const Tensor& sq) {
-  const int64_t n = sq.size(1);
-  auto sigma = at::empty({sq.size(0)}, at::kDouble);
-  auto sq_c = sq.contiguous();
-  const double* src = sq_c.data_ptr<double>();
-  double* out = sigma.data_ptr<double>();
-  at::parallel_for(0, sq.size(0), 1, [&](int64_t b0, int64_t b1) {
-    std::vector<double> values;
-    for (int64_t b = b0; b < b1; ++b) out[b] = median_of_pairs(src + b * n * n, n, values);
-  });
-  check_median(sigma);
-  return sigma;
-}
-
-Tensor median_bandwidth(const Tensor& x) {
-  Stack s({x});
-  auto g = gram(s);
-  const int64_t n = s.rows;
-  double* gp = g.data_ptr<double>();
-  at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) gram_to_sqdist(gp + b * n * n, n);
-  });
-  return median_from_sqdist_cpu(g);
-}
+Tensor median_bandwidth(const Tensor& x) { return medians(sqdists(Stack({x})).first); }
 
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names) {
   const int64_t n_den = denom.size(1), n_num = numer.size(1), batch = denom.size(0);
-  Stack s({denom, numer});
-  auto [kernel, s_used] = kernel_matrix(s, sigma, n_den, &names);
+  auto [kernel, used] = kernel_matrix(Stack({denom, numer}), sigma, n_den, names);
   Tensor alpha;
-  if (batch >= 2 && at::get_num_threads() > 1) {
-    // LAPACK on small matrices is serial per matrix: spread the batch over the threads instead.
-    alpha = at::empty({batch, n_den}, at::kDouble);
-    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-      alpha.narrow(0, b0, b1 - b0).copy_(solve_alpha(kernel.narrow(0, b0, b1 - b0), n_den, lam));
-    });
-  } else {
-    alpha = solve_alpha(kernel, n_den, lam);
-  }
+  if (!solve_alpha_lapack(kernel, n_den, lam, alpha)) alpha = solve_alpha(kernel, n_den, lam);
   auto coef = at::empty({batch, n_den + n_num}, at::kDouble);
   coef.narrow(1, 0, n_den).copy_(alpha);
   coef.narrow(1, n_den, n_num).fill_(1.0 / (lam * static_cast<double>(n_num)));
-  return {coef, s_used, kernel};
+  return {coef, used, kernel};
 }
 
 std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
@@ -244,14 +406,10 @@ std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0
       const double* k = kp + (b * kernel.size(1) + row0 + j) * n;
       const double* c = cp + b * n;
       double* w = wp + i * n;
-      double r = 0.0;
-      for (int64_t t = 0; t < n; ++t) {
-        w[t] = c[t] * k[t];
-        r += w[t];
-      }
+      const double r = rows::mul_sum(c, k, w, n);
       lp[i] = std::log(std::max(r, clip));
       const double scale = r > clip ? 1.0 / (sp[b] * sp[b] * r) : 0.0;
-      for (int64_t t = 0; t < n; ++t) w[t] *= scale;
+      rows::scale(w, scale, n);
     }
   });
   return {log_r, weights};
@@ -281,11 +439,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
     const double* sc = scale.data_ptr<double>() + b * m;
     AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "kivi_fast_grad", [&] {
       scalar_t* out = grad.data_ptr<scalar_t>() + b * m * d + c0;
-      for (int64_t j = 0; j < m; ++j) {
-        for (int64_t c = 0; c < w; ++c) {
-          out[j * d + c] = static_cast<scalar_t>(sc[j] * (gp[j * w + c] - ws[j] * zp[j * w + c]));
-        }
-      }
+      for (int64_t j = 0; j < m; ++j) rows::axpby_out(gp + j * w, zp + j * w, sc[j], ws[j], out + j * d, w);
     });
   });
   return grad;

@@ -50,7 +50,6 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 namespace cpu {
 Tensor sqdist(const Tensor& x, const Tensor& y);
 Tensor median_bandwidth(const Tensor& x);
-Tensor median_from_sqdist_cpu(const Tensor& sq);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
 std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
                                               const Tensor& sigma, double clip);

@@ -122,3 +122,18 @@ def test_cpu_and_generic_kernels_agree():
         b = value_and_grad(kivi_fast.kl, p, q)
     for x, y in zip(a, b):
         assert_close_rel(x, y, 1e-6)
+
+
+@pytest.mark.parametrize("n,d,ties", [(2, 3, False), (3, 1, False), (400, 3, False), (700, 2, True), (1200, 70, False)])
+def test_median_bandwidth_equals_numpy(impl, n, d, ties):
+    """Small and large pair counts (the CPU kernel switches from nth_element to a radix selection
+    above 65536 pairs), odd and even counts, and many tied distances."""
+    import numpy as np
+    from scipy.spatial.distance import pdist
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    if ties:
+        x = torch.round(x * 2) / 2  # a coarse grid: many equal distances
+    expected = np.median(pdist(x.numpy()))
+    assert kivi_fast.median_bandwidth(x).item() == pytest.approx(expected, rel=1e-12)
