@@ -29,9 +29,12 @@ def test_implicit_posterior_recovers_the_blr_posterior():
     generator = torch.nn.Sequential(
         torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, d)
     ).double()
+    steps, n = 1500, 100
     opt = torch.optim.Adam(generator.parameters(), lr=1e-2)
-    n = 100
-    for step in range(1500):
+    # A decaying step size: with a constant one the sampled KL gradients keep q's spread noisy
+    # (seen: up to 1.3x the posterior std after 1000 steps, or divergence at lr = 3e-3).
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
+    for step in range(steps):
         w = generator(torch.randn(n, 4, dtype=torch.float64))
         log_lik = (-0.5 * ((y - w @ x.T) / noise) ** 2 - math.log(noise) - 0.5 * math.log(2 * math.pi)).sum(-1)
         kl = kivi_fast.adaptive_contrast_kl(w, None, lam=1e-3)
@@ -39,8 +42,9 @@ def test_implicit_posterior_recovers_the_blr_posterior():
         opt.zero_grad()
         loss.backward()
         opt.step()
+        schedule.step()
     with torch.no_grad():
         w = generator(torch.randn(20000, 4, dtype=torch.float64))
     std = cov.diagonal().sqrt()
     assert ((w.mean(0) - mu).abs() < 0.25 * std).all(), (w.mean(0), mu)
-    assert ((w.std(0) / std - 1).abs() < 0.3).all(), (w.std(0), std)
+    assert ((w.std(0) / std - 1).abs() < 0.2).all(), (w.std(0), std)
