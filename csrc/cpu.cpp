@@ -16,6 +16,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <numeric>
 #include <vector>
 
 #include "kivi.h"
@@ -136,18 +138,21 @@ void gram_to_sqdist(double* g, int64_t n) {
 
 // Median distance over the n (n - 1) / 2 distinct pairs (numpy's convention for an even count: the
 // mean of the two middle distances), from squared distances. Exact: a selection, not an estimate.
-constexpr int64_t kRadixBits = 16;
-constexpr int64_t kRadixPairs = int64_t{1} << 16;  // below this, std::nth_element on a copy is faster
+// Selection by bins: one pass for the range, one for a histogram of equal-width bins over it (the
+// bin index is monotone in the value), then std::nth_element only on the values in the one or two
+// bins that hold the middle ranks. Three streaming passes instead of nth_element's data-dependent
+// branches over all pairs.
+constexpr int64_t kMinBinnedPairs = 512;
 
-// Visits the upper triangle of an n x n matrix as fn(row i, pointer to row[i + 1], count). Rows are
-// taken in pairs (t, n - 1 - t) so that parallel chunks of t carry equal work.
+// Visits the upper triangle of an n x n matrix as fn(pointer to row i from column i + 1, count).
+// Rows go in pairs (t, n - 1 - t), so that parallel chunks of t carry equal work.
 template <class Fn>
 void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
   auto body = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      fn(t, m + t * n + t + 1, n - 1 - t);
+      fn(m + t * n + t + 1, n - 1 - t);
       const int64_t u = n - 1 - t;
-      if (u != t) fn(u, m + u * n + u + 1, n - 1 - u);
+      if (u != t) fn(m + u * n + u + 1, n - 1 - u);
     }
   };
   const int64_t half = (n + 1) / 2;
@@ -158,47 +163,49 @@ void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
   }
 }
 
-inline uint64_t radix_bin(double v) {
-  uint64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);  // non-negative doubles order like their bit patterns
-  return bits >> (64 - kRadixBits);
-}
-
-// The values of rank k and k + 1 (0-based) among the upper-triangle entries of sq (all >= 0).
+// The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
+// entries of sq.
 std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel) {
   const int64_t pairs = n * (n - 1) / 2;
+  const int threads = parallel ? at::get_num_threads() : 1;
+  auto tid = [&] { return parallel ? at::get_thread_num() : 0; };
   std::vector<double> cand;
   int64_t below = 0;
-  if (pairs < kRadixPairs) {
+  std::vector<double> lo_v(threads, std::numeric_limits<double>::infinity()), hi_v(threads, -lo_v[0]);
+  for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+    const int t = tid();
+    rows::min_max(row, count, lo_v[t], hi_v[t]);
+  });
+  const double lo = *std::min_element(lo_v.begin(), lo_v.end());
+  const double hi = *std::max_element(hi_v.begin(), hi_v.end());
+  if (pairs < kMinBinnedPairs || !(hi > lo)) {
     cand.reserve(pairs);
-    for_upper_rows(sq, n, false, [&](int64_t, const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
+    for_upper_rows(sq, n, false, [&](const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
   } else {
-    // One histogram pass on the top bits, then only the bins holding ranks k and k + 1 are selected from.
-    const int64_t bins = int64_t{1} << kRadixBits;
-    const int threads = parallel ? at::get_num_threads() : 1;
+    const int64_t bins = std::clamp<int64_t>(pairs / 4, 64, int64_t{1} << 16);
+    const double inv_width = static_cast<double>(bins) / (hi - lo);
     std::vector<int64_t> hist(threads * bins, 0);
-    for_upper_rows(sq, n, parallel, [&](int64_t, const double* row, int64_t count) {
-      int64_t* h = hist.data() + (parallel ? at::get_thread_num() : 0) * bins;
-      for (int64_t j = 0; j < count; ++j) ++h[radix_bin(row[j])];
+    for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+      rows::histogram(row, count, lo, inv_width, bins, hist.data() + tid() * bins);
     });
     for (int t = 1; t < threads; ++t)
       for (int64_t b = 0; b < bins; ++b) hist[b] += hist[t * bins + b];
     int64_t lo_bin = 0;
     while (below + hist[lo_bin] <= k) below += hist[lo_bin++];
-    uint64_t hi_bin = lo_bin;
-    for (int64_t seen = below + hist[lo_bin]; seen <= k + 1 && hi_bin + 1 < static_cast<uint64_t>(bins);) seen += hist[++hi_bin];
-    for_upper_rows(sq, n, false, [&](int64_t, const double* row, int64_t count) {
-      for (int64_t j = 0; j < count; ++j) {
-        const uint64_t b = radix_bin(row[j]);
-        if (b >= static_cast<uint64_t>(lo_bin) && b <= hi_bin) cand.push_back(row[j]);
-      }
+    int64_t hi_bin = lo_bin;
+    for (int64_t seen = below + hist[lo_bin]; seen <= k + 1 && hi_bin + 1 < bins;) seen += hist[++hi_bin];
+    cand.resize(static_cast<size_t>(std::accumulate(hist.begin() + lo_bin, hist.begin() + hi_bin + 1, int64_t{0})));
+    int64_t filled = 0;
+    for_upper_rows(sq, n, false, [&](const double* row, int64_t count) {
+      filled += rows::gather_bins(row, count, lo, inv_width, bins, lo_bin, hi_bin, cand.data() + filled);
     });
   }
   const int64_t r = k - below;
   std::nth_element(cand.begin(), cand.begin() + r, cand.end());
-  const double lo = cand[r];
-  const double hi = r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : lo;
-  return {lo, hi};
+  const double first = cand[r];
+  const double second =
+      r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : first;
+  return {first, second};
 }
 
 double median_of_pairs(const double* sq, int64_t n, bool parallel) {
@@ -218,7 +225,8 @@ void check_median(const Tensor& sigma) {
 // last rounding, and faster than a GEMM with such a short inner dimension); above, from a Gram.
 constexpr int64_t kDirectMaxDim = 8;
 
-// Squared distances of batch element b by differences, full symmetric matrix into out ([N, N]).
+// Squared distances of batch element b by differences into out ([N, N]). The full matrix row by
+// row (twice the arithmetic of a triangle, but contiguous vector loops and no transposed writes).
 void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel) {
   const int64_t n = s.rows, d = s.d;
   std::vector<double> pt(n * d);  // transposed points [d, n]: the inner loop runs over points
@@ -234,29 +242,19 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
       norms[i] = sq;
     }
   }
-  auto row = [&](int64_t i) {
-    double* o = out + i * n;
-    std::fill(o + i, o + n, 0.0);
-    for (int64_t k = 0; k < d; ++k) {
-      const double* x = pt.data() + k * n;
-      const double xi = x[i];
-      rows::add_sq_diff(x + i + 1, xi, o + i + 1, n - i - 1);
-    }
-  };
-  // Rows in pairs (t, n - 1 - t) balance the triangle over the threads.
-  auto body = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      row(t);
-      if (n - 1 - t != t) row(n - 1 - t);
+  auto body = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      double* o = out + i * n;
+      rows::sq_diff(pt.data(), pt[i], o, n);
+      for (int64_t k = 1; k < d; ++k) rows::add_sq_diff(pt.data() + k * n, pt[k * n + i], o, n);
+      o[i] = 0.0;
     }
   };
   if (parallel) {
-    at::parallel_for(0, (n + 1) / 2, 8, body);
+    at::parallel_for(0, n, 16, body);
   } else {
-    body(0, (n + 1) / 2);
+    body(0, n);
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < i; ++j) out[i * n + j] = out[j * n + i];
 }
 
 // Squared distances [B, N, N] of the stacked points, and the squared norms [B, N] (whose
@@ -371,11 +369,16 @@ bool solve_alpha_lapack(const Tensor& kernel, int64_t n_den, double lam, Tensor&
 }  // namespace
 
 Tensor sqdist(const Tensor& x, const Tensor& y) {
-  auto sq = sqdists(Stack({x, y})).first;
+  auto [sq, norms] = sqdists(Stack({x, y}));
+  check_finite_rows(norms, x.size(1), {"y", "x"});
   return sq.narrow(1, 0, x.size(1)).narrow(2, x.size(1), y.size(1)).contiguous();
 }
 
-Tensor median_bandwidth(const Tensor& x) { return medians(sqdists(Stack({x})).first); }
+Tensor median_bandwidth(const Tensor& x) {
+  auto [sq, norms] = sqdists(Stack({x}));
+  check_finite_rows(norms, x.size(1), {"x", "x"});
+  return medians(sq);
+}
 
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names) {
   const int64_t n_den = denom.size(1), n_num = numer.size(1), batch = denom.size(0);

@@ -55,6 +55,7 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
   auto y64 = y.to(at::kDouble);
   auto xn = x64.pow(2).sum(-1);
   auto yn = y64.pow(2).sum(-1);
+  check_finite_rows(at::cat({xn, yn}, 1), x.size(1), {"y", "x"});
   auto sq = at::baddbmm(xn.unsqueeze(2) + yn.unsqueeze(1), x64, y64.transpose(1, 2), 1.0, -2.0);
   return sq.clamp_min_(0);
 }

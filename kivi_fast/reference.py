@@ -32,6 +32,7 @@ def median_bandwidth(x: torch.Tensor) -> torch.Tensor:
     _validate.check_samples("x", x)
     if x.shape[-2] < 2:
         raise ValueError(f"x must hold at least 2 samples for a median distance, got shape {tuple(x.shape)}")
+    _validate.check_finite("x", x)
     x64 = x.detach().double()
     n = x.shape[-2]
     rows, cols = torch.triu_indices(n, n, offset=1, device=x.device)
@@ -53,6 +54,8 @@ def rbf_gram(x: torch.Tensor, y: torch.Tensor, sigma) -> torch.Tensor:
     if s is None:
         raise ValueError("rbf_gram needs a numeric bandwidth sigma")
     s = s if batch is not None else s[0]
+    _validate.check_finite("x", x)
+    _validate.check_finite("y", y)
     return _gram64(x.double(), y.double(), s).to(x.dtype)
 
 

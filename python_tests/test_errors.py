@@ -105,3 +105,13 @@ def test_adaptive_contrast_errors(impl):
         kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="log_prior must map"):
         kivi_fast.adaptive_contrast_kl(Q, lambda z: z.sum())
+
+
+def test_primitives_reject_nan(impl):
+    bad = with_value(P, (3, 1), float("nan"))
+    with pytest.raises(ValueError, match="x contains NaN or Inf"):
+        kivi_fast.median_bandwidth(bad)
+    with pytest.raises(ValueError, match="y contains NaN or Inf"):
+        kivi_fast.rbf_gram(Q, with_value(P, (0, 0), float("inf")), 1.0)
+    with pytest.raises(ValueError, match="x contains NaN or Inf"):
+        kivi_fast.rbf_gram(bad, Q, 1.0)
