@@ -1,12 +1,12 @@
 // CPU kernels. What they do differently from the device-generic path (generic.cpp):
+//  - one batch element at a time, fused: distances, median, kernel, Cholesky solve and evaluation of
+//    the ratio run on per-thread buffers (an N x N matrix of 320 KB at n_p = n_q = 100 stays in L2),
+//    in parallel over the batch when it has at least as many elements as there are threads, and
+//    inside each stage otherwise (one large element);
 //  - samples are read in column blocks converted to float64 in a per-thread buffer, so float32
 //    inputs never pay for a full float64 copy (d = 314000 for an MNIST layer), and each block's
-//    GEMM runs while the block is in cache;
-//  - one parallel region per stage: over the batch when it has at least as many elements as there
-//    are threads, otherwise over column blocks (thread-local partial Gram matrices). Many small
-//    parallel regions stall when a thread is descheduled on a busy machine;
-//  - distances, the median (std::nth_element, a selection), the kernel exponent and the evaluation
-//    of the ratio are fused loops over each batch element instead of chains of tensor ops;
+//    GEMM runs while the block is in cache; up to 8 dimensions, distances come from differences;
+//  - the median is an exact selection over binned values (see select_two), not a sort;
 //  - the backward reads the samples once more, block by block, and writes the gradient once.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -103,28 +103,6 @@ void for_each_block(const Stack& s, bool by_batch, Fn fn) {
 
 bool parallel_over_batch(const Stack& s) { return s.batch >= at::get_num_threads() || s.n_blocks() == 1; }
 
-// Inner products of the stacked points, [B, N, N] float64.
-Tensor gram(const Stack& s) {
-  if (parallel_over_batch(s)) {
-    auto out = at::empty({s.batch, s.rows, s.rows}, at::kDouble);
-    for_each_block(s, true, [&](int64_t b, int64_t c0, int64_t, const Tensor& block) {
-      auto g = out[b];
-      if (c0 == 0) {
-        at::mm_out(g, block, block.t());
-      } else {
-        g.addmm_(block, block.t());
-      }
-    });
-    return out;
-  }
-  // Thread-local partial sums over column blocks, added up at the end.
-  auto partial = at::zeros({at::get_num_threads(), s.batch, s.rows, s.rows}, at::kDouble);
-  for_each_block(s, false, [&](int64_t b, int64_t, int64_t, const Tensor& block) {
-    partial[at::get_thread_num()][b].addmm_(block, block.t());
-  });
-  return partial.sum(0);
-}
-
 // Squared distances from inner products, in place: g_ii + g_jj - 2 g_ij (>= 0, exact 0 diagonal).
 void gram_to_sqdist(double* g, int64_t n) {
   std::vector<double> norms(n);
@@ -215,12 +193,6 @@ double median_of_pairs(const double* sq, int64_t n, bool parallel) {
   return 0.5 * (std::sqrt(lo) + std::sqrt(hi));
 }
 
-void check_median(const Tensor& sigma) {
-  TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(),
-                    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
-                    "pass an explicit bandwidth=...");
-}
-
 // Up to this many dimensions, distances are summed from coordinate differences (exact up to the
 // last rounding, and faster than a GEMM with such a short inner dimension); above, from a Gram.
 constexpr int64_t kDirectMaxDim = 8;
@@ -257,165 +229,214 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
   }
 }
 
-// Squared distances [B, N, N] of the stacked points, and the squared norms [B, N] (whose
-// finiteness tells whether the samples were).
-std::pair<Tensor, Tensor> sqdists(const Stack& s) {
-  const int64_t n = s.rows;
-  if (s.d <= kDirectMaxDim) {
-    auto out = at::empty({s.batch, n, n}, at::kDouble);
-    auto norms = at::empty({s.batch, n}, at::kDouble);
-    double* op = out.data_ptr<double>();
-    double* np = norms.data_ptr<double>();
-    if (s.batch >= at::get_num_threads()) {
-      at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) direct_sqdist(s, b, op + b * n * n, np + b * n, false);
-      });
-    } else {
-      for (int64_t b = 0; b < s.batch; ++b) direct_sqdist(s, b, op + b * n * n, np + b * n, true);
+// Inner products of the stacked points of batch element b into out ([N, N]). Parallel over column
+// blocks (thread-local partial sums) when asked and there is more than one block.
+void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
+  const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
+  auto g = wrap(out, {n, n});
+  auto add_blocks = [&](int64_t k0, int64_t k1, const Tensor& target, bool first_assigns) {
+    std::vector<double> buf(n * width);
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t c0 = k * width, w = std::min(width, s.d - c0);
+      s.load(b, c0, w, buf.data());
+      auto block = wrap(buf.data(), {n, w});
+      if (first_assigns && k == k0) {
+        at::mm_out(const_cast<Tensor&>(target), block, block.t());
+      } else {
+        const_cast<Tensor&>(target).addmm_(block, block.t());
+      }
     }
-    return {out, norms};
+  };
+  if (!parallel || blocks == 1) {
+    add_blocks(0, blocks, g, true);  // one block: the GEMM itself uses the threads
+    return;
   }
-  auto g = gram(s);
-  auto norms = g.diagonal(0, 1, 2).clone();
-  double* gp = g.data_ptr<double>();
-  at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) gram_to_sqdist(gp + b * n * n, n);
+  auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    add_blocks(k0, k1, partial[at::get_thread_num()], false);
   });
-  return {g, norms};
+  at::sum_out(g, partial, 0);
 }
 
-Tensor medians(const Tensor& sq) {
-  const int64_t batch = sq.size(0), n = sq.size(1);
-  auto sigma = at::empty({batch}, at::kDouble);
-  const double* src = sq.data_ptr<double>();
-  double* out = sigma.data_ptr<double>();
-  if (batch >= at::get_num_threads()) {
-    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) out[b] = median_of_pairs(src + b * n * n, n, false);
-    });
-  } else {
-    for (int64_t b = 0; b < batch; ++b) out[b] = median_of_pairs(src + b * n * n, n, true);
+// Squared distances of the stacked points of batch element b into sq ([N, N]) and their squared
+// norms into norms ([N]).
+void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel) {
+  if (s.d <= kDirectMaxDim) {
+    direct_sqdist(s, b, sq, norms, parallel);
+    return;
   }
-  check_median(sigma);
+  gram_one(s, b, sq, parallel);
+  const int64_t n = s.rows;
+  for (int64_t i = 0; i < n; ++i) norms[i] = sq[i * n + i];
+  gram_to_sqdist(sq, n);
+}
+
+// NaN/Inf in a sample makes its squared norm NaN/Inf: rows [0, n_den) are denom, then numer.
+void check_finite(const double* norms, int64_t n_den, int64_t n, Names names) {
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(std::isfinite(norms[i]), i < n_den ? names.denom : names.numer, kNotFiniteMessage);
+  }
+}
+
+double checked_median(const double* sq, int64_t n, bool parallel) {
+  const double sigma = median_of_pairs(sq, n, parallel);
+  TORCH_CHECK_VALUE(sigma > 0, kZeroMedianMessage);
   return sigma;
 }
 
-// Kernel matrix [B, N, N] of the stacked points, and the bandwidth used (given, or the median).
-std::pair<Tensor, Tensor> kernel_matrix(const Stack& s, const std::optional<Tensor>& sigma, int64_t n_den,
-                                        const Names& names) {
-  auto [sq, norms] = sqdists(s);
-  check_finite_rows(norms, n_den, names);
-  auto used = sigma.has_value() ? *sigma : medians(sq);
-  const int64_t n = s.rows;
-  double* p = sq.data_ptr<double>();
-  const double* sp = used.data_ptr<double>();
-  at::parallel_for(0, s.batch * n, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const double scale = -0.5 / (sp[r / n] * sp[r / n]);
-      double* row = p + r * n;
-      rows::scale(row, scale, n);
-    }
-  });
-  return {sq.exp_(), used};
-}
+// Per-thread buffers of one batch element.
+struct Work {
+  std::vector<double> sq, norms, system, coef;
+};
 
-// alpha for each batch element by LAPACK on the kernel's leading block:
-// (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num). False if LAPACK is not available.
-bool solve_alpha_lapack(const Tensor& kernel, int64_t n_den, double lam, Tensor& alpha) {
-  if (dpotrf_ == nullptr || dpotrs_ == nullptr) return false;
-  const int64_t batch = kernel.size(0), n = kernel.size(1), n_num = n - n_den;
-  alpha = at::empty({batch, n_den}, at::kDouble);
-  const double* kp = kernel.data_ptr<double>();
-  double* ap = alpha.data_ptr<double>();
-  std::atomic<bool> failed{false};
-  auto solve = [&](int64_t b, std::vector<double>& a) {
-    const double* k = kp + b * n * n;
-    double* x = ap + b * n_den;
-    a.resize(n_den * n_den);
-    const double inv_n = 1.0 / static_cast<double>(n_den);
-    const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
-    for (int64_t i = 0; i < n_den; ++i) {
-      const double* row = k + i * n;
-      for (int64_t j = 0; j < n_den; ++j) a[i * n_den + j] = row[j] * inv_n;
-      a[i * n_den + i] += lam;
-      double sum = 0.0;
-      for (int64_t j = n_den; j < n; ++j) sum += row[j];
-      x[i] = sum * rhs_scale;
-    }
-    // Symmetric, so the row-major buffer is also the column-major matrix.
-    const int nn = static_cast<int>(n_den), one = 1;
-    int info = 0;
-    dpotrf_("L", &nn, a.data(), &nn, &info);
-    if (info != 0) {
-      failed = true;
-      return;
-    }
-    dpotrs_("L", &nn, &one, a.data(), &nn, x, &nn, &info);
-  };
-  if (batch >= 2 && at::get_num_threads() > 1) {
+// Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
+// occupy the threads, otherwise one element after another, each using the threads inside.
+template <class Fn>
+void for_each_element(int64_t batch, Fn fn) {
+  if (batch >= at::get_num_threads()) {
     at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<double> a;
-      for (int64_t b = b0; b < b1; ++b) solve(b, a);
+      Work work;
+      for (int64_t b = b0; b < b1; ++b) fn(b, false, work);
     });
   } else {
-    std::vector<double> a;  // one large system: LAPACK uses the threads itself
-    for (int64_t b = 0; b < batch; ++b) solve(b, a);
+    Work work;
+    for (int64_t b = 0; b < batch; ++b) fn(b, true, work);
   }
-  TORCH_CHECK_VALUE(!failed.load(), "the kernel system K/n + lam I is not positive definite in float64 (lam = ", lam,
-                    " is too small for these samples); increase lam");
-  return true;
+}
+
+// (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num) by Cholesky, from the kernel of the
+// stacked points [denom; numer] (N x N, row-major). alpha gets n_den values.
+void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha,
+                     std::vector<double>& system) {
+  const int64_t n_num = n - n_den;
+  system.resize(n_den * n_den);
+  const double inv_n = 1.0 / static_cast<double>(n_den);
+  const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
+  for (int64_t i = 0; i < n_den; ++i) {
+    const double* row = kernel + i * n;
+    double* a = system.data() + i * n_den;
+    rows::scale_copy(row, inv_n, a, n_den);
+    a[i] += lam;
+    alpha[i] = rhs_scale * std::accumulate(row + n_den, row + n, 0.0);
+  }
+  int info = 0;
+  if (dpotrf_ != nullptr && dpotrs_ != nullptr) {
+    // Symmetric, so the row-major buffer is also the column-major matrix.
+    const int nn = static_cast<int>(n_den), one = 1;
+    dpotrf_("L", &nn, system.data(), &nn, &info);
+    if (info == 0) dpotrs_("L", &nn, &one, system.data(), &nn, alpha, &nn, &info);
+  } else {
+    auto [chol, status] = at::linalg_cholesky_ex(wrap(system.data(), {n_den, n_den}));
+    info = status.item<int>();
+    if (info == 0) {
+      auto x = wrap(alpha, {n_den, 1});
+      x.copy_(at::cholesky_solve(x.clone(), chol));
+    }
+  }
+  TORCH_CHECK_VALUE(info == 0, kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
+}
+
+// The fit of numer / denom for batch element b: leaves the kernel of the stacked points in
+// work.sq, the coefficients [alpha; beta 1] in work.coef, and returns the bandwidth.
+double fit_one(const Stack& s, int64_t b, int64_t n_den, double lam, const double* sigma_given, Names names,
+               bool parallel, Work& work) {
+  const int64_t n = s.rows;
+  work.sq.resize(n * n);
+  work.norms.resize(n);
+  work.coef.resize(n);
+  double* sq = work.sq.data();
+  distances_one(s, b, sq, work.norms.data(), parallel);
+  check_finite(work.norms.data(), n_den, n, names);
+  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
+  rows::scale(sq, -0.5 / (sigma * sigma), n * n);
+  wrap(sq, {n * n}).exp_();
+  solve_alpha_one(sq, n, n_den, lam, work.coef.data(), work.system);
+  std::fill(work.coef.begin() + n_den, work.coef.end(), 1.0 / (lam * static_cast<double>(n - n_den)));
+  return sigma;
+}
+
+const double* sigma_data(const std::optional<Tensor>& sigma) {
+  return sigma.has_value() ? sigma->data_ptr<double>() : nullptr;
 }
 
 }  // namespace
 
 Tensor sqdist(const Tensor& x, const Tensor& y) {
-  auto [sq, norms] = sqdists(Stack({x, y}));
-  check_finite_rows(norms, x.size(1), {"y", "x"});
-  return sq.narrow(1, 0, x.size(1)).narrow(2, x.size(1), y.size(1)).contiguous();
+  Stack s({x, y});
+  const int64_t nx = x.size(1), ny = y.size(1), n = s.rows;
+  auto out = at::empty({s.batch, nx, ny}, at::kDouble);
+  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+    work.sq.resize(n * n);
+    work.norms.resize(n);
+    distances_one(s, b, work.sq.data(), work.norms.data(), parallel);
+    check_finite(work.norms.data(), nx, n, {"y", "x"});
+    double* o = out.data_ptr<double>() + b * nx * ny;
+    for (int64_t i = 0; i < nx; ++i) std::copy_n(work.sq.data() + i * n + nx, ny, o + i * ny);
+  });
+  return out;
 }
 
 Tensor median_bandwidth(const Tensor& x) {
-  auto [sq, norms] = sqdists(Stack({x}));
-  check_finite_rows(norms, x.size(1), {"x", "x"});
-  return medians(sq);
+  Stack s({x});
+  const int64_t n = s.rows;
+  auto sigma = at::empty({s.batch}, at::kDouble);
+  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+    work.sq.resize(n * n);
+    work.norms.resize(n);
+    distances_one(s, b, work.sq.data(), work.norms.data(), parallel);
+    check_finite(work.norms.data(), n, n, {"x", "x"});
+    sigma.data_ptr<double>()[b] = checked_median(work.sq.data(), n, parallel);
+  });
+  return sigma;
 }
 
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names) {
-  const int64_t n_den = denom.size(1), n_num = numer.size(1), batch = denom.size(0);
-  auto [kernel, used] = kernel_matrix(Stack({denom, numer}), sigma, n_den, names);
-  Tensor alpha;
-  if (!solve_alpha_lapack(kernel, n_den, lam, alpha)) alpha = solve_alpha(kernel, n_den, lam);
-  auto coef = at::empty({batch, n_den + n_num}, at::kDouble);
-  coef.narrow(1, 0, n_den).copy_(alpha);
-  coef.narrow(1, n_den, n_num).fill_(1.0 / (lam * static_cast<double>(n_num)));
-  return {coef, used, kernel};
+  Stack s({denom, numer});
+  const int64_t n = s.rows;
+  auto coef = at::empty({s.batch, n}, at::kDouble);
+  auto used = at::empty({s.batch}, at::kDouble);
+  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+    used.data_ptr<double>()[b] = fit_one(s, b, denom.size(1), lam, sigma_data(sigma), names, parallel, work);
+    std::copy(work.coef.begin(), work.coef.end(), coef.data_ptr<double>() + b * n);
+  });
+  return {coef, used, Tensor()};
 }
 
-std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
-                                              const Tensor& sigma, double clip) {
-  // For rows [row0, row0 + m) of the kernel (the evaluation points): log max(r_j, clip) and the
-  // weights W_jc = coef_c k(c, z_j) / (sigma^2 r_j) of grad log r (zero rows where clipped).
-  const int64_t batch = kernel.size(0), n = kernel.size(2);
-  auto log_r = at::empty({batch, m}, at::kDouble);
-  auto weights = at::empty({batch, m, n}, at::kDouble);
-  const double* kp = kernel.data_ptr<double>();
-  const double* cp = coef.data_ptr<double>();
-  const double* sp = sigma.data_ptr<double>();
-  double* lp = log_r.data_ptr<double>();
-  double* wp = weights.data_ptr<double>();
-  at::parallel_for(0, batch * m, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / m, j = i % m;
-      const double* k = kp + (b * kernel.size(1) + row0 + j) * n;
-      const double* c = cp + b * n;
-      double* w = wp + i * n;
-      const double r = rows::mul_sum(c, k, w, n);
-      lp[i] = std::log(std::max(r, clip));
-      const double scale = r > clip ? 1.0 / (sp[b] * sp[b] * r) : 0.0;
-      rows::scale(w, scale, n);
+std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                      const std::optional<Tensor>& sigma, bool reverse) {
+  // reverse: fit p/q (denom = q), KL = -mean log r(q_z); otherwise fit q/p, KL = mean log r(q_z).
+  const Tensor& numer = reverse ? prior_z : q_z;
+  const Tensor& denom = reverse ? q_z : prior_z;
+  const Names names = reverse ? Names{"prior_z", "q_z"} : Names{"q_z", "prior_z"};
+  Stack s({denom, numer});
+  const int64_t n = s.rows, n_den = denom.size(1), m = q_z.size(1);
+  const int64_t row0 = reverse ? 0 : n_den;  // q_z's rows among the stacked points
+  auto kl_out = at::empty({s.batch}, at::kDouble);
+  auto weights = at::empty({s.batch, m, n}, at::kDouble);
+  auto used = at::empty({s.batch}, at::kDouble);
+  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+    const double sg = fit_one(s, b, n_den, lam, sigma_data(sigma), names, parallel, work);
+    used.data_ptr<double>()[b] = sg;
+    // The evaluation points q_z are fitted samples too: their kernel rows are already in work.sq.
+    // r_j = sum_c coef_c k(c, z_j); W_jc = coef_c k(c, z_j) / (sigma^2 r_j), zero where r_j <= clip.
+    double* w = weights.data_ptr<double>() + b * m * n;
+    std::vector<double> log_r(m);
+    auto rows_body = [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const double r = rows::mul_sum(work.coef.data(), work.sq.data() + (row0 + j) * n, w + j * n, n);
+        log_r[j] = std::log(std::max(r, clip));
+        rows::scale(w + j * n, r > clip ? 1.0 / (sg * sg * r) : 0.0, n);
+      }
+    };
+    if (parallel) {
+      at::parallel_for(0, m, 16, rows_body);
+    } else {
+      rows_body(0, m);
     }
+    const double mean = std::accumulate(log_r.begin(), log_r.end(), 0.0) / static_cast<double>(m);
+    kl_out.data_ptr<double>()[b] = reverse ? -mean : mean;
   });
-  return {log_r, weights};
+  return {kl_out, weights, used};
 }
 
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,

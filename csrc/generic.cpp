@@ -12,10 +12,9 @@ void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
   // A NaN/Inf coordinate makes the squared norm of its row NaN/Inf, so the norms (computed anyway
   // for the distances) tell which input is bad without another pass over the samples.
   auto ok = at::isfinite(sq_norms);
-  TORCH_CHECK_VALUE(ok.narrow(1, 0, n_den).all().item<bool>(), names.denom,
-                    " contains NaN or Inf (or values too large to square)");
+  TORCH_CHECK_VALUE(ok.narrow(1, 0, n_den).all().item<bool>(), names.denom, kNotFiniteMessage);
   TORCH_CHECK_VALUE(ok.narrow(1, n_den, sq_norms.size(1) - n_den).all().item<bool>(), names.numer,
-                    " contains NaN or Inf (or values too large to square)");
+                    kNotFiniteMessage);
 }
 
 Tensor median_from_sqdist(const Tensor& sq) {
@@ -28,9 +27,7 @@ Tensor median_from_sqdist(const Tensor& sq) {
   auto lo = std::get<0>(at::kthvalue(flat, (p + 1) / 2, 1)).clamp_min(0).sqrt();
   auto hi = std::get<0>(at::kthvalue(flat, p / 2 + 1, 1)).clamp_min(0).sqrt();
   auto sigma = p % 2 == 1 ? lo : (lo + hi) * 0.5;
-  TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(),
-                    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
-                    "pass an explicit bandwidth=...");
+  TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(), kZeroMedianMessage);
   return sigma;
 }
 
@@ -41,9 +38,7 @@ Tensor solve_alpha(const Tensor& kernel, int64_t n_den, double lam) {
   auto system = k_dd / static_cast<double>(n_den);
   system.diagonal(0, 1, 2).add_(lam);
   auto [chol, info] = at::linalg_cholesky_ex(system);
-  TORCH_CHECK_VALUE((info == 0).all().item<bool>(),
-                    "the kernel system K/n + lam I is not positive definite in float64 (lam = ", lam,
-                    " is too small for these samples); increase lam");
+  TORCH_CHECK_VALUE((info == 0).all().item<bool>(), kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
   auto rhs = k_dn.sum(-1, true) / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
   return -at::cholesky_solve(rhs, chol).squeeze(-1);
 }

@@ -19,6 +19,15 @@ namespace kivi_fast {
 
 using at::Tensor;
 
+// Error messages shared by both backends (and matched by the tests).
+inline constexpr char kNotFiniteMessage[] = " contains NaN or Inf (or values too large to square)";
+inline constexpr char kZeroMedianMessage[] =
+    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
+    "pass an explicit bandwidth=...";
+inline constexpr char kNotPositiveDefiniteMessage[] =
+    "the kernel system K/n + lam I is not positive definite in float64 (lam is too small for these samples); "
+    "increase lam";
+
 // Which argument names to use in error messages for the two sample sets of a fit.
 struct Names {
   const char* numer;
@@ -29,7 +38,7 @@ struct Names {
 struct Fit {
   Tensor coef;    // [B, N] float64: alpha for the denom points, then beta for the numer points
   Tensor sigma;   // [B] float64
-  Tensor kernel;  // [B, N, N] float64, k over the stacked points [denom; numer]
+  Tensor kernel;  // [B, N, N] float64, k over the stacked points [denom; numer] (generic:: only)
 };
 
 // Each backend provides the same functions; generic:: uses ATen calls only (any device), cpu::
@@ -51,8 +60,9 @@ namespace cpu {
 Tensor sqdist(const Tensor& x, const Tensor& y);
 Tensor median_bandwidth(const Tensor& x);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
-std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
-                                              const Tensor& sigma, double clip);
+// The kl op's forward, fused per batch element: (KL [B], weights [B, n_q, N], sigma [B]), float64.
+std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                      const std::optional<Tensor>& sigma, bool reverse);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
 }  // namespace cpu

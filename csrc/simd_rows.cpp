@@ -34,6 +34,10 @@ KIVI_FAST_ISA_CLONES void scale(double* row, double s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) row[j] *= s;
 }
 
+KIVI_FAST_ISA_CLONES void scale_copy(const double* x, double s, double* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = s * x[j];
+}
+
 KIVI_FAST_ISA_CLONES double mul_sum(const double* c, const double* k, double* w, int64_t n) {
   double sum = 0.0;
 #pragma omp simd reduction(+ : sum)

@@ -26,6 +26,8 @@ void add_sq_diff(const double* x, double xi, double* o, int64_t n);
 void gram_row_to_sqdist(double* row, const double* norms, double ni, int64_t n);
 // row[j] *= s
 void scale(double* row, double s, int64_t n);
+// out[j] = s x[j]
+void scale_copy(const double* x, double s, double* out, int64_t n);
 // w[j] = c[j] k[j]; returns sum_j w[j]
 double mul_sum(const double* c, const double* k, double* w, int64_t n);
 // out[j] = s (g[j] - t z[j]), converted to the output type
