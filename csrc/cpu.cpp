@@ -229,33 +229,58 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
   }
 }
 
+// The rows of a Gram matrix split in two halves: only the lower blocks (11, 21, 22) are multiplied,
+// 3/4 of the flops of the full product (BLAS's syrk is not exported by every torch build).
+constexpr int64_t kSplitGramRows = 64;
+
+void add_gram(Tensor& g, const Tensor& a, bool assign) {
+  const int64_t n = a.size(0);
+  auto product = [&](Tensor out, const Tensor& x, const Tensor& y) {
+    if (assign) {
+      at::mm_out(out, x, y.t());
+    } else {
+      out.addmm_(x, y.t());
+    }
+  };
+  if (n < kSplitGramRows) {
+    product(g, a, a);
+    return;
+  }
+  const int64_t h = n / 2;
+  auto a1 = a.narrow(0, 0, h), a2 = a.narrow(0, h, n - h);
+  product(g.narrow(0, 0, h).narrow(1, 0, h), a1, a1);
+  product(g.narrow(0, h, n - h).narrow(1, 0, h), a2, a1);
+  product(g.narrow(0, h, n - h).narrow(1, h, n - h), a2, a2);
+}
+
+void mirror_gram(Tensor& g) {
+  const int64_t n = g.size(0), h = n / 2;
+  if (n >= kSplitGramRows) g.narrow(0, 0, h).narrow(1, h, n - h).copy_(g.narrow(0, h, n - h).narrow(1, 0, h).t());
+}
+
 // Inner products of the stacked points of batch element b into out ([N, N]). Parallel over column
 // blocks (thread-local partial sums) when asked and there is more than one block.
 void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
   auto g = wrap(out, {n, n});
-  auto add_blocks = [&](int64_t k0, int64_t k1, const Tensor& target, bool first_assigns) {
+  auto add_blocks = [&](int64_t k0, int64_t k1, Tensor target, bool first_assigns) {
     std::vector<double> buf(n * width);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t c0 = k * width, w = std::min(width, s.d - c0);
       s.load(b, c0, w, buf.data());
-      auto block = wrap(buf.data(), {n, w});
-      if (first_assigns && k == k0) {
-        at::mm_out(const_cast<Tensor&>(target), block, block.t());
-      } else {
-        const_cast<Tensor&>(target).addmm_(block, block.t());
-      }
+      add_gram(target, wrap(buf.data(), {n, w}), first_assigns && k == k0);
     }
   };
   if (!parallel || blocks == 1) {
     add_blocks(0, blocks, g, true);  // one block: the GEMM itself uses the threads
-    return;
+  } else {
+    auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
+    at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+      add_blocks(k0, k1, partial[at::get_thread_num()], false);
+    });
+    at::sum_out(g, partial, 0);
   }
-  auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
-  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-    add_blocks(k0, k1, partial[at::get_thread_num()], false);
-  });
-  at::sum_out(g, partial, 0);
+  mirror_gram(g);
 }
 
 // Squared distances of the stacked points of batch element b into sq ([N, N]) and their squared
