@@ -38,3 +38,17 @@ def test_library_is_built_with_openmp():
         pytest.skip("ldd is Linux-only")
     libs = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
     assert "gomp" in libs or "omp" in libs, libs
+
+
+def test_cuda_tensors_dispatch_to_the_generic_kernels():
+    """No GPU here: check that the dispatcher sends CUDA tensors of every op to the device-generic
+    (CompositeExplicitAutograd) kernels, which test_ops_vs_reference runs on CPU, and CPU tensors
+    to the CPU kernels."""
+    import torch
+
+    kivi_fast.backend()
+    for op in ("sqdist", "rbf_gram", "median_bandwidth", "fit", "ratio", "kl", "weighted_grad"):
+        table = torch._C._dispatch_dump_table(f"kivi_fast::{op}")
+        entries = dict(line.split(": ", 1) for line in table.splitlines() if ": " in line)
+        assert "[kernel]" in entries["CPU"], (op, entries["CPU"])
+        assert "default backend kernel" in entries["CUDA"], (op, entries["CUDA"])
