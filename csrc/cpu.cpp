@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -231,7 +232,9 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
 
 // The rows of a Gram matrix split in two halves: only the lower blocks (11, 21, 22) are multiplied,
 // 3/4 of the flops of the full product (BLAS's syrk is not exported by every torch build).
+// Only worth it when the GEMM dominates the transposed copy that mirrors the missing block.
 constexpr int64_t kSplitGramRows = 64;
+constexpr int64_t kSplitGramColumns = 256;
 
 void add_gram(Tensor& g, const Tensor& a, bool assign) {
   const int64_t n = a.size(0);
@@ -242,7 +245,7 @@ void add_gram(Tensor& g, const Tensor& a, bool assign) {
       out.addmm_(x, y.t());
     }
   };
-  if (n < kSplitGramRows) {
+  if (n < kSplitGramRows || a.size(1) < kSplitGramColumns) {
     product(g, a, a);
     return;
   }
@@ -253,9 +256,9 @@ void add_gram(Tensor& g, const Tensor& a, bool assign) {
   product(g.narrow(0, h, n - h).narrow(1, h, n - h), a2, a2);
 }
 
-void mirror_gram(Tensor& g) {
+void mirror_gram(Tensor& g, int64_t width) {
   const int64_t n = g.size(0), h = n / 2;
-  if (n >= kSplitGramRows) g.narrow(0, 0, h).narrow(1, h, n - h).copy_(g.narrow(0, h, n - h).narrow(1, 0, h).t());
+  if (n >= kSplitGramRows && width >= kSplitGramColumns) g.narrow(0, 0, h).narrow(1, h, n - h).copy_(g.narrow(0, h, n - h).narrow(1, 0, h).t());
 }
 
 // Inner products of the stacked points of batch element b into out ([N, N]). Parallel over column
@@ -280,7 +283,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
     });
     at::sum_out(g, partial, 0);
   }
-  mirror_gram(g);
+  mirror_gram(g, std::min(width, s.d));
 }
 
 // Squared distances of the stacked points of batch element b into sq ([N, N]) and their squared
@@ -309,10 +312,42 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
   return sigma;
 }
 
-// Per-thread buffers of one batch element.
-struct Work {
-  std::vector<double> sq, norms, system, coef;
+// A growable scratch buffer whose contents start uninitialized (a std::vector would zero them).
+class Scratch {
+ public:
+  double* get(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new double[n]);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+  void release_if_above(int64_t n) {
+    if (capacity_ > n) {
+      data_.reset();
+      capacity_ = 0;
+    }
+  }
+
+ private:
+  std::unique_ptr<double[]> data_;
+  int64_t capacity_ = 0;
 };
+
+// Per-thread buffers of one batch element, kept between calls (training calls the op with the same
+// shapes at every step: no allocation, no page faults). Buffers above 32 MB are freed after a call.
+struct Work {
+  Scratch sq, norms, system, coef;
+  void trim() {
+    constexpr int64_t kKeep = int64_t{1} << 22;
+    for (Scratch* b : {&sq, &norms, &system, &coef}) b->release_if_above(kKeep);
+  }
+};
+
+Work& thread_work() {
+  thread_local Work work;
+  return work;
+}
 
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
 // occupy the threads, otherwise one element after another, each using the threads inside.
@@ -320,26 +355,27 @@ template <class Fn>
 void for_each_element(int64_t batch, Fn fn) {
   if (batch >= at::get_num_threads()) {
     at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-      Work work;
+      Work& work = thread_work();
       for (int64_t b = b0; b < b1; ++b) fn(b, false, work);
+      work.trim();
     });
   } else {
-    Work work;
+    Work& work = thread_work();
     for (int64_t b = 0; b < batch; ++b) fn(b, true, work);
+    work.trim();
   }
 }
 
 // (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num) by Cholesky, from the kernel of the
 // stacked points [denom; numer] (N x N, row-major). alpha gets n_den values.
-void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha,
-                     std::vector<double>& system) {
+void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha, Scratch& scratch) {
   const int64_t n_num = n - n_den;
-  system.resize(n_den * n_den);
+  double* const system = scratch.get(n_den * n_den);
   const double inv_n = 1.0 / static_cast<double>(n_den);
   const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
   for (int64_t i = 0; i < n_den; ++i) {
     const double* row = kernel + i * n;
-    double* a = system.data() + i * n_den;
+    double* a = system + i * n_den;
     rows::scale_copy(row, inv_n, a, n_den);
     a[i] += lam;
     alpha[i] = rhs_scale * std::accumulate(row + n_den, row + n, 0.0);
@@ -348,10 +384,10 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   if (dpotrf_ != nullptr && dpotrs_ != nullptr) {
     // Symmetric, so the row-major buffer is also the column-major matrix.
     const int nn = static_cast<int>(n_den), one = 1;
-    dpotrf_("L", &nn, system.data(), &nn, &info);
-    if (info == 0) dpotrs_("L", &nn, &one, system.data(), &nn, alpha, &nn, &info);
+    dpotrf_("L", &nn, system, &nn, &info);
+    if (info == 0) dpotrs_("L", &nn, &one, system, &nn, alpha, &nn, &info);
   } else {
-    auto [chol, status] = at::linalg_cholesky_ex(wrap(system.data(), {n_den, n_den}));
+    auto [chol, status] = at::linalg_cholesky_ex(wrap(system, {n_den, n_den}));
     info = status.item<int>();
     if (info == 0) {
       auto x = wrap(alpha, {n_den, 1});
@@ -362,21 +398,20 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
 }
 
 // The fit of numer / denom for batch element b: leaves the kernel of the stacked points in
-// work.sq, the coefficients [alpha; beta 1] in work.coef, and returns the bandwidth.
+// work.sq ([N, N]), the coefficients [alpha; beta 1] in work.coef ([N]), and returns the bandwidth.
 double fit_one(const Stack& s, int64_t b, int64_t n_den, double lam, const double* sigma_given, Names names,
                bool parallel, Work& work) {
   const int64_t n = s.rows;
-  work.sq.resize(n * n);
-  work.norms.resize(n);
-  work.coef.resize(n);
-  double* sq = work.sq.data();
-  distances_one(s, b, sq, work.norms.data(), parallel);
-  check_finite(work.norms.data(), n_den, n, names);
+  double* sq = work.sq.get(n * n);
+  double* norms = work.norms.get(n);
+  double* coef = work.coef.get(n);
+  distances_one(s, b, sq, norms, parallel);
+  check_finite(norms, n_den, n, names);
   const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
   rows::scale(sq, -0.5 / (sigma * sigma), n * n);
   wrap(sq, {n * n}).exp_();
-  solve_alpha_one(sq, n, n_den, lam, work.coef.data(), work.system);
-  std::fill(work.coef.begin() + n_den, work.coef.end(), 1.0 / (lam * static_cast<double>(n - n_den)));
+  solve_alpha_one(sq, n, n_den, lam, coef, work.system);
+  std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
 }
 
@@ -391,12 +426,12 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
   const int64_t nx = x.size(1), ny = y.size(1), n = s.rows;
   auto out = at::empty({s.batch, nx, ny}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
-    work.sq.resize(n * n);
-    work.norms.resize(n);
-    distances_one(s, b, work.sq.data(), work.norms.data(), parallel);
-    check_finite(work.norms.data(), nx, n, {"y", "x"});
+    double* sq = work.sq.get(n * n);
+    double* norms = work.norms.get(n);
+    distances_one(s, b, sq, norms, parallel);
+    check_finite(norms, nx, n, {"y", "x"});
     double* o = out.data_ptr<double>() + b * nx * ny;
-    for (int64_t i = 0; i < nx; ++i) std::copy_n(work.sq.data() + i * n + nx, ny, o + i * ny);
+    for (int64_t i = 0; i < nx; ++i) std::copy_n(sq + i * n + nx, ny, o + i * ny);
   });
   return out;
 }
@@ -406,11 +441,11 @@ Tensor median_bandwidth(const Tensor& x) {
   const int64_t n = s.rows;
   auto sigma = at::empty({s.batch}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
-    work.sq.resize(n * n);
-    work.norms.resize(n);
-    distances_one(s, b, work.sq.data(), work.norms.data(), parallel);
-    check_finite(work.norms.data(), n, n, {"x", "x"});
-    sigma.data_ptr<double>()[b] = checked_median(work.sq.data(), n, parallel);
+    double* sq = work.sq.get(n * n);
+    double* norms = work.norms.get(n);
+    distances_one(s, b, sq, norms, parallel);
+    check_finite(norms, n, n, {"x", "x"});
+    sigma.data_ptr<double>()[b] = checked_median(sq, n, parallel);
   });
   return sigma;
 }
@@ -422,7 +457,7 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
     used.data_ptr<double>()[b] = fit_one(s, b, denom.size(1), lam, sigma_data(sigma), names, parallel, work);
-    std::copy(work.coef.begin(), work.coef.end(), coef.data_ptr<double>() + b * n);
+    std::copy_n(work.coef.get(n), n, coef.data_ptr<double>() + b * n);
   });
   return {coef, used, Tensor()};
 }
@@ -448,7 +483,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     std::vector<double> log_r(m);
     auto rows_body = [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
-        const double r = rows::mul_sum(work.coef.data(), work.sq.data() + (row0 + j) * n, w + j * n, n);
+        const double r = rows::mul_sum(work.coef.get(n), work.sq.get(n * n) + (row0 + j) * n, w + j * n, n);
         log_r[j] = std::log(std::max(r, clip));
         rows::scale(w + j * n, r > clip ? 1.0 / (sg * sg * r) : 0.0, n);
       }
