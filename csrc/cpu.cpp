@@ -76,26 +76,63 @@ Tensor wrap(double* data, at::IntArrayRef sizes) {
   return at::from_blob(data, sizes, at::TensorOptions().dtype(at::kDouble));
 }
 
+// A growable scratch buffer whose contents start uninitialized (a std::vector would zero them).
+class Scratch {
+ public:
+  double* get(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new double[n]);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+  void release_if_above(int64_t n) {
+    if (capacity_ > n) {
+      data_.reset();
+      capacity_ = 0;
+    }
+  }
+
+ private:
+  std::unique_ptr<double[]> data_;
+  int64_t capacity_ = 0;
+};
+
+// Per-thread buffers of one batch element, kept between calls (training calls the op with the same
+// shapes at every step: no allocation, no page faults). Buffers above 32 MB are freed after a call.
+struct Work {
+  Scratch sq, norms, system, coef, block;  // block: samples converted to float64, a column block
+  void trim() {
+    constexpr int64_t kKeep = int64_t{1} << 22;
+    for (Scratch* b : {&sq, &norms, &system, &coef, &block}) b->release_if_above(kKeep);
+  }
+};
+
+Work& thread_work() {
+  thread_local Work work;
+  return work;
+}
+
 // Calls fn(b, c0, w, block) for every batch element and column block, block = float64 [rows, w]
 // tensor on a per-thread buffer. Parallel over the batch when it is large enough to occupy the
 // threads (one element per task), else over the column blocks.
 template <class Fn>
 void for_each_block(const Stack& s, bool by_batch, Fn fn) {
   const int64_t width = s.block_width(), blocks = s.n_blocks();
-  auto run = [&](int64_t b, int64_t k, std::vector<double>& buf) {
+  auto run = [&](int64_t b, int64_t k, double* buf) {
     const int64_t c0 = k * width, w = std::min(width, s.d - c0);
-    s.load(b, c0, w, buf.data());
-    fn(b, c0, w, wrap(buf.data(), {s.rows, w}));
+    s.load(b, c0, w, buf);
+    fn(b, c0, w, wrap(buf, {s.rows, w}));
   };
   if (by_batch) {
     at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<double> buf(s.rows * width);
+      double* buf = thread_work().block.get(s.rows * width);
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t k = 0; k < blocks; ++k) run(b, k, buf);
     });
   } else {
     at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-      std::vector<double> buf(s.rows * width);
+      double* buf = thread_work().block.get(s.rows * width);
       for (int64_t k = k0; k < k1; ++k)
         for (int64_t b = 0; b < s.batch; ++b) run(b, k, buf);
     });
@@ -267,11 +304,11 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
   auto g = wrap(out, {n, n});
   auto add_blocks = [&](int64_t k0, int64_t k1, Tensor target, bool first_assigns) {
-    std::vector<double> buf(n * width);
+    double* buf = thread_work().block.get(n * width);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t c0 = k * width, w = std::min(width, s.d - c0);
-      s.load(b, c0, w, buf.data());
-      add_gram(target, wrap(buf.data(), {n, w}), first_assigns && k == k0);
+      s.load(b, c0, w, buf);
+      add_gram(target, wrap(buf, {n, w}), first_assigns && k == k0);
     }
   };
   if (!parallel || blocks == 1) {
@@ -310,43 +347,6 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
   const double sigma = median_of_pairs(sq, n, parallel);
   TORCH_CHECK_VALUE(sigma > 0, kZeroMedianMessage);
   return sigma;
-}
-
-// A growable scratch buffer whose contents start uninitialized (a std::vector would zero them).
-class Scratch {
- public:
-  double* get(int64_t n) {
-    if (n > capacity_) {
-      data_.reset(new double[n]);
-      capacity_ = n;
-    }
-    return data_.get();
-  }
-  void release_if_above(int64_t n) {
-    if (capacity_ > n) {
-      data_.reset();
-      capacity_ = 0;
-    }
-  }
-
- private:
-  std::unique_ptr<double[]> data_;
-  int64_t capacity_ = 0;
-};
-
-// Per-thread buffers of one batch element, kept between calls (training calls the op with the same
-// shapes at every step: no allocation, no page faults). Buffers above 32 MB are freed after a call.
-struct Work {
-  Scratch sq, norms, system, coef;
-  void trim() {
-    constexpr int64_t kKeep = int64_t{1} << 22;
-    for (Scratch* b : {&sq, &norms, &system, &coef}) b->release_if_above(kKeep);
-  }
-};
-
-Work& thread_work() {
-  thread_local Work work;
-  return work;
 }
 
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
