@@ -42,7 +42,8 @@ sys.path.insert(0, HERE)
 import pure_torch  # noqa: E402
 import roofline  # noqa: E402
 
-DEFAULT_SHAPES = "10x314000,100x700,100x8,128x100x8,1000x32,2000x32,100x50000"
+# The shapes, plus 100x51: the second layer of the UCI Boston BNN (51 x 1 weights).
+DEFAULT_SHAPES = "10x314000,100x700,100x51,100x8,128x100x8,1000x32,2000x32,100x50000"
 QUICK_SHAPES = "100x8,128x100x8,100x700,1000x32"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 LAM = 1e-3
