@@ -67,7 +67,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
                      const Tensor& denom);
 }  // namespace cpu
 
-// Device-independent pieces (ATen calls only), used by both paths.
+// ATen-only helpers of the generic path (stack_points also serves the ratio op on every device).
 Tensor median_from_sqdist(const Tensor& sq);  // [B, N, N] float64 -> [B] median distance, checked > 0
 Tensor solve_alpha(const Tensor& kernel, int64_t n_den, double lam);  // [B, n_den] float64
 Tensor stack_points(const Tensor& denom, const Tensor& numer);        // [B, N, d]
