@@ -90,9 +90,7 @@ def plot(path, samples: dict, stats: dict) -> None:
     ax.set(yscale="log", title="signal-to-noise ratio |mu| / sigma of each W_1 weight (sorted)",
            xlabel="rank", ylabel="|mu| / sigma")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    runs.save_figure(fig, path, dpi=80)
 
 
 def run(args) -> int:

@@ -208,9 +208,7 @@ def plot_estimates(path, rows, families, dims, lams) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("KIVI KL estimate vs. truth (black), mean +- std over repetitions\n"
                  "solid: plain, dashed: adaptive contrast", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    runs.save_figure(fig, path, dpi=80)
 
 
 def plot_clipped(path, rows, families, dims, lams) -> None:
@@ -230,9 +228,7 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("fraction of q samples whose fitted ratio p/q <= clip\n(solid: plain, dashed: adaptive contrast)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    runs.save_figure(fig, path, dpi=80)
 
 
 def run(args) -> int:

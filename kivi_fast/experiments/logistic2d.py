@@ -158,9 +158,7 @@ def plot_figure(path, data, grid, vi: FactorizedGaussian, samples: dict, window,
         ax.set_aspect("equal")
     axes[0].set_aspect("equal")
     fig.suptitle("2-D Bayesian logistic regression (gray: true posterior contours; dots: samples)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    runs.save_figure(fig, path, dpi=90)
 
 
 def run(args) -> int:

@@ -93,9 +93,7 @@ def plot(path, clouds: dict, titles: dict) -> None:
             ax.set(xlabel="w1", ylabel="w2")
     fig.suptitle("q trained to minimize only the KIVI estimate of KL(q || N(0, I)) (gray: prior contours)",
                  fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    runs.save_figure(fig, path, dpi=80, rect=(0, 0, 1, 0.97))
 
 
 def run(args) -> int:

@@ -45,3 +45,13 @@ def matplotlib_pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 100, rect=None) -> None:
+    """Lay out, write and close a figure (closing frees it: long runs draw many)."""
+    if rect is None:
+        fig.tight_layout()
+    else:
+        fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
+    matplotlib_pyplot().close(fig)

@@ -276,9 +276,7 @@ def plot_densities(path: Path, kivi: dict, gauss: dict, seed: int, pyplot) -> No
     ax.set_title(f"1-D Gaussian mixture 0.5 N(-3, 1) + 0.5 N(3, 1): KIVI vs. Gaussian VI (seed {seed})")
     ax.legend(loc="upper left", fontsize=8.5, framealpha=0.9)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    runs.save_figure(fig, path)
 
 
 def plot_training(path: Path, histories: dict, final_kl: dict, pyplot) -> None:
@@ -302,9 +300,7 @@ def plot_training(path: Path, histories: dict, final_kl: dict, pyplot) -> None:
     ax.set_title("Training objective per step (KIVI's is a kernel estimate, biased upward here)", fontsize=10.5)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    runs.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------

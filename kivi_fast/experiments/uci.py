@@ -319,9 +319,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     lo = [np.percentile(r["history"]["elbo"], 5) for r in results if r["history"]["elbo"]]
     if lo:
         axes[0].set_ylim(bottom=min(lo))  # the first epochs' ELBO would squash the rest
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    runs.save_figure(fig, path, dpi=110)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
