@@ -67,7 +67,6 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, clip: float 
     if not gemm_in_input_dtype:
         q, p = q.double(), p.double()
     n_q, n_p = q.shape[1], p.shape[1]
-    n = n_q + n_p
 
     centres = torch.cat([q.detach(), p], dim=1)               # [B, N, d], no gradient
     sq_c = centres.pow(2).sum(-1)                               # [B, N]

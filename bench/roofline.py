@@ -42,7 +42,6 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
     """Best-of-reps GB/s (1e9 bytes/s) of torch.sum over a float32 tensor of ``nbytes`` bytes."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     t = _best_time(lambda: x.sum(), reps)
-    del x
     return nbytes / t / 1e9
 
 

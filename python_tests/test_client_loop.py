@@ -3,7 +3,6 @@ whose exact posterior is Gaussian, recovers that posterior's mean and variances.
 
 import math
 
-import pytest
 import torch
 
 import kivi_fast

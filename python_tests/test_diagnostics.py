@@ -3,7 +3,6 @@ and a --quick smoke run of each subcommand (blr, reverse-ablation, kl-accuracy, 
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
