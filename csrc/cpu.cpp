@@ -464,26 +464,24 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
 
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                       const std::optional<Tensor>& sigma, bool reverse) {
-  // reverse: fit p/q (denom = q), KL = -mean log r(q_z); otherwise fit q/p, KL = mean log r(q_z).
-  const Tensor& numer = reverse ? prior_z : q_z;
-  const Tensor& denom = reverse ? q_z : prior_z;
-  const Names names = reverse ? Names{"prior_z", "q_z"} : Names{"q_z", "prior_z"};
-  Stack s({denom, numer});
-  const int64_t n = s.rows, n_den = denom.size(1), m = q_z.size(1);
-  const int64_t row0 = reverse ? 0 : n_den;  // q_z's rows among the stacked points
+  const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+  Stack s({roles.denom, roles.numer});
+  const int64_t n = s.rows, n_den = roles.denom.size(1), m = q_z.size(1);
   auto kl_out = at::empty({s.batch}, at::kDouble);
   auto weights = at::empty({s.batch, m, n}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
-    const double sg = fit_one(s, b, n_den, lam, sigma_data(sigma), names, parallel, work);
+    const double sg = fit_one(s, b, n_den, lam, sigma_data(sigma), roles.names, parallel, work);
     used.data_ptr<double>()[b] = sg;
     // The evaluation points q_z are fitted samples too: their kernel rows are already in work.sq.
     // r_j = sum_c coef_c k(c, z_j); W_jc = coef_c k(c, z_j) / (sigma^2 r_j), zero where r_j <= clip.
+    const double* coef = work.coef.get(n);
+    const double* kernel_rows = work.sq.get(n * n) + roles.row0 * n;
     double* w = weights.data_ptr<double>() + b * m * n;
     std::vector<double> log_r(m);
     auto rows_body = [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
-        const double r = rows::mul_sum(work.coef.get(n), work.sq.get(n * n) + (row0 + j) * n, w + j * n, n);
+        const double r = rows::mul_sum(coef, kernel_rows + j * n, w + j * n, n);
         log_r[j] = std::log(std::max(r, clip));
         rows::scale(w + j * n, r > clip ? 1.0 / (sg * sg * r) : 0.0, n);
       }

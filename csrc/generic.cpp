@@ -72,13 +72,18 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   return {at::cat({alpha, beta}, 1), s, kernel};
 }
 
-std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
-                                              const Tensor& sigma, double clip) {
-  auto terms = kernel.narrow(1, row0, m) * coef.unsqueeze(1);
+std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                      const std::optional<Tensor>& sigma, bool reverse) {
+  const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+  auto f = fit(roles.numer, roles.denom, lam, sigma, roles.names);
+  // The evaluation points q_z are fitted samples too: their kernel rows are already in f.kernel.
+  auto terms = f.kernel.narrow(1, roles.row0, q_z.size(1)) * f.coef.unsqueeze(1);
   auto r = terms.sum(-1);
-  // d log r / dz = (d r / dz) / r, and grad_z k(c, z) = k(c, z) (c - z) / sigma^2.
-  auto scale = (r > clip).to(at::kDouble) / (r * (sigma * sigma).unsqueeze(1));
-  return {at::log(r.clamp_min(clip)), terms.mul_(scale.unsqueeze(-1))};
+  // d log r / dz = (d r / dz) / r, and grad_z k(c, z) = k(c, z) (c - z) / sigma^2; clipped: none.
+  auto scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
+  auto kl = at::log(r.clamp_min(clip)).mean(-1);
+  if (reverse) kl.neg_();
+  return {kl, terms.mul_(scale.unsqueeze(-1)), f.sigma};
 }
 
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,

@@ -34,6 +34,20 @@ struct Names {
   const char* denom;
 };
 
+// The kl op's roles of its two sample sets. reverse (the paper's reverse ratio trick): fit p/q, so
+// q_z is the denominator and KL = -mean log r(q_z); otherwise fit q/p and KL = mean log r(q_z).
+// Fits stack [denom; numer], so q_z's rows start at row0.
+struct KlRoles {
+  const Tensor& numer;
+  const Tensor& denom;
+  Names names;
+  int64_t row0;
+};
+inline KlRoles kl_roles(const Tensor& prior_z, const Tensor& q_z, bool reverse) {
+  if (reverse) return {prior_z, q_z, {"prior_z", "q_z"}, 0};
+  return {q_z, prior_z, {"q_z", "prior_z"}, prior_z.size(1)};
+}
+
 // A fitted ratio together with what the evaluation at the fitted samples reuses.
 struct Fit {
   Tensor coef;    // [B, N] float64: alpha for the denom points, then beta for the numer points
@@ -47,10 +61,9 @@ namespace generic {
 Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
 Tensor median_bandwidth(const Tensor& x);         // [B] float64
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
-// log max(r, clip) [B, m] at kernel rows [row0, row0 + m), and the weights W_jc = coef_c k(c, z_j) /
-// (sigma^2 r_j) of grad log r ([B, m, N], zero rows where clipped), both float64.
-std::tuple<Tensor, Tensor> evaluate_log_ratio(const Tensor& kernel, int64_t row0, int64_t m, const Tensor& coef,
-                                              const Tensor& sigma, double clip);
+// The kl op's forward: (KL [B], weights [B, n_q, N] of grad log r at q_z, sigma [B]), float64.
+std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                      const std::optional<Tensor>& sigma, bool reverse);
 // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);

@@ -34,12 +34,17 @@ Tensor median_bandwidth_op(const Tensor& x) {
   return use_cpu<kCpu>() ? cpu::median_bandwidth(x.contiguous()) : generic::median_bandwidth(x);
 }
 
+// A float64 copy of a given bandwidth: the ops return the bandwidth used, and a custom op's output
+// may not alias its argument.
+std::optional<Tensor> owned_double(const std::optional<Tensor>& sigma) {
+  if (!sigma.has_value()) return std::nullopt;
+  return sigma->to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).contiguous();
+}
+
 template <bool kCpu>
 Fit fit_any(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma,
             Names names) {
-  std::optional<Tensor> s;
-  // A copy: the returned bandwidth must not alias the argument (custom ops may not alias).
-  if (sigma.has_value()) s = sigma->to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  const auto s = owned_double(sigma);
   return use_cpu<kCpu>() ? cpu::fit(numer.contiguous(), denom.contiguous(), lam, s, names)
                         : generic::fit(numer, denom, lam, s, names);
 }
@@ -74,23 +79,11 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 template <bool kCpu>
 std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                          const std::optional<Tensor>& sigma, bool reverse) {
-  std::optional<Tensor> s;
-  if (sigma.has_value()) s = sigma->to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).contiguous();
-  if (use_cpu<kCpu>()) {
-    auto [kl, weights, used] = cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse);
-    return {kl.to(q_z.scalar_type()), weights, used};
-  }
-  // reverse: fit p/q, KL = -mean log r(q_z); otherwise fit q/p, KL = mean log r(q_z).
-  const auto& numer = reverse ? prior_z : q_z;
-  const auto& denom = reverse ? q_z : prior_z;
-  Names names = reverse ? Names{"prior_z", "q_z"} : Names{"q_z", "prior_z"};
-  auto f = generic::fit(numer, denom, lam, s, names);
-  // The evaluation points q_z are fitted samples too: their kernel rows are already in f.kernel.
-  const int64_t row0 = reverse ? 0 : denom.size(1);
-  auto [log_r, weights] = generic::evaluate_log_ratio(f.kernel, row0, q_z.size(1), f.coef, f.sigma, clip);
-  auto kl = log_r.mean(-1);
-  if (reverse) kl.neg_();
-  return {kl.to(q_z.scalar_type()), weights, f.sigma};
+  const auto s = owned_double(sigma);
+  auto [kl, weights, used] = use_cpu<kCpu>()
+                                 ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse)
+                                 : generic::kl(prior_z, q_z, lam, clip, s, reverse);
+  return {kl.to(q_z.scalar_type()), weights, used};
 }
 
 template <bool kCpu>
