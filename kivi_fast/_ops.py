@@ -1,11 +1,11 @@
-"""Fake (meta) kernels and autograd formulas of the compiled ops ``torch.ops.kivi_fast.*``.
+"""Fake (meta) kernels of the compiled ops ``torch.ops.kivi_fast.*``, for torch.compile and opcheck.
 
 The ops are declared in csrc/ops.cpp; their tensor arguments are always batched ([B, n, d]).
 Internally they work in float64 (see csrc/ops.cpp for why); ``weights`` outputs are the float64
 [B, m, n_denom + n_numer] matrices that the backward needs, saved by the forward.
 
-Gradient (the paper's Eq. 8): the fitted function is held fixed and only the evaluation points move,
-so d/dz_j f(z_j) = row_scale_j * (sum_c W_jc c - (sum_c W_jc) z_j), one op: ``weighted_grad``.
+The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``weighted_grad`` op)
+are registered in C++ (csrc/autograd.cpp), so that a training step stays out of Python.
 """
 
 from __future__ import annotations
@@ -54,36 +54,3 @@ def _(prior_z, q_z, lam, clip, sigma, reverse):
 @torch.library.register_fake("kivi_fast::weighted_grad")
 def _(row_scale, weights, z, numer, denom):
     return torch.empty_like(z)
-
-
-def _ratio_setup(ctx, inputs, output):
-    z, numer, denom = inputs[0], inputs[1], inputs[2]
-    ctx.save_for_backward(output[1], z, numer, denom)
-
-
-def _ratio_backward(ctx, grad_r, grad_weights):
-    weights, z, numer, denom = ctx.saved_tensors
-    grad_z = ops.weighted_grad(grad_r.to(torch.float64), weights, z, numer, denom)
-    return grad_z, None, None, None, None, None
-
-
-torch.library.register_autograd("kivi_fast::ratio", _ratio_backward, setup_context=_ratio_setup)
-
-
-def _kl_setup(ctx, inputs, output):
-    prior_z, q_z, _, _, _, reverse = inputs
-    ctx.reverse = reverse
-    numer, denom = (prior_z, q_z) if reverse else (q_z, prior_z)
-    ctx.save_for_backward(output[1], q_z, numer, denom)
-
-
-def _kl_backward(ctx, grad_kl, grad_weights, grad_sigma):
-    weights, q_z, numer, denom = ctx.saved_tensors
-    # KL = -+ (1/n_q) sum_j log r(z_j); the saved weights already hold the 1 / r_j of d log r.
-    sign = -1.0 if ctx.reverse else 1.0
-    row_scale = (sign / q_z.shape[1]) * grad_kl.to(torch.float64)[:, None].expand(-1, q_z.shape[1])
-    grad_q = ops.weighted_grad(row_scale, weights, q_z, numer, denom)
-    return None, grad_q, None, None, None, None
-
-
-torch.library.register_autograd("kivi_fast::kl", _kl_backward, setup_context=_kl_setup)
