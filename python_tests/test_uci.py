@@ -295,3 +295,46 @@ def test_command_line_runs_and_reports_year_unavailable(tmp_path, capsys):
                      "--no-profile", "--run-dir", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "paper KIVI" in out and "0.737" in out and "ours (kivi, 1 splits)" in out
+
+
+def test_report_exports_small_copies_and_tabulates_beside_the_paper(tmp_path, monkeypatch):
+    from kivi_fast import cli
+
+    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    runs_dir, results = tmp_path / "runs", tmp_path / "results"
+    for method in ("kivi", "factorized"):
+        args = make_args(tmp_path, "--dataset", "yacht", "--method", method, "--splits", "0,1", "--epochs", "2",
+                         "--eval-every", "1", "--run-dir", str(runs_dir / method))
+        assert uci.run(args) == 0
+    (runs_dir / "empty").mkdir()
+    assert cli.main(["uci-report", str(runs_dir / "kivi"), str(runs_dir / "factorized"), str(runs_dir / "empty"),
+                     "--results", str(results)]) == 0
+    splits = json.loads((results / "yacht-kivi" / "splits.json").read_text())
+    originals = [json.loads((runs_dir / "kivi" / f"split_0{s}.json").read_text()) for s in (0, 1)]
+    assert [s["split"] for s in splits] == [0, 1] and "history" not in splits[0]
+    assert splits[1]["eval_history"]["rmse"] == originals[1]["history"]["rmse"]
+    assert not (results / "yacht-kivi" / "checkpoint.pt").exists()
+    table = (results / "TABLE.md").read_text().splitlines()
+    mean_rmse = np.mean([o["rmse"] for o in originals])
+    se_rmse = np.std([o["rmse"] for o in originals], ddof=1) / math.sqrt(2)
+    ours = [line for line in table if "ours: kivi" in line][0]
+    assert f"{mean_rmse:.3f} ± {se_rmse:.3f}" in ours and "| 2 |" in ours
+    assert any("ours: factorized" in line for line in table)
+    assert any("paper KIVI" in line and "0.737 ± 0.068" in line for line in table)
+    assert not any("boston" in line for line in table)  # only data sets with runs
+
+
+def test_kl_probe_reports_what_the_estimate_sees(tmp_path, capsys):
+    from kivi_fast import cli
+
+    assert cli.main(["uci-kl-probe", "--dataset", "yacht", "--epochs", "2", "--every", "1", "--reps", "2",
+                     "--run-dir", str(tmp_path / "probe")]) == 0
+    result = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    layers = result["init"]["layers"]
+    assert [layer["d"] for layer in layers] == [7 * 50, 51]
+    for layer in layers:
+        assert 0 <= layer["clipped_fraction"] <= 1 and layer["bandwidth"] > 0 and layer["q_sd"] > 0
+    assert all(g > 0 and math.isfinite(g) for g in result["init"]["grad_norm_kl"] + result["init"]["grad_norm_log_lik"])
+    assert set(result["training"]) == {"no-kl", "kivi", "kivi-ac"}
+    assert all(log["epoch"] == [1, 2] for log in result["training"].values())
+    assert "gradient norm" in capsys.readouterr().out
