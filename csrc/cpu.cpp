@@ -6,6 +6,8 @@
 //  - samples are read in column blocks converted to float64 in a per-thread buffer, so float32
 //    inputs never pay for a full float64 copy (d = 314000 for an MNIST layer), and each block's
 //    GEMM runs while the block is in cache; up to 8 dimensions, distances come from differences;
+//  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
+//    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
 //  - the median is an exact selection over binned values (see select_two), not a sort;
 //  - the backward reads the samples once more, block by block, and writes the gradient once.
 #include <ATen/Dispatch.h>
@@ -21,6 +23,7 @@
 #include <numeric>
 #include <vector>
 
+#include "few_points.h"
 #include "kivi.h"
 #include "simd_rows.h"
 
@@ -298,9 +301,52 @@ void mirror_gram(Tensor& g, int64_t width) {
   if (n >= kSplitGramRows && width >= kSplitGramColumns) g.narrow(0, 0, h).narrow(1, h, n - h).copy_(g.narrow(0, h, n - h).narrow(1, 0, h).t());
 }
 
+// The few-points kernels take the stacked rows as pointers.
+bool use_few_points(int64_t rows) { return rows <= few_points::kMaxRows && few_points::available(); }
+
+template <class T>
+void row_pointers(const Stack& s, int64_t b, int64_t c0, const T** out) {
+  for (size_t i = 0; i < s.parts.size(); ++i) {
+    const int64_t n = s.parts[i].size(1);
+    const T* base = s.parts[i].data_ptr<T>() + b * n * s.d + c0;
+    for (int64_t r = 0; r < n; ++r) out[s.offsets[i] + r] = base + r * s.d;
+  }
+}
+
+// Columns per task when the few-points Gram of one element is split over threads.
+constexpr int64_t kFewPointsGrain = 16384;
+
+void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
+  const int64_t n = s.rows;
+  std::fill(out, out + n * n, 0.0);
+  AT_DISPATCH_FLOATING_TYPES(s.parts[0].scalar_type(), "kivi_fast_few_points_gram", [&] {
+    auto add_columns = [&](int64_t c0, int64_t c1, double* acc) {
+      const scalar_t* rows[few_points::kMaxRows];
+      row_pointers(s, b, c0, rows);
+      few_points::add_gram_lower(rows, n, c1 - c0, acc);
+    };
+    if (!parallel || s.d < 2 * kFewPointsGrain || at::get_num_threads() == 1) {
+      add_columns(0, s.d, out);
+      return;
+    }
+    auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
+    at::parallel_for(0, s.d, kFewPointsGrain, [&](int64_t c0, int64_t c1) {
+      add_columns(c0, c1, partial[at::get_thread_num()].data_ptr<double>());
+    });
+    auto total = wrap(out, {n, n});
+    at::sum_out(total, partial, 0);
+  });
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < i; ++j) out[j * n + i] = out[i * n + j];
+}
+
 // Inner products of the stacked points of batch element b into out ([N, N]). Parallel over column
 // blocks (thread-local partial sums) when asked and there is more than one block.
 void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
+  if (use_few_points(s.rows)) {
+    few_points_gram(s, b, out, parallel);
+    return;
+  }
   const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
   auto g = wrap(out, {n, n});
   auto add_blocks = [&](int64_t k0, int64_t k1, Tensor target, bool first_assigns) {
@@ -497,6 +543,36 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   return {kl_out, weights, used};
 }
 
+namespace {
+
+// weighted_grad for few points: grad_j = scale_j (sum_c W_jc c - w_sum_j z_j) straight from the input
+// rows (the first n stacked rows are the fitted points; z's m rows start at stacked row z_row).
+void few_points_weighted_grad(const Stack& s, int64_t n, int64_t z_row, const Tensor& weights, const Tensor& scale,
+                              const Tensor& w_sum, Tensor& grad) {
+  const int64_t m = grad.size(1), d = s.d;
+  auto w = weights.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "kivi_fast_few_points_grad", [&] {
+    auto columns = [&](int64_t b, int64_t c0, int64_t c1) {
+      const scalar_t* rows[few_points::kMaxRows + few_points::kMaxOutRows];
+      row_pointers(s, b, c0, rows);
+      scalar_t* out[few_points::kMaxOutRows];
+      for (int64_t j = 0; j < m; ++j) out[j] = grad.data_ptr<scalar_t>() + (b * m + j) * d + c0;
+      few_points::weighted_rows(w.data_ptr<double>() + b * m * n, m, n, rows, rows + z_row,
+                                scale.data_ptr<double>() + b * m, w_sum.data_ptr<double>() + b * m, out, c1 - c0);
+    };
+    if (s.batch >= at::get_num_threads() || d < 2 * kFewPointsGrain) {
+      at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) columns(b, 0, d);
+      });
+    } else {
+      for (int64_t b = 0; b < s.batch; ++b)
+        at::parallel_for(0, d, kFewPointsGrain, [&](int64_t c0, int64_t c1) { columns(b, c0, c1); });
+    }
+  });
+}
+
+}  // namespace
+
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom) {
   // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
@@ -513,6 +589,10 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   auto scale = row_scale.to(at::kDouble).contiguous();
   auto grad = at::empty_like(z, z.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t d = s.d;
+  if (use_few_points(n) && m <= few_points::kMaxOutRows) {
+    few_points_weighted_grad(s, n, z_row, weights, scale, w_sum, grad);
+    return grad;
+  }
   for_each_block(s, parallel_over_batch(s), [&](int64_t b, int64_t c0, int64_t w, const Tensor& block) {
     auto g = at::mm(weights[b], block.narrow(0, 0, n));  // [m, w]
     const double* gp = g.data_ptr<double>();

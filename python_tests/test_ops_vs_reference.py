@@ -137,3 +137,38 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
         x = torch.round(x * 2) / 2  # a coarse grid: many equal distances
     expected = np.median(pdist(x.numpy()))
     assert kivi_fast.median_bandwidth(x).item() == pytest.approx(expected, rel=1e-12)
+
+
+# Few points in many dimensions (an MNIST layer) take register-tiled kernels on AVX-512 CPUs
+# (csrc/few_points.h): up to 32 stacked points, up to 16 evaluation points in the backward, columns
+# split over threads above 2 x 16384. The cases sit on both sides of each limit; hypothesis rarely
+# draws them.
+@pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
+    (10, 10, 33001, None, torch.float32, 2),  # columns over two threads, tail columns
+    (16, 16, 9, None, torch.float64, 1),      # 32 points, the first dimension past the direct path
+    (17, 16, 100, 3, torch.float32, 1),       # 33 points: the GEMM path
+    (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
+    (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
+])
+def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads):
+    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)
+    p, q = make_samples(pr)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (True, False):
+            ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
+            ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+            rtol = 1e-5 if dtype == torch.float32 else 1e-8
+            for a, b in zip(ours, ref):
+                assert_close_rel(a, b, rtol)
+        z = (torch.cat([p, q], dim=-2)[..., 1::3, :] + 0.01).requires_grad_(True)  # points of neither set
+        z_ref = z.detach().clone().requires_grad_(True)
+        r = kivi_fast.DensityRatio().fit(p, q).log_ratio(z)
+        r_ref = reference.DensityRatio().fit(p, q).log_ratio(z_ref)
+        r.sum().backward()
+        r_ref.sum().backward()
+        assert_close_rel(r.detach(), r_ref.detach(), 1e-5 if dtype == torch.float32 else 1e-7)
+        assert_close_rel(z.grad, z_ref.grad, 1e-5 if dtype == torch.float32 else 1e-7)
+    finally:
+        torch.set_num_threads(old)

@@ -1,0 +1,155 @@
+#include "few_points.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
+#define KIVI_FAST_FEW_POINTS_AVX512 1
+#include <immintrin.h>
+// GCC 12's _mm512_cvtps_pd starts from an "undefined" register, which -Wmaybe-uninitialized reports.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace kivi_fast {
+namespace few_points {
+
+#ifdef KIVI_FAST_FEW_POINTS_AVX512
+
+#define KIVI_AVX512 __attribute__((target("avx512f")))
+
+namespace {
+
+// Columns per pass of the Gram kernel: 32 rows of 2048 columns (256 KB as float32) stay in L2 while
+// every register tile of the lower triangle reads them.
+constexpr int64_t kChunk = 2048;
+
+alignas(64) const float kZeroFloats[kChunk] = {};
+alignas(64) const double kZeroDoubles[kChunk] = {};
+const float* zeros(const float*) { return kZeroFloats; }
+const double* zeros(const double*) { return kZeroDoubles; }
+
+KIVI_AVX512 inline __m512d load8(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+KIVI_AVX512 inline __m512d load8(const double* p) { return _mm512_loadu_pd(p); }
+KIVI_AVX512 inline void store8(float* p, __m512d v) { _mm256_storeu_ps(p, _mm512_cvtpd_ps(v)); }
+KIVI_AVX512 inline void store8(double* p, __m512d v) { _mm512_storeu_pd(p, v); }
+
+// A 4 x 4 tile of inner products of rows a[0..3] and b[0..3] over columns [0, len8), len8 % 8 == 0,
+// added to acc where (i, j) is in the lower triangle of an n x n matrix.
+template <class T>
+KIVI_AVX512 void gram_tile(const T* const* a, const T* const* b, int64_t len8, int64_t i0, int64_t j0, int64_t n,
+                           double* acc) {
+  __m512d s[4][4];
+  for (auto& row : s)
+    for (auto& v : row) v = _mm512_setzero_pd();
+  for (int64_t c = 0; c < len8; c += 8) {
+    const __m512d a0 = load8(a[0] + c), a1 = load8(a[1] + c), a2 = load8(a[2] + c), a3 = load8(a[3] + c);
+    const __m512d bs[4] = {load8(b[0] + c), load8(b[1] + c), load8(b[2] + c), load8(b[3] + c)};
+    for (int l = 0; l < 4; ++l) {
+      s[0][l] = _mm512_fmadd_pd(a0, bs[l], s[0][l]);
+      s[1][l] = _mm512_fmadd_pd(a1, bs[l], s[1][l]);
+      s[2][l] = _mm512_fmadd_pd(a2, bs[l], s[2][l]);
+      s[3][l] = _mm512_fmadd_pd(a3, bs[l], s[3][l]);
+    }
+  }
+  for (int k = 0; k < 4; ++k)
+    for (int l = 0; l < 4; ++l) {
+      const int64_t i = i0 + k, j = j0 + l;
+      if (i < n && j <= i) acc[i * n + j] += _mm512_reduce_add_pd(s[k][l]);
+    }
+}
+
+template <class T>
+KIVI_AVX512 void add_gram_lower_impl(const T* const* rows, int64_t n, int64_t w, double* acc) {
+  TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);
+  const int64_t tiles = (n + 3) / 4;
+  const T* p[kMaxRows];
+  for (int64_t c0 = 0; c0 < w; c0 += kChunk) {
+    const int64_t len = std::min(kChunk, w - c0), len8 = len & ~int64_t{7};
+    // rows past n read zeros, so that every tile is a full 4 x 4 (their products are not stored)
+    for (int64_t i = 0; i < tiles * 4; ++i) p[i] = i < n ? rows[i] + c0 : zeros(rows[0]);
+    for (int64_t ib = 0; ib < tiles; ++ib)
+      for (int64_t jb = 0; jb <= ib; ++jb) gram_tile(p + 4 * ib, p + 4 * jb, len8, 4 * ib, 4 * jb, n, acc);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j <= i; ++j) {
+        double t = 0;
+        for (int64_t c = len8; c < len; ++c) t += static_cast<double>(p[i][c]) * static_cast<double>(p[j][c]);
+        acc[i * n + j] += t;
+      }
+  }
+}
+
+// One accumulator register per output row: M is a template argument so that they stay in registers.
+template <int M, class T>
+KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                                    const double* s, const double* t, T* const* out, int64_t w) {
+  const int64_t w8 = w & ~int64_t{7};
+  for (int64_t c = 0; c < w8; c += 8) {
+    __m512d acc[M];
+    for (int j = 0; j < M; ++j) acc[j] = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512d x = load8(rows[i] + c);
+      for (int j = 0; j < M; ++j) acc[j] = _mm512_fmadd_pd(_mm512_set1_pd(weights[j * n + i]), x, acc[j]);
+    }
+    for (int j = 0; j < M; ++j) {
+      const __m512d g = _mm512_fnmadd_pd(_mm512_set1_pd(t[j]), load8(z[j] + c), acc[j]);
+      store8(out[j] + c, _mm512_mul_pd(_mm512_set1_pd(s[j]), g));
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int64_t c = w8; c < w; ++c) {
+      double g = 0;
+      for (int64_t i = 0; i < n; ++i) g += weights[j * n + i] * static_cast<double>(rows[i][c]);
+      out[j][c] = static_cast<T>(s[j] * (g - t[j] * static_cast<double>(z[j][c])));
+    }
+}
+
+template <int M, class T>
+void weighted_rows_dispatch(int64_t m, const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                            const double* s, const double* t, T* const* out, int64_t w) {
+  if constexpr (M == 0) {
+    TORCH_CHECK(false, "few_points: 1 to ", kMaxOutRows, " output rows, got ", m);
+  } else if (m == M) {
+    weighted_rows_impl<M>(weights, n, rows, z, s, t, out, w);
+  } else {
+    weighted_rows_dispatch<M - 1>(m, weights, n, rows, z, s, t, out, w);
+  }
+}
+
+}  // namespace
+
+bool available() { return __builtin_cpu_supports("avx512f"); }
+
+void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc) {
+  add_gram_lower_impl(rows, n, w, acc);
+}
+void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc) {
+  add_gram_lower_impl(rows, n, w, acc);
+}
+void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, const float* const* z,
+                   const double* s, const double* t, float* const* out, int64_t w) {
+  weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+}
+void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, const double* const* z,
+                   const double* s, const double* t, double* const* out, int64_t w) {
+  weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+}
+
+#else  // no AVX-512 build: the callers keep the GEMM path
+
+bool available() { return false; }
+void add_gram_lower(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
+void add_gram_lower(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
+void weighted_rows(const double*, int64_t, int64_t, const float* const*, const float* const*, const double*,
+                   const double*, float* const*, int64_t) {
+  TORCH_CHECK(false, "few_points unavailable");
+}
+void weighted_rows(const double*, int64_t, int64_t, const double* const*, const double* const*, const double*,
+                   const double*, double* const*, int64_t) {
+  TORCH_CHECK(false, "few_points unavailable");
+}
+
+#endif
+
+}  // namespace few_points
+}  // namespace kivi_fast

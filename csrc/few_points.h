@@ -1,0 +1,35 @@
+// Kernels for few points in many dimensions (an MNIST BNN layer: n_p = n_q = 10, d = 314000): the Gram
+// matrix and the backward's weighted sums read the float32 (or float64) samples straight from the
+// input rows and accumulate in float64 registers, in one pass over the samples. The GEMM path reads
+// them into a float64 buffer first, and a GEMM with a 20 x 20 output and a long inner dimension runs
+// far below peak; here the work is bound by reading the samples once.
+//
+// AVX-512 only (register tiles of 8 doubles); available() says whether this CPU has it, and callers
+// keep the GEMM path otherwise.
+#pragma once
+
+#include <cstdint>
+
+namespace kivi_fast {
+namespace few_points {
+
+// The largest number of stacked points (rows) these kernels take.
+inline constexpr int64_t kMaxRows = 32;
+// The largest number of output rows of weighted_rows in one pass (one accumulator register each).
+inline constexpr int64_t kMaxOutRows = 16;
+
+bool available();
+
+// acc[i * n + j] += sum_{c < w} x_i[c] x_j[c] for j <= i < n (lower triangle only), rows[i] = x_i.
+void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc);
+void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc);
+
+// out_j[c] = s[j] (sum_i weights[j * n + i] x_i[c] - t[j] z_j[c]) for j < m <= kMaxOutRows, c < w,
+// rows[i] = x_i (i < n), z[j] = z_j, computed in float64 and rounded once to the output type.
+void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, const float* const* z,
+                   const double* s, const double* t, float* const* out, int64_t w);
+void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, const double* const* z,
+                   const double* s, const double* t, double* const* out, int64_t w);
+
+}  // namespace few_points
+}  // namespace kivi_fast
