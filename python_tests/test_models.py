@@ -39,6 +39,26 @@ def test_mlp_generator_rejects_bad_sizes():
         MLPGenerator((3,))
     with pytest.raises(ValueError):
         MLPGenerator((3, 0, 2))
+    with pytest.raises(ValueError, match="init must be one of"):
+        MLPGenerator((3, 4, 2), init="xavier")
+
+
+def test_mlp_generator_initializations():
+    torch.manual_seed(0)
+    glorot = MLPGenerator((100, 800, 350), init="glorot")
+    for layer in (m for m in glorot.net if isinstance(m, torch.nn.Linear)):
+        bound = (6 / (layer.in_features + layer.out_features)) ** 0.5  # Glorot-uniform's limit
+        assert torch.count_nonzero(layer.bias) == 0
+        assert layer.weight.abs().max() <= bound and layer.weight.abs().max() > 0.99 * bound
+        assert layer.weight.var().item() == pytest.approx(bound**2 / 3, rel=0.02)
+    torch.manual_seed(0)
+    default = MLPGenerator((100, 800, 350), init="torch")
+    first = default.net[0]
+    assert torch.count_nonzero(first.bias) > 0 and first.weight.abs().max() <= 1 / 100**0.5  # nn.Linear's own
+    # the point of Glorot here: Yacht's first-layer samples start ~3 times wider (closer to the N(0, I) prior)
+    torch.manual_seed(0)
+    wide, narrow = MLPGenerator((100, 800, 350, 350)), MLPGenerator((100, 800, 350, 350), init="torch")
+    assert wide.sample(500).std(0).mean() > 2 * narrow.sample(500).std(0).mean()
 
 
 # ---- MMNN ---------------------------------------------------------------------------------------

@@ -284,6 +284,19 @@ def test_resume_refuses_other_settings(tmp_path, monkeypatch):
     common = ["--dataset", "yacht", "--splits", "0", "--run-dir", str(tmp_path / "run")]
     assert uci.run(make_args(tmp_path, *common, "--epochs", "1")) == 0
     assert uci.run(make_args(tmp_path, *common, "--epochs", "2")) == 2
+    assert uci.run(make_args(tmp_path, *common, "--epochs", "1", "--generator-init", "torch")) == 2
+
+
+def test_run_folders_from_before_generator_init_resume_as_torch_init(tmp_path, monkeypatch):
+    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    common = ["--dataset", "yacht", "--splits", "0", "--epochs", "1", "--run-dir", str(tmp_path / "run")]
+    assert uci.run(make_args(tmp_path, *common, "--generator-init", "torch")) == 0
+    config_path = tmp_path / "run" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["generator_init"]  # as written before the option existed
+    config_path.write_text(json.dumps(config))
+    assert uci.run(make_args(tmp_path, *common)) == 2  # the default is glorot now
+    assert uci.run(make_args(tmp_path, *common, "--generator-init", "torch")) == 0
 
 
 def test_command_line_runs_and_reports_year_unavailable(tmp_path, capsys):
@@ -330,11 +343,14 @@ def test_kl_probe_reports_what_the_estimate_sees(tmp_path, capsys):
     assert cli.main(["uci-kl-probe", "--dataset", "yacht", "--epochs", "2", "--every", "1", "--reps", "2",
                      "--run-dir", str(tmp_path / "probe")]) == 0
     result = json.loads((tmp_path / "probe" / "probe.json").read_text())
-    layers = result["init"]["layers"]
-    assert [layer["d"] for layer in layers] == [7 * 50, 51]
-    for layer in layers:
-        assert 0 <= layer["clipped_fraction"] <= 1 and layer["bandwidth"] > 0 and layer["q_sd"] > 0
-    assert all(g > 0 and math.isfinite(g) for g in result["init"]["grad_norm_kl"] + result["init"]["grad_norm_log_lik"])
-    assert set(result["training"]) == {"no-kl", "kivi", "kivi-ac"}
+    assert set(result["init"]) == {"torch", "glorot"}
+    for init in result["init"].values():
+        assert [layer["d"] for layer in init["layers"]] == [7 * 50, 51]
+        for layer in init["layers"]:
+            assert 0 <= layer["clipped_fraction"] <= 1 and layer["bandwidth"] > 0 and layer["q_sd"] > 0
+        assert all(g > 0 and math.isfinite(g) for g in init["grad_norm_kl"] + init["grad_norm_log_lik"])
+    # Glorot's initialization starts the posterior wider than torch's (the point of the probe)
+    assert result["init"]["glorot"]["layers"][0]["q_sd"] > 2 * result["init"]["torch"]["layers"][0]["q_sd"]
+    assert len(result["training"]) == 4
     assert all(log["epoch"] == [1, 2] for log in result["training"].values())
     assert "gradient norm" in capsys.readouterr().out

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _trainer_args(args, method: str) -> SimpleNamespace:
     """The settings :func:`uci.train_split` reads, with the paper's values for Boston."""
     return SimpleNamespace(dataset="boston", method=method, epochs=args.epochs, samples=args.samples,
-                           lam=args.lam, batch_size=100, lr=1e-3, n_hidden=50, eval_samples=100,
+                           lam=args.lam, generator_init="glorot", batch_size=100, lr=1e-3, n_hidden=50,
+                           eval_samples=100,
                            eval_every=max(1, args.epochs // 30), checkpoint_seconds=30.0, seed=args.seed,
                            data_dir=args.data_dir)
 

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from .. import bnn
 from ..data import uci as uci_data
 from ..models import FactorizedGaussian, MLPGenerator
+from ..models.mlp_generator import INITS
 from . import runs
 
 METHODS = ("kivi", "kivi-ac", "factorized")
@@ -103,14 +104,15 @@ def parse_splits(text: str | None, n: int) -> list[int]:
     return sorted(out)
 
 
-def build_model(dataset: str, n_features: int, method: str, n_hidden: int, lam: float, n_samples: int):
+def build_model(dataset: str, n_features: int, method: str, n_hidden: int, lam: float, n_samples: int,
+                generator_init: str = "glorot"):
     """The BNN (D, hidden, 1) with the posterior of ``method`` for each of its two weight matrices."""
     layer_sizes = (n_features, n_hidden, 1)
     dims = [(n_in + 1) * n_out for n_in, n_out in zip(layer_sizes[:-1], layer_sizes[1:])]
     if method == "factorized":
         posteriors = [FactorizedGaussian(d) for d in dims]
     else:
-        posteriors = [MLPGenerator([d if s == "N" else s for s in sizes])
+        posteriors = [MLPGenerator([d if s == "N" else s for s in sizes], init=generator_init)
                       for sizes, d in zip(PAPER_POSTERIORS[dataset], dims)]
     return bnn.RegressionBNN(layer_sizes, posteriors, kl_method=method, lam=lam, n_prior=n_samples)
 
@@ -148,7 +150,8 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
     """
     data = uci_data.load_split(args.dataset, split, args.data_dir)
     torch.manual_seed(args.seed * 1000 + split)
-    model = build_model(args.dataset, data.x_train.shape[1], args.method, args.n_hidden, args.lam, args.samples)
+    model = build_model(args.dataset, data.x_train.shape[1], args.method, args.n_hidden, args.lam, args.samples,
+                        args.generator_init)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     history: dict[str, list] = {"epoch": [], "elbo": [], "log_lik": [], "kl_weights": [], "kl_precision": [],
                                 "eval_epoch": [], "rmse": [], "test_ll": []}
@@ -216,7 +219,8 @@ def profile_epoch(args, run_dir: Path) -> dict:
     n = len(data.y_train)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(12345)
-        model = build_model(args.dataset, data.x_train.shape[1], args.method, args.n_hidden, args.lam, args.samples)
+        model = build_model(args.dataset, data.x_train.shape[1], args.method, args.n_hidden, args.lam, args.samples,
+                            args.generator_init)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         warm = copy.deepcopy(model)  # warm-up (allocator, one-time dispatch) on a throw-away copy
         _train_epoch(warm, torch.optim.Adam(warm.parameters(), lr=args.lr), data, args.batch_size, args.samples)
@@ -271,6 +275,7 @@ def summarize(args, results: list[dict], profile: dict | None) -> dict:
         "dataset": args.dataset, "method": args.method, "splits": [r["split"] for r in results],
         "n_splits": len(results), "epochs": args.epochs, "n_hidden": args.n_hidden, "samples": args.samples,
         "lam": args.lam, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+        "generator_init": args.generator_init,
         "rmse": {"mean": rmse[0], "se": rmse[1]},
         "test_ll": {"mean": ll[0], "se": ll[1],
                     "how": "log-mean-exp over posterior weight samples, precision integrated under "
@@ -341,11 +346,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs")
     p.add_argument("--run-dir", default=None, help="run folder to use (and resume from)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generator-init", default="glorot", choices=INITS,
+                   help="initialization of the implicit posteriors (MLPGenerator): glorot (default) or torch")
 
 
 # settings that must match for a run folder to be resumed
 _RESUME_KEYS = ("dataset", "method", "epochs", "samples", "lam", "batch_size", "lr", "n_hidden", "seed",
-                "eval_samples", "eval_every")
+                "eval_samples", "eval_every", "generator_init")
+
+
+
+def _old_config(old: dict) -> dict:
+    """The resume keys of a run folder's config; folders from before --generator-init used torch's."""
+    config = {k: old.get(k) for k in _RESUME_KEYS}
+    if "generator_init" not in old and old.get("method") != "factorized":
+        config["generator_init"] = "torch"
+    return config
 
 
 def run(args, callback=None) -> int:
@@ -357,13 +373,15 @@ def run(args, callback=None) -> int:
     args.epochs = args.epochs if args.epochs is not None else paper_epochs(n_rows)
     args.n_hidden = args.n_hidden or uci_data.DATASETS[args.dataset].n_hidden
     args.eval_every = args.eval_every or max(1, args.epochs // 30)
+    if args.method == "factorized":
+        args.generator_init = None  # no generator
     args.command_line = getattr(args, "command_line", None) or " ".join(["python -m kivi_fast.cli uci"] + sys.argv[2:])
     splits = parse_splits(args.splits, uci_data.n_splits(args.dataset, args.data_dir))
 
     run_dir = runs.run_folder(args.out, f"uci-{args.dataset}-{args.method}", args.run_dir)
     config = {k: getattr(args, k) for k in _RESUME_KEYS}
     old = _read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else None
-    if old is not None and {k: old.get(k) for k in _RESUME_KEYS} != config:
+    if old is not None and _old_config(old) != config:
         print(f"{run_dir} holds a run with other settings ({old}); use another --run-dir", file=sys.stderr)
         return 2
     runs.write_json(run_dir / "config.json", {**config, "splits": splits, "data_dir": str(args.data_dir or "")})

@@ -10,9 +10,11 @@ Two measurements on one split, with the paper's settings (n_p = n_q = M = 100, l
    p/q is <= 0 (clipped before the log), the KL estimate; and, over ``--reps`` draws, the norm of the
    gradient w.r.t. the posterior's parameters of the minibatch log-likelihood term (scaled by N / batch)
    and of the summed weight-KL estimates (both enter the ELBO with weight 1).
-2. A short training from the same initialization with the weight KL switched off (``no-kl``), the
-   paper's ``kivi`` and ``kivi-ac`` (adaptive contrast), logging every ``--every`` epochs the test RMSE
-   and LL and the posterior's spread and mean size. ``probe.json`` and ``probe.png`` go in the run folder.
+   Both for torch.nn.Linear's initialization of the generators and for Glorot's (the default).
+2. Short trainings (same seed): KIVI with torch's initialization, the same with the weight KL switched
+   off, KIVI with adaptive contrast, and KIVI with Glorot's initialization; logged every ``--every``
+   epochs: test RMSE and LL, the posterior's spread and mean size. ``probe.json`` and ``probe.png`` go
+   in the run folder.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from ..data import uci as uci_data
 from . import runs
 from .uci import _evaluate, build_model
 
-VARIANTS = (("no-kl", "kivi", 0.0), ("kivi", "kivi", 1.0), ("kivi-ac", "kivi-ac", 1.0))
+# name -> (method, weight of the weight KL in the ELBO, generator initialization)
+VARIANTS = {"kivi, torch init": ("kivi", 1.0, "torch"), "no weight KL, torch init": ("kivi", 0.0, "torch"),
+            "kivi-ac, torch init": ("kivi-ac", 1.0, "torch"), "kivi": ("kivi", 1.0, "glorot")}
 
 
 def _spread(flat: torch.Tensor) -> tuple[float, float]:
@@ -65,13 +69,13 @@ def probe_init(model: bnn.RegressionBNN, data: uci_data.Split, batch_size: int, 
     return {"layers": layers, "grad_norm_log_lik": g_lik, "grad_norm_kl": g_kl}
 
 
-def train_variant(args, data: uci_data.Split, method: str, kl_scale: float) -> dict:
+def train_variant(args, data: uci_data.Split, method: str, kl_scale: float, init: str) -> dict:
     torch.manual_seed(args.seed)
-    model = build_model(args.dataset, data.x_train.shape[1], method, args.n_hidden, 1e-3, 100)
+    model = build_model(args.dataset, data.x_train.shape[1], method, args.n_hidden, 1e-3, 100, init)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     n = len(data.y_train)
     log = {"epoch": [], "rmse": [], "test_ll": [], "q_sd": [], "q_abs_mean": [], "kl_weights": []}
-    for epoch in tqdm(range(args.epochs), desc=f"{method} x KL {kl_scale:g}", leave=False):
+    for epoch in tqdm(range(args.epochs), desc=f"{method}, KL x {kl_scale:g}, {init} init", leave=False):
         perm = torch.randperm(n)
         for start in range(0, n, 100):
             idx = perm[start:start + 100]
@@ -127,26 +131,28 @@ def run(args) -> int:
     args.n_hidden = args.n_hidden or uci_data.DATASETS[args.dataset].n_hidden
     data = uci_data.load_split(args.dataset, args.split)
     run_dir = runs.run_folder(args.out, f"uci-kl-probe-{args.dataset}", args.run_dir)
-    torch.manual_seed(args.seed)
-    model = build_model(args.dataset, data.x_train.shape[1], "kivi", args.n_hidden, 1e-3, 100)
     t0 = time.time()
-    result = {"dataset": args.dataset, "split": args.split, "epochs": args.epochs,
-              "init": probe_init(model, data, 100, args.reps), "training": {}}
-    for name, method, scale in VARIANTS:
-        result["training"][name] = train_variant(args, data, method, scale)
+    result = {"dataset": args.dataset, "split": args.split, "epochs": args.epochs, "init": {}, "training": {}}
+    for init in ("torch", "glorot"):
+        torch.manual_seed(args.seed)
+        model = build_model(args.dataset, data.x_train.shape[1], "kivi", args.n_hidden, 1e-3, 100, init)
+        result["init"][init] = probe_init(model, data, 100, args.reps)
+    for name, (method, scale, init) in VARIANTS.items():
+        result["training"][name] = train_variant(args, data, method, scale, init)
     result["seconds"] = time.time() - t0
     runs.write_json(run_dir / "probe.json", result)
     plot(result, run_dir / "probe.png")
-    init = result["init"]
-    print(f"{args.dataset}, split {args.split}, at initialization:")
-    for i, layer in enumerate(init["layers"]):
-        print(f"  layer {i + 1}: d {layer['d']}, posterior sd {layer['q_sd']:.3g}, bandwidth {layer['bandwidth']:.3g}, "
-              f"clipped ratios {100 * layer['clipped_fraction']:.0f}%, KL estimate {layer['kl_estimate']:.3g}")
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    print(f"  gradient norm: log-likelihood {mean(init['grad_norm_log_lik']):.3g}, weight KL {mean(init['grad_norm_kl']):.3g}")
+    for name, init in result["init"].items():
+        print(f"{args.dataset}, split {args.split}, at {name} initialization:")
+        for i, layer in enumerate(init["layers"]):
+            print(f"  layer {i + 1}: d {layer['d']}, posterior sd {layer['q_sd']:.3g}, bandwidth {layer['bandwidth']:.3g}, "
+                  f"clipped ratios {100 * layer['clipped_fraction']:.0f}%, KL estimate {layer['kl_estimate']:.3g}")
+        print(f"  gradient norm: log-likelihood {mean(init['grad_norm_log_lik']):.3g}, "
+              f"weight KL {mean(init['grad_norm_kl']):.3g}")
     print(f"after {args.epochs} epochs:")
     for name, log in result["training"].items():
-        print(f"  {name:8s} RMSE {log['rmse'][-1]:.3f}  LL {log['test_ll'][-1]:.3f}  posterior sd "
+        print(f"  {name:26s} RMSE {log['rmse'][-1]:.3f}  LL {log['test_ll'][-1]:.3f}  posterior sd "
               f"{', '.join(f'{s:.3g}' for s in log['q_sd'][-1])}  |mean| {', '.join(f'{s:.3g}' for s in log['q_abs_mean'][-1])}")
     print(f"results in {run_dir}")
     return 0

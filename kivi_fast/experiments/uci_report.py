@@ -24,13 +24,26 @@ DATASET_ORDER = tuple(PAPER_RESULTS)
 PAPER_METHODS = ("KIVI", "SVGD", "Dropout", "Factorized", "HMC")
 
 
+def generator_init(summary: dict) -> str | None:
+    """The posterior's initialization; summaries from before the setting existed used torch's."""
+    if summary["method"] == "factorized":
+        return None
+    return summary.get("generator_init", "torch")
+
+
+def result_name(summary: dict) -> str:
+    """<dataset>-<method>, with -torchinit for runs whose generators had torch's initialization."""
+    suffix = "-torchinit" if generator_init(summary) == "torch" else ""
+    return f"{summary['dataset']}-{summary['method']}{suffix}"
+
+
 def export_run(run_dir: Path, results_root: Path) -> Path | None:
     """Copy one run folder's results to ``results_root/<dataset>-<method>/``; None if it has no split yet."""
     split_files = sorted(run_dir.glob("split_*.json"))
     if not split_files or not (run_dir / "summary.json").exists():
         return None
     summary = json.loads((run_dir / "summary.json").read_text())
-    dest = results_root / f"{summary['dataset']}-{summary['method']}"
+    dest = results_root / result_name(summary)
     dest.mkdir(parents=True, exist_ok=True)
     splits = []
     for path in split_files:
@@ -54,16 +67,18 @@ def table(results_root: Path) -> str:
     summaries = {}
     for path in sorted(results_root.glob("*/summary.json")):
         s = json.loads(path.read_text())
-        summaries[(s["dataset"], s["method"])] = s
+        summaries[(s["dataset"], s["method"], generator_init(s) == "torch")] = s
     lines = ["| dataset | method | splits | epochs | test RMSE | test LL | s / epoch |",
              "|---|---|---|---|---|---|---|"]
     for dataset in DATASET_ORDER:
-        ours = [summaries[(dataset, m)] for m in METHODS if (dataset, m) in summaries]
+        ours = [summaries[(dataset, m, torch_init)] for m in METHODS for torch_init in (False, True)
+                if (dataset, m, torch_init) in summaries]
         if not ours:
             continue
         digits = 4 if dataset == "naval" else 3
         for s in ours:
-            lines.append(f"| {dataset} | **ours: {s['method']}** | {s['n_splits']} | {s['epochs']} | "
+            label = s["method"] + (" (torch init)" if generator_init(s) == "torch" else "")
+            lines.append(f"| {dataset} | **ours: {label}** | {s['n_splits']} | {s['epochs']} | "
                          f"{_cell(s['rmse']['mean'], s['rmse']['se'], digits)} | "
                          f"{_cell(s['test_ll']['mean'], s['test_ll']['se'], 3)} | {s['seconds_per_epoch']:.3f} |")
         for method in PAPER_METHODS:
