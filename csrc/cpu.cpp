@@ -443,10 +443,12 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   TORCH_CHECK_VALUE(info == 0, kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
 }
 
-// The fit of numer / denom for batch element b: leaves the kernel of the stacked points in
-// work.sq ([N, N]), the coefficients [alpha; beta 1] in work.coef ([N]), and returns the bandwidth.
-double fit_one(const Stack& s, int64_t b, int64_t n_den, double lam, const double* sigma_given, Names names,
-               bool parallel, Work& work) {
+// The fit of numer / denom for batch element b: leaves the coefficients [alpha; beta 1] in work.coef
+// ([N]) and the kernel of the stacked points in the first kernel_rows rows of work.sq ([N, N]; the
+// fit itself reads only the n_den denominator rows, a caller evaluating at the numer points asks for
+// all), and returns the bandwidth.
+double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, double lam, const double* sigma_given,
+               Names names, bool parallel, Work& work) {
   const int64_t n = s.rows;
   double* sq = work.sq.get(n * n);
   double* norms = work.norms.get(n);
@@ -454,8 +456,8 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, double lam, const doubl
   distances_one(s, b, sq, norms, parallel);
   check_finite(norms, n_den, n, names);
   const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
-  rows::scale(sq, -0.5 / (sigma * sigma), n * n);
-  wrap(sq, {n * n}).exp_();
+  rows::scale(sq, -0.5 / (sigma * sigma), kernel_rows * n);
+  wrap(sq, {kernel_rows * n}).exp_();
   solve_alpha_one(sq, n, n_den, lam, coef, work.system);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
@@ -502,7 +504,7 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   auto coef = at::empty({s.batch, n}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
-    used.data_ptr<double>()[b] = fit_one(s, b, denom.size(1), lam, sigma_data(sigma), names, parallel, work);
+    used.data_ptr<double>()[b] = fit_one(s, b, denom.size(1), denom.size(1), lam, sigma_data(sigma), names, parallel, work);
     std::copy_n(work.coef.get(n), n, coef.data_ptr<double>() + b * n);
   });
   return {coef, used, Tensor()};
@@ -517,7 +519,8 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   auto weights = at::empty({s.batch, m, n}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
-    const double sg = fit_one(s, b, n_den, lam, sigma_data(sigma), roles.names, parallel, work);
+    // the evaluation reads the kernel rows of q_z: the denominator's own (reverse) or all of them
+    const double sg = fit_one(s, b, n_den, roles.row0 + m, lam, sigma_data(sigma), roles.names, parallel, work);
     used.data_ptr<double>()[b] = sg;
     // The evaluation points q_z are fitted samples too: their kernel rows are already in work.sq.
     // r_j = sum_c coef_c k(c, z_j); W_jc = coef_c k(c, z_j) / (sigma^2 r_j), zero where r_j <= clip.
