@@ -17,11 +17,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <numeric>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "few_points.h"
 #include "kivi.h"
@@ -80,11 +85,14 @@ Tensor wrap(double* data, at::IntArrayRef sizes) {
 }
 
 // A growable scratch buffer whose contents start uninitialized (a std::vector would zero them).
+// Large ones sit on 2 MB pages where the kernel offers transparent huge pages: a fresh 128 MB kernel
+// matrix ((2000, 32)) otherwise takes ~32k page faults, measured at a quarter of the call.
 class Scratch {
  public:
   double* get(int64_t n) {
     if (n > capacity_) {
-      data_.reset(new double[n]);
+      data_.reset();
+      data_.reset(allocate(n));
       capacity_ = n;
     }
     return data_.get();
@@ -97,7 +105,26 @@ class Scratch {
   }
 
  private:
-  std::unique_ptr<double[]> data_;
+  struct Free {
+    void operator()(double* p) const { std::free(p); }
+  };
+  static double* allocate(int64_t n) {
+    constexpr size_t kHugePage = size_t{1} << 21;
+    const size_t bytes = static_cast<size_t>(n) * sizeof(double);
+    void* p = nullptr;
+    if (bytes >= 2 * kHugePage) {
+      const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+      p = std::aligned_alloc(kHugePage, rounded);
+#ifdef MADV_HUGEPAGE
+      if (p != nullptr) madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+    } else {
+      p = std::malloc(bytes);
+    }
+    TORCH_CHECK(p != nullptr, "kivi_fast: could not allocate ", bytes, " bytes of scratch memory");
+    return static_cast<double*>(p);
+  }
+  std::unique_ptr<double[], Free> data_;
   int64_t capacity_ = 0;
 };
 
