@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=3000, help="paper: 3000 for Boston")
     parser.add_argument("--samples", type=int, default=100, help="n_p = n_q = M during training")
     parser.add_argument("--lam", type=float, default=1e-3)
+    parser.add_argument("--generator-init", default="glorot", choices=uci.INITS,
+                        help="initialization of KIVI's implicit posterior (see kivi-fast uci)")
     parser.add_argument("--plot-samples", type=int, default=100, help="posterior samples of W_1 drawn")
     parser.add_argument("--data-dir", default=None, help="UCI_Datasets folder (default: the project's)")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (2 epochs)")
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _trainer_args(args, method: str) -> SimpleNamespace:
     """The settings :func:`uci.train_split` reads, with the paper's values for Boston."""
     return SimpleNamespace(dataset="boston", method=method, epochs=args.epochs, samples=args.samples,
-                           lam=args.lam, generator_init="glorot", batch_size=100, lr=1e-3, n_hidden=50,
+                           lam=args.lam, generator_init=args.generator_init, batch_size=100, lr=1e-3, n_hidden=50,
                            eval_samples=100,
                            eval_every=max(1, args.epochs // 30), checkpoint_seconds=30.0, seed=args.seed,
                            data_dir=args.data_dir)
@@ -54,7 +56,8 @@ def _trainer_args(args, method: str) -> SimpleNamespace:
 
 def second_layer_samples(run_dir, targs, n_features: int, n: int, seed: int) -> torch.Tensor:
     """Rebuild the trained BNN from its checkpoint and draw ``n`` samples of W_1, [n, 51]."""
-    model = uci.build_model("boston", n_features, targs.method, targs.n_hidden, targs.lam, targs.samples)
+    model = uci.build_model("boston", n_features, targs.method, targs.n_hidden, targs.lam, targs.samples,
+                            targs.generator_init)
     model.load_state_dict(runs.load_checkpoint(run_dir / "checkpoint.pt")["model"])
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
