@@ -38,25 +38,30 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 
 class KlFunction : public torch::autograd::Function<KlFunction> {
  public:
+  static constexpr bool is_traceable = true;  // the backward only reads what the forward saved
+
   static variable_list forward(AutogradContext* ctx, const Tensor& prior_z, const Tensor& q_z, double lam,
                                double clip, const std::optional<Tensor>& sigma, bool reverse) {
     static const auto op = op_handle<KlSignature>("kivi_fast::kl");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [kl, weights, used] = op.call(prior_z, q_z, lam, clip, sigma, reverse);
-    const auto roles = kl_roles(prior_z, q_z, reverse);
-    ctx->save_for_backward({weights, q_z, roles.numer, roles.denom});
+    // the roles of kl_roles (kivi.h), without its row offset: sizes may be symbolic here (torch.compile)
+    ctx->save_for_backward({weights, q_z, reverse ? prior_z : q_z, reverse ? q_z : prior_z});
     ctx->saved_data["reverse"] = reverse;
     ctx->mark_non_differentiable({weights, used});
     return {kl, weights, used};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!ctx->needs_input_grad(1)) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     const auto& q_z = saved[1];
     // KL = -+ (1/n_q) sum_j log r(z_j); the saved weights already hold the 1 / r_j of d log r.
     const double sign = ctx->saved_data["reverse"].toBool() ? -1.0 : 1.0;
-    const auto n_q = q_z.size(1);
-    auto row_scale = (grads[0].to(at::kDouble) * (sign / static_cast<double>(n_q))).unsqueeze(1).expand({-1, n_q});
+    const c10::SymInt n_q = q_z.sym_size(1);
+    auto row_scale = (grads[0].to(at::kDouble) * sign / c10::Scalar(n_q))
+                         .unsqueeze(1)
+                         .expand_symint({c10::SymInt(-1), n_q});
     auto grad_q = weighted_grad(row_scale, saved[0], q_z, saved[2], saved[3]);
     return {Tensor(), grad_q, Tensor(), Tensor(), Tensor(), Tensor()};
   }
@@ -64,6 +69,8 @@ class KlFunction : public torch::autograd::Function<KlFunction> {
 
 class RatioFunction : public torch::autograd::Function<RatioFunction> {
  public:
+  static constexpr bool is_traceable = true;
+
   static variable_list forward(AutogradContext* ctx, const Tensor& z, const Tensor& numer, const Tensor& denom,
                                const Tensor& alpha, double beta, const Tensor& sigma) {
     static const auto op = op_handle<RatioSignature>("kivi_fast::ratio");
@@ -75,6 +82,7 @@ class RatioFunction : public torch::autograd::Function<RatioFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!ctx->needs_input_grad(0)) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     auto grad_z = weighted_grad(grads[0].to(at::kDouble), saved[0], saved[1], saved[2], saved[3]);
     return {grad_z, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};

@@ -91,7 +91,8 @@ class Scratch {
  public:
   double* get(int64_t n) {
     if (n > capacity_) {
-      data_.reset();
+      data_.reset();  // the old buffer goes first: the new one may be large
+      capacity_ = 0;
       data_.reset(allocate(n));
       capacity_ = n;
     }
@@ -619,7 +620,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   auto scale = row_scale.to(at::kDouble).contiguous();
   auto grad = at::empty_like(z, z.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t d = s.d;
-  if (use_few_points(n) && m <= few_points::kMaxOutRows) {
+  if (use_few_points(n) && m > 0 && m <= few_points::kMaxOutRows) {
     few_points_weighted_grad(s, n, z_row, weights, scale, w_sum, grad);
     return grad;
   }

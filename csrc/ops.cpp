@@ -1,5 +1,5 @@
 // The torch custom ops of kivi_fast: schemas, and one kernel per op that picks the CPU or the
-// device-generic building blocks. Fake kernels and autograd formulas are registered from Python
+// device-generic building blocks. Autograd formulas are in csrc/autograd.cpp, fake kernels in Python
 // (kivi_fast/_ops.py). All sample arguments are batched [B, n, d]; Python adds the batch dimension.
 #include <torch/library.h>
 
@@ -122,7 +122,7 @@ TORCH_LIBRARY(kivi_fast, m) {
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from
 // ATen calls (CompositeExplicitAutograd: used where no device-specific kernel is registered, while
-// the autograd formula registered from Python still applies).
+// the autograd formulas of csrc/autograd.cpp still apply).
 TORCH_LIBRARY_IMPL(kivi_fast, CPU, m) { register_kernels<true>(m); }
 TORCH_LIBRARY_IMPL(kivi_fast, CompositeExplicitAutograd, m) { register_kernels<false>(m); }
 

@@ -46,7 +46,7 @@ def _load() -> str:
                       "(build with `pip install --no-build-isolation -e .`)", stacklevel=3)
         return "reference"
     torch.ops.load_library(path)
-    from . import _ops  # noqa: F401  (registers fake kernels and autograd formulas)
+    from . import _ops  # noqa: F401  (registers the fake kernels)
 
     return "cpp"
 

@@ -149,6 +149,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (17, 16, 100, 3, torch.float32, 1),       # 33 points: the GEMM path
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
     (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
+    (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (3 padded rows in the tiles)
 ])
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)

@@ -177,3 +177,26 @@ def test_torch_compile_fullgraph(compiled):
     eager_value.backward()
     torch.testing.assert_close(compiled_value, eager_value)
     torch.testing.assert_close(q1.grad, q2.grad)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_torch_compile_dynamic_shapes(compiled, reverse):
+    # symbolic sizes reach the autograd formula (C++) when shapes are dynamic, as after a recompile
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def loss(prior, post):
+        return kivi_fast.kl(prior, post * 1.5, lam=1e-3, reverse=reverse).sum()
+
+    g = torch.Generator().manual_seed(3)
+    for n_q in (7, 11):
+        p = torch.randn(2, 9, 3, generator=g, dtype=torch.float64)
+        q = torch.randn(2, n_q, 3, generator=g, dtype=torch.float64) + 0.2
+        torch._dynamo.mark_dynamic(p, 1)
+        q1 = q.clone().requires_grad_(True)
+        torch._dynamo.mark_dynamic(q1, 1)
+        q2 = q.clone().requires_grad_(True)
+        value = loss(p, q1)
+        value.backward()
+        expected = kivi_fast.kl(p, q2 * 1.5, lam=1e-3, reverse=reverse).sum()
+        expected.backward()
+        torch.testing.assert_close(value, expected)
+        torch.testing.assert_close(q1.grad, q2.grad)

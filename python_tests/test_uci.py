@@ -336,6 +336,16 @@ def test_report_exports_small_copies_and_tabulates_beside_the_paper(tmp_path, mo
     assert any("paper KIVI" in line and "0.737 ± 0.068" in line for line in table)
     assert not any("boston" in line for line in table)  # only data sets with runs
 
+    # a run from before --generator-init (no such key: torch's init) goes beside, not over, the new one
+    summary_path = runs_dir / "kivi" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    del summary["generator_init"]
+    summary_path.write_text(json.dumps(summary))
+    assert cli.main(["uci-report", str(runs_dir / "kivi"), "--results", str(results)]) == 0
+    assert (results / "yacht-kivi-torchinit" / "splits.json").exists() and (results / "yacht-kivi").exists()
+    table = (results / "TABLE.md").read_text()
+    assert "ours: kivi (torch init)" in table and "ours: kivi** |" in table
+
 
 def test_kl_probe_reports_what_the_estimate_sees(tmp_path, capsys):
     from kivi_fast import cli

@@ -44,7 +44,9 @@ def export_run(run_dir: Path, results_root: Path) -> Path | None:
         return None
     summary = json.loads((run_dir / "summary.json").read_text())
     dest = results_root / result_name(summary)
-    dest.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+        shutil.rmtree(dest)  # no stale file of an earlier export survives
+    dest.mkdir(parents=True)
     splits = []
     for path in split_files:
         result = json.loads(path.read_text())
