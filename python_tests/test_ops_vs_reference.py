@@ -60,7 +60,15 @@ def assert_close_rel(actual, expected, rtol):
     assert (actual - expected).abs().max() <= rtol * scale, (actual, expected)
 
 
-@given(pr=problems())
+@st.composite
+def few_point_problems(draw):
+    """Up to 32 points in 9 to 5000 dimensions: the few-points kernels' regime (csrc/few_points.h)."""
+    pr = draw(problems())
+    pr.update(n_p=draw(st.integers(2, 16)), n_q=draw(st.integers(2, 16)), d=draw(st.integers(9, 5000)))
+    return pr
+
+
+@given(pr=st.one_of(problems(), few_point_problems()))
 def test_kl_value_and_gradient_equal_reference(compiled, pr):
     p, q = make_samples(pr)
     kw = dict(lam=pr["lam"], reverse=pr["reverse"])
@@ -72,7 +80,7 @@ def test_kl_value_and_gradient_equal_reference(compiled, pr):
     assert_close_rel(ours_g, ref_g, rtol if pr["dtype"] == torch.float32 else 1e-7)
 
 
-@given(pr=problems())
+@given(pr=st.one_of(problems(), few_point_problems()))
 def test_density_ratio_equals_reference(compiled, pr):
     p, q = make_samples(pr)
     z = torch.cat([p, q], dim=-2)[..., ::2, :]
