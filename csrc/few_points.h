@@ -1,8 +1,8 @@
 // Kernels for few points in many dimensions (an MNIST BNN layer: n_p = n_q = 10, d = 314000): the Gram
-// matrix and the backward's weighted sums read the float32 (or float64) samples straight from the
-// input rows and accumulate in float64 registers, in one pass over the samples. The GEMM path reads
-// them into a float64 buffer first, and a GEMM with a 20 x 20 output and a long inner dimension runs
-// far below peak; here the work is bound by reading the samples once.
+// matrix and the backward's weighted sums read the float32 (or float64) samples from the input rows
+// once and accumulate in float64 registers (the Gram converts float32 in 128-column blocks that stay
+// in L1). The GEMM path copies the samples into a float64 buffer first, and a GEMM with a 20 x 20
+// output and a long inner dimension runs far below peak.
 //
 // AVX-512 only (register tiles of 8 doubles); available() says whether this CPU has it, and callers
 // keep the GEMM path otherwise.
