@@ -329,6 +329,15 @@ void mirror_gram(Tensor& g, int64_t width) {
   if (n >= kSplitGramRows && width >= kSplitGramColumns) g.narrow(0, 0, h).narrow(1, h, n - h).copy_(g.narrow(0, h, n - h).narrow(1, 0, h).t());
 }
 
+// Splits [0, end) over the threads in chunks of at least grain, each chunk adding into its thread's
+// zeroed n x n float64 partial sum (fn(begin, end, partial)); out = the sum of the partials.
+template <class Fn>
+void sum_of_thread_partials(int64_t n, int64_t end, int64_t grain, Tensor out, Fn fn) {
+  auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
+  at::parallel_for(0, end, grain, [&](int64_t begin, int64_t stop) { fn(begin, stop, partial[at::get_thread_num()]); });
+  at::sum_out(out, partial, 0);
+}
+
 // The few-points kernels take the stacked rows as pointers.
 bool use_few_points(int64_t rows) { return rows <= few_points::kMaxRows && few_points::available(); }
 
@@ -357,12 +366,9 @@ void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
       add_columns(0, s.d, out);
       return;
     }
-    auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
-    at::parallel_for(0, s.d, kFewPointsGrain, [&](int64_t c0, int64_t c1) {
-      add_columns(c0, c1, partial[at::get_thread_num()].data_ptr<double>());
+    sum_of_thread_partials(n, s.d, kFewPointsGrain, wrap(out, {n, n}), [&](int64_t c0, int64_t c1, Tensor part) {
+      add_columns(c0, c1, part.data_ptr<double>());
     });
-    auto total = wrap(out, {n, n});
-    at::sum_out(total, partial, 0);
   });
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < i; ++j) out[j * n + i] = out[i * n + j];
@@ -388,11 +394,9 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   if (!parallel || blocks == 1) {
     add_blocks(0, blocks, g, true);  // one block: the GEMM itself uses the threads
   } else {
-    auto partial = at::zeros({at::get_num_threads(), n, n}, at::kDouble);
-    at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-      add_blocks(k0, k1, partial[at::get_thread_num()], false);
+    sum_of_thread_partials(n, blocks, 1, g, [&](int64_t k0, int64_t k1, Tensor part) {
+      add_blocks(k0, k1, part, false);
     });
-    at::sum_out(g, partial, 0);
   }
   mirror_gram(g, std::min(width, s.d));
 }
