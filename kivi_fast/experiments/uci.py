@@ -125,8 +125,11 @@ def _evaluate(model, data: uci_data.Split, n_samples: int, seed: int) -> dict[st
                             float(data.y_scaler.std), n_samples)
 
 
-def _train_epoch(model, opt, data: uci_data.Split, batch_size: int, n_samples: int) -> dict[str, float]:
-    """One pass over a random permutation of the training set; returns the mean ELBO terms per point."""
+def _train_epoch(model, opt, data: uci_data.Split, batch_size: int, n_samples: int,
+                 kl_weight: float = 1.0) -> dict[str, float]:
+    """One pass over a random permutation of the training set; returns the mean ELBO terms per point.
+
+    ``kl_weight`` multiplies the weight KL in the loss (1: the ELBO; diagnostics switch it off)."""
     n = len(data.y_train)
     perm = torch.randperm(n)
     sums = {}
@@ -135,7 +138,8 @@ def _train_epoch(model, opt, data: uci_data.Split, batch_size: int, n_samples: i
         idx = perm[start:start + batch_size]
         terms = model.elbo(data.x_train[idx], data.y_train[idx], n, n_samples)
         opt.zero_grad(set_to_none=True)
-        (-terms["elbo"] / n).backward()  # per data point, so lr means the same for every set
+        loss = terms["log_lik"] - kl_weight * terms["kl_weights"] - terms["kl_precision"]  # = elbo at weight 1
+        (-loss / n).backward()  # per data point, so lr means the same for every set
         opt.step()
         for k, v in terms.items():
             sums[k] = sums.get(k, 0.0) + float(v.detach()) / n
