@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "toy": ("toy_mixture", "1-D Gaussian mixture: KIVI implicit posterior vs. a Gaussian VI baseline (Sec. 5.1)"),
     "uci": ("uci", "BNN regression on the UCI benchmarks (Sec. 5.2.1, Table 1)"),
+    "uci-batch": ("uci_batch", "many uci splits in parallel, one single-threaded process per split"),
     "uci-report": ("uci_report", "collect uci run folders into results/uci/ and one table beside the paper"),
     "uci-kl-probe": ("uci_kl_probe", "what plain KIVI's weight-KL estimate sees and does on a UCI set (diagnostic)"),
     "blr": ("logistic2d", "2-D Bayesian logistic regression: KIVI vs. factorized VI vs. HMC (App. F.1)"),

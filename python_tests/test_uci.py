@@ -364,3 +364,63 @@ def test_kl_probe_reports_what_the_estimate_sees(tmp_path, capsys):
     assert len(result["training"]) == 4
     assert all(log["epoch"] == [1, 2] for log in result["training"].values())
     assert "gradient norm" in capsys.readouterr().out
+
+
+# ---- many splits in parallel (uci-batch) and pooling their folders (uci-report) ----------------------
+
+
+def test_batch_jobs_expand_to_one_task_per_split_and_reject_bad_names():
+    from kivi_fast.experiments import uci_batch
+
+    assert uci_batch.parse_job("yacht:kivi:3-5") == [("yacht", "kivi", s) for s in (3, 4, 5)]
+    assert len(uci_batch.parse_job("yacht:factorized")) == uci_data.n_splits("yacht")
+    for bad, word in (("yacht", "dataset:method"), ("yaht:kivi", "yaht"), ("yacht:svgd", "svgd"),
+                      ("yacht:kivi:25", "out of range")):
+        with pytest.raises(ValueError, match=word):
+            uci_batch.parse_job(bad)
+
+
+def test_batch_splits_pooled_by_the_report_equal_one_sequential_run(tmp_path):
+    """Each split's seed is the run seed and the split number, so running splits in separate processes
+    and folders, then pooling them, gives the numbers of one sequential run."""
+    from kivi_fast import cli
+
+    tiny = ["--epochs", "2", "--samples", "10", "--eval-every", "1"]
+    assert cli.main(["uci-batch", "yacht:kivi:0-1", "--workers", "2", "--out", str(tmp_path / "batch"),
+                     "--uci-args", " ".join(tiny)]) == 0
+    folders = sorted((tmp_path / "batch" / "yacht-kivi").glob("split_*"))
+    assert [f.name for f in folders] == ["split_00", "split_01"]
+    assert cli.main(["uci", "--dataset", "yacht", "--splits", "0-1", "--no-profile", *tiny,
+                     "--run-dir", str(tmp_path / "sequential")]) == 0
+
+    results = tmp_path / "results"
+    assert cli.main(["uci-report", *map(str, folders), "--results", str(results)]) == 0
+    pooled = json.loads((results / "yacht-kivi" / "summary.json").read_text())
+    sequential = json.loads((tmp_path / "sequential" / "summary.json").read_text())
+    assert pooled["splits"] == [0, 1]
+    for key in ("rmse", "test_ll", "test_ll_plugin"):
+        assert pooled[key]["mean"] == sequential[key]["mean"] and pooled[key]["se"] == sequential[key]["se"]
+    assert (results / "yacht-kivi" / "training.png").stat().st_size > 0
+    # a rerun finds every split done and starts nothing
+    assert cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch")]) == 0
+
+
+def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path, monkeypatch):
+    from kivi_fast import cli
+
+    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    results = tmp_path / "results"
+    for split in (0, 1):
+        args = make_args(tmp_path, "--dataset", "yacht", "--splits", str(split), "--epochs", "1",
+                         "--run-dir", str(tmp_path / f"s{split}"))
+        assert uci.run(args) == 0
+    assert cli.main(["uci-report", str(tmp_path / "s0"), "--results", str(results)]) == 0
+    assert cli.main(["uci-report", "--merge", str(tmp_path / "s1"), "--results", str(results)]) == 0
+    assert json.loads((results / "yacht-kivi" / "summary.json").read_text())["splits"] == [0, 1]
+    assert cli.main(["uci-report", str(tmp_path / "s1"), "--results", str(results)]) == 0  # no --merge: replaced
+    assert json.loads((results / "yacht-kivi" / "summary.json").read_text())["splits"] == [1]
+
+    args = make_args(tmp_path, "--dataset", "yacht", "--splits", "2", "--epochs", "2", "--run-dir", str(tmp_path / "s2"))
+    assert uci.run(args) == 0
+    assert cli.main(["uci-report", "--merge", str(tmp_path / "s2"), "--results", str(results)]) == 2
+    assert cli.main(["uci-report", str(tmp_path / "s1"), str(tmp_path / "s2"), "--results", str(results)]) == 2

@@ -37,6 +37,21 @@ def load_checkpoint(path: str | os.PathLike) -> dict | None:
     return torch.load(path, weights_only=False) if path.exists() else None
 
 
+def machine() -> dict:
+    """What ran a result (timings depend on it): CPU model, cores, torch version and kivi_fast backend."""
+    import platform
+
+    import kivi_fast
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "backend": kivi_fast.backend()}
+
+
 def matplotlib_pyplot():
     """pyplot on the non-interactive Agg backend (no display on servers and CI)."""
     import matplotlib

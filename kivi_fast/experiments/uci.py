@@ -207,7 +207,7 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
         # noise std in original units with the posterior mean precision alpha / beta
         "noise_std": math.sqrt(beta / alpha) * float(data.y_scaler.std),
         "epochs": args.epochs, "train_seconds": elapsed, "seconds_per_epoch": elapsed / epochs_run,
-        "history": history,
+        "machine": runs.machine(), "history": history,
     }
 
 
@@ -272,14 +272,12 @@ def mean_se(values) -> tuple[float, float]:
     return float(v.mean()), se
 
 
-def summarize(args, results: list[dict], profile: dict | None) -> dict:
+def split_statistics(results: list[dict]) -> dict:
+    """The summary's numbers over the splits run: mean and standard error of the test metrics, timings."""
     rmse, ll, ll_plugin = (mean_se([r[k] for r in results]) for k in ("rmse", "test_ll", "test_ll_plugin"))
     secs = [r["seconds_per_epoch"] for r in results]
     return {
-        "dataset": args.dataset, "method": args.method, "splits": [r["split"] for r in results],
-        "n_splits": len(results), "epochs": args.epochs, "n_hidden": args.n_hidden, "samples": args.samples,
-        "lam": args.lam, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-        "generator_init": args.generator_init,
+        "splits": [r["split"] for r in results], "n_splits": len(results),
         "rmse": {"mean": rmse[0], "se": rmse[1]},
         "test_ll": {"mean": ll[0], "se": ll[1],
                     "how": "log-mean-exp over posterior weight samples, precision integrated under "
@@ -288,6 +286,23 @@ def summarize(args, results: list[dict], profile: dict | None) -> dict:
                            "how": "as test_ll with the posterior mean precision alpha / beta"},
         "seconds_per_epoch": float(np.mean(secs)) if secs else math.nan,
         "seconds_per_split": float(np.mean([r["train_seconds"] for r in results])) if results else math.nan,
+        # timings are only comparable on one machine: say which ran the splits
+        "machines": sorted({machine_label(r.get("machine")) for r in results}),
+    }
+
+
+def machine_label(machine: dict | None) -> str:
+    if machine is None:
+        return "not recorded (2-core dev VM)"  # all runs from before the field were made there
+    return f"{machine['cores']} cores ({machine['cpu']}), torch {machine['torch']}"
+
+
+def summarize(args, results: list[dict], profile: dict | None) -> dict:
+    return {
+        "dataset": args.dataset, "method": args.method, **split_statistics(results),
+        "epochs": args.epochs, "n_hidden": args.n_hidden, "samples": args.samples,
+        "lam": args.lam, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+        "generator_init": args.generator_init,
         "eval_samples": args.eval_samples, "backend": _backend_name(), "threads": torch.get_num_threads(),
         "paper": {k: dict(zip(("rmse", "rmse_err", "test_ll", "test_ll_err"), v))
                   for k, v in PAPER_RESULTS.get(args.dataset, {}).items()},

@@ -1,8 +1,10 @@
 """Collect ``kivi-fast uci`` run folders into a results folder and one table beside the paper.
 
     python -m kivi_fast.cli uci-report runs/uci-*            # -> results/uci/<dataset>-<method>/, TABLE.md
+    python -m kivi_fast.cli uci-report --merge runs/batch/*/split_*   # add uci-batch's splits to those
 
-Each run folder is copied without its checkpoint and per-epoch histories (the test-metric curves every
+Run folders of the same data set, method and settings are pooled into one result (``uci-batch`` writes
+one folder per split); ``--merge`` keeps the splits already exported there. Each run folder is copied without its checkpoint and per-epoch histories (the test-metric curves every
 ``eval_every`` epochs stay), so the copies are small enough to commit; then every
 ``<dataset>-<method>/summary.json`` under the results folder goes into ``TABLE.md``: per dataset, our
 methods (with the number of splits run) and the paper's Table 1 (KIVI, SVGD, Dropout) and appendix table
@@ -15,10 +17,13 @@ import argparse
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 from . import runs
-from .uci import METHODS, PAPER_RESULTS
+from .uci import _RESUME_KEYS, METHODS, PAPER_RESULTS, split_statistics
+from .uci import machine_label
+from .uci import plot as uci_plot
 
 DATASET_ORDER = tuple(PAPER_RESULTS)
 PAPER_METHODS = ("KIVI", "SVGD", "Dropout", "Factorized", "HMC")
@@ -37,31 +42,100 @@ def result_name(summary: dict) -> str:
     return f"{summary['dataset']}-{summary['method']}{suffix}"
 
 
-def export_run(run_dir: Path, results_root: Path) -> Path | None:
-    """Copy one run folder's results to ``results_root/<dataset>-<method>/``; None if it has no split yet."""
-    split_files = sorted(run_dir.glob("split_*.json"))
-    if not split_files or not (run_dir / "summary.json").exists():
-        return None
-    summary = json.loads((run_dir / "summary.json").read_text())
-    dest = results_root / result_name(summary)
-    if dest.exists():
-        shutil.rmtree(dest)  # no stale file of an earlier export survives
-    dest.mkdir(parents=True)
+def _exported_splits(run_dir: Path) -> list[dict]:
+    """A run folder's split results without the per-epoch histories: the test metrics every
+    ``eval_every`` epochs stay, with the training ELBO at those epochs."""
     splits = []
-    for path in split_files:
+    for path in sorted(run_dir.glob("split_*.json")):
         result = json.loads(path.read_text())
         history = result.pop("history", {})
         result["eval_history"] = {k: history.get(k, []) for k in ("eval_epoch", "rmse", "test_ll")}
+        elbo_by_epoch = dict(zip(history.get("epoch", []), history.get("elbo", [])))
+        result["eval_history"]["elbo"] = [elbo_by_epoch[e] for e in result["eval_history"]["eval_epoch"]
+                                          if e in elbo_by_epoch]
         splits.append(result)
+    return splits
+
+
+def _settings(config: dict) -> dict:
+    return {k: config.get(k) for k in _RESUME_KEYS if k != "generator_init"}
+
+
+def _plot(splits: list[dict], path: Path, title: str) -> None:
+    """training.png from exported splits (curves at the evaluation epochs)."""
+    results = []
+    for s in splits:
+        h = s["eval_history"]
+        elbo = h.get("elbo", [])
+        results.append({"split": s["split"], "history": {
+            "epoch": h["eval_epoch"] if len(elbo) == len(h["eval_epoch"]) else [], "elbo": elbo if
+            len(elbo) == len(h["eval_epoch"]) else [], "eval_epoch": h["eval_epoch"], "rmse": h["rmse"],
+            "test_ll": h["test_ll"]}})
+    uci_plot(results, path, title)
+
+
+def export_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> Path | None:
+    """Copy run folders of one data set, method and setting to ``results_root/<dataset>-<method>/``.
+
+    Their splits are pooled (folders of single splits, as ``uci-batch`` writes them, become one result);
+    with ``merge``, the splits already exported there are kept too (a later folder wins a split both hold).
+    The summary is recomputed from the pooled splits. None if no folder has a finished split.
+    """
+    sources = [d for d in run_dirs if (d / "summary.json").exists() and any(d.glob("split_*.json"))]
+    if not sources:
+        return None
+    summaries = [json.loads((d / "summary.json").read_text()) for d in sources]
+    configs = [json.loads((d / "config.json").read_text()) for d in sources]
+    names = {result_name(s) for s in summaries}
+    if len(names) > 1 or any(_settings(c) != _settings(configs[0]) for c in configs):
+        raise ValueError(f"run folders {[str(d) for d in sources]} hold different runs ({sorted(names)}); "
+                         "export them separately")
+    dest = results_root / names.pop()
+    by_split: dict[int, dict] = {}
+    kept_profile = None
+    if merge and (dest / "splits.json").exists():
+        old_config = json.loads((dest / "config.json").read_text())
+        if _settings(old_config) != _settings(configs[0]):
+            raise ValueError(f"{dest} holds a run with other settings than {sources[0]}; cannot merge")
+        by_split = {s["split"]: s for s in json.loads((dest / "splits.json").read_text())}
+        if (dest / "profile.json").exists():
+            kept_profile = (dest / "profile.json").read_text()
+    n_old = len(by_split)
+    for d in sources:
+        by_split.update({s["split"]: s for s in _exported_splits(d)})
+    splits = [by_split[k] for k in sorted(by_split)]
+
+    if dest.exists():
+        shutil.rmtree(dest)  # no stale file of an earlier export survives
+    dest.mkdir(parents=True)
     runs.write_json(dest / "splits.json", splits)
-    for name in ("summary.json", "config.json", "profile.json", "training.png"):
-        if (run_dir / name).exists():
-            shutil.copyfile(run_dir / name, dest / name)
+    summary = {**summaries[0], **split_statistics(splits)}
+    summary["commands"] = sorted({s["command"] for s in summaries if s.get("command")})
+    profile_path = next((d / "profile.json" for d in sources if (d / "profile.json").exists()), None)
+    if profile_path is not None:
+        shutil.copyfile(profile_path, dest / "profile.json")
+        summary["profile"] = json.loads(profile_path.read_text())
+    elif kept_profile is not None:
+        (dest / "profile.json").write_text(kept_profile)
+        summary["profile"] = json.loads(kept_profile)
+    runs.write_json(dest / "summary.json", summary)
+    runs.write_json(dest / "config.json", {**configs[0], "splits": summary["splits"]})
+    if len(sources) == 1 and n_old == 0 and (sources[0] / "training.png").exists():
+        shutil.copyfile(sources[0] / "training.png", dest / "training.png")  # every epoch's ELBO
+    else:
+        _plot(splits, dest / "training.png", f"{summary['dataset']}, {summary['method']}")
     return dest
 
 
 def _cell(mean: float, err: float, digits: int) -> str:
     return f"{mean:.{digits}f} ± {err:.{digits}f}" if not math.isnan(err) else f"{mean:.{digits}f}"
+
+
+def _cores(summary: dict) -> str:
+    """Which machines ran the splits, by core count (2: the dev VM; 16: the lent 16-core host)."""
+    labels = summary.get("machines") or [machine_label(None)]
+    cores = {int(label.split(" ", 1)[0]) if label[0].isdigit() else 2 for label in labels}
+    return " + ".join(str(c) for c in sorted(cores))
 
 
 def table(results_root: Path) -> str:
@@ -70,8 +144,8 @@ def table(results_root: Path) -> str:
     for path in sorted(results_root.glob("*/summary.json")):
         s = json.loads(path.read_text())
         summaries[(s["dataset"], s["method"], generator_init(s) == "torch")] = s
-    lines = ["| dataset | method | splits | epochs | test RMSE | test LL | s / epoch |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | method | splits | epochs | test RMSE | test LL | s / epoch | cores of the machine(s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for dataset in DATASET_ORDER:
         ours = [summaries[(dataset, m, torch_init)] for m in METHODS for torch_init in (False, True)
                 if (dataset, m, torch_init) in summaries]
@@ -82,26 +156,40 @@ def table(results_root: Path) -> str:
             label = s["method"] + (" (torch init)" if generator_init(s) == "torch" else "")
             lines.append(f"| {dataset} | **ours: {label}** | {s['n_splits']} | {s['epochs']} | "
                          f"{_cell(s['rmse']['mean'], s['rmse']['se'], digits)} | "
-                         f"{_cell(s['test_ll']['mean'], s['test_ll']['se'], 3)} | {s['seconds_per_epoch']:.3f} |")
+                         f"{_cell(s['test_ll']['mean'], s['test_ll']['se'], 3)} | {s['seconds_per_epoch']:.3f} | "
+                         f"{_cores(s)} |")
         for method in PAPER_METHODS:
             if method in PAPER_RESULTS[dataset]:
                 rmse, rmse_err, ll, ll_err = PAPER_RESULTS[dataset][method]
                 lines.append(f"| {dataset} | paper {method} | | | {_cell(rmse, rmse_err, digits)} | "
-                             f"{_cell(ll, ll_err, 3)} | |")
+                             f"{_cell(ll, ll_err, 3)} | | |")
     return "\n".join(lines) + "\n"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="*", help="run folders of `kivi-fast uci` to export (none: only the table)")
     p.add_argument("--results", default="results/uci", help="results folder (default results/uci)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the splits already exported for the same data set, method and settings")
 
 
 def run(args) -> int:
     root = Path(args.results)
     root.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, list[Path]] = {}
     for run_dir in map(Path, args.run_dirs):
-        dest = export_run(run_dir, root)
-        print(f"{run_dir}: " + (f"-> {dest}" if dest else "no finished split, skipped"))
+        if not (run_dir / "summary.json").exists():
+            print(f"{run_dir}: no finished split, skipped")
+            continue
+        groups.setdefault(result_name(json.loads((run_dir / "summary.json").read_text())), []).append(run_dir)
+    for name, dirs in groups.items():
+        try:
+            dest = export_runs(dirs, root, merge=args.merge)
+        except ValueError as err:
+            print(f"{name}: {err}", file=sys.stderr)
+            return 2
+        where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} run folders"
+        print(f"{where}: " + (f"-> {dest}" if dest else "no finished split, skipped"))
     text = table(root)
     (root / "TABLE.md").write_text(text)
     print(text)

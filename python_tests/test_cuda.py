@@ -1,0 +1,120 @@
+"""The ops on CUDA tensors (the device-generic ATen kernels) equal the reference computed on the CPU.
+
+These run only where torch sees a GPU; elsewhere pytest reports them as skipped (CI has none). The
+generic kernels themselves are also tested on the CPU (the ``generic`` implementation of conftest).
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kivi_fast
+from kivi_fast import reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def compiled_ops():
+    if kivi_fast.backend() != "cpp":
+        pytest.fail("the compiled ops are not built (pip install --no-build-isolation -e .)")
+
+
+@st.composite
+def problems(draw):
+    n_p, n_q = draw(st.integers(2, 300)), draw(st.integers(2, 300))
+    return dict(n_p=n_p, n_q=n_q, d=draw(st.sampled_from([1, 3, 8, 64, 700, 5000])),
+                batch=draw(st.sampled_from([None, 1, 4])), lam=draw(st.floats(1e-4, 1e-1)),
+                scale=draw(st.floats(0.1, 10.0)), shift=draw(st.floats(0.0, 3.0)),
+                dtype=draw(st.sampled_from([torch.float32, torch.float64])), reverse=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def samples(pr):
+    g = torch.Generator().manual_seed(pr["seed"])
+    lead = () if pr["batch"] is None else (pr["batch"],)
+    p = torch.randn(*lead, pr["n_p"], pr["d"], generator=g, dtype=torch.float64) * pr["scale"]
+    q = torch.randn(*lead, pr["n_q"], pr["d"], generator=g, dtype=torch.float64) * pr["scale"] * 0.8 + pr["shift"]
+    return p.to(pr["dtype"]), q.to(pr["dtype"])
+
+
+def value_and_grad(fn, p, q, **kw):
+    q = q.clone().requires_grad_(True)
+    value = fn(p, q, **kw)
+    weights = torch.arange(1, value.numel() + 1, dtype=value.dtype, device=value.device).reshape(value.shape)
+    (value * weights).sum().backward()
+    return value.detach(), q.grad
+
+
+def assert_close_rel(actual, expected, rtol):
+    actual = actual.cpu().to(expected.dtype)
+    scale = expected.abs().max().clamp_min(1e-30)
+    assert (actual - expected).abs().max() <= rtol * scale, ((actual - expected).abs().max(), scale)
+
+
+@settings(max_examples=40)
+@given(pr=problems())
+def test_kl_on_cuda_equals_the_reference_on_cpu(pr):
+    p, q = samples(pr)
+    kw = dict(lam=pr["lam"], reverse=pr["reverse"])
+    ours_v, ours_g = value_and_grad(kivi_fast.kl, p.to(CUDA), q.to(CUDA), **kw)
+    ref_v, ref_g = value_and_grad(reference.kl, p, q, **kw)
+    assert ours_v.device.type == "cuda" and ours_g.device.type == "cuda" and ours_v.dtype == p.dtype
+    # float32 inputs are fitted in float64 on both sides; cuBLAS and MKL sum in other orders
+    rtol = 1e-5 if pr["dtype"] == torch.float32 else 1e-8
+    assert_close_rel(ours_v, ref_v, rtol)
+    assert_close_rel(ours_g, ref_g, rtol if pr["dtype"] == torch.float32 else 1e-7)
+
+
+@settings(max_examples=20)
+@given(pr=problems())
+def test_density_ratio_and_primitives_on_cuda_equal_the_reference(pr):
+    p, q = samples(pr)
+    if pr["batch"] is not None:
+        p, q = p[0], q[0]
+    p, q = p.double(), q.double()
+    ours = kivi_fast.DensityRatio(lam=pr["lam"]).fit(numer=p.to(CUDA), denom=q.to(CUDA))
+    ref = reference.DensityRatio(lam=pr["lam"]).fit(numer=p, denom=q)
+    assert_close_rel(ours.sigma, ref.sigma, 1e-12)
+    assert_close_rel(ours.alpha, ref.alpha, 1e-7)
+    z = q[: min(5, len(q))]
+    assert_close_rel(ours.ratio(z.to(CUDA)), ref.ratio(z), 1e-7)
+    assert_close_rel(kivi_fast.median_bandwidth(torch.cat([p, q]).to(CUDA)),
+                     reference.median_bandwidth(torch.cat([p, q])), 1e-12)
+    assert_close_rel(kivi_fast.rbf_gram(p.to(CUDA), q.to(CUDA), sigma=1.7), reference.rbf_gram(p, q, sigma=1.7), 1e-10)
+
+
+def test_a_training_step_on_cuda_matches_the_cpu_step():
+    """One step of a generator trained through kl on the GPU moves its weights as on the CPU."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    eps, prior = torch.randn(100, 4, dtype=torch.float64), torch.randn(100, 3, dtype=torch.float64)
+    grads = {}
+    for device in ("cpu", "cuda"):
+        model = net.to(device)
+        model.zero_grad()
+        kivi_fast.kl(prior.to(device), model(eps.to(device))).backward()
+        grads[device] = [p.grad.cpu().clone() for p in model.parameters()]
+    for a, b in zip(grads["cpu"], grads["cuda"]):
+        torch.testing.assert_close(b, a, rtol=1e-7, atol=1e-10)
+
+
+def test_mixed_devices_and_bad_input_raise_clear_errors():
+    p, q = torch.randn(20, 3), torch.randn(20, 3)
+    with pytest.raises(ValueError, match="same device"):
+        kivi_fast.kl(p.to(CUDA), q)
+    bad = q.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="q_z"):
+        kivi_fast.kl(p.to(CUDA), bad.to(CUDA))
+    with pytest.raises(ValueError, match="lam"):
+        kivi_fast.kl(p.to(CUDA), q.to(CUDA), lam=0.0)
+
+
+def test_torch_compile_on_cuda():
+    p, q = torch.randn(2, 50, 4, device=CUDA), torch.randn(2, 50, 4, device=CUDA)
+    compiled = torch.compile(kivi_fast.kl, fullgraph=True)
+    torch.testing.assert_close(compiled(p, q), kivi_fast.kl(p, q))
