@@ -424,3 +424,22 @@ def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path,
     assert uci.run(args) == 0
     assert cli.main(["uci-report", "--merge", str(tmp_path / "s2"), "--results", str(results)]) == 2
     assert cli.main(["uci-report", str(tmp_path / "s1"), str(tmp_path / "s2"), "--results", str(results)]) == 2
+
+
+def test_batch_stopped_by_its_time_limit_resumes_from_the_checkpoints(tmp_path, capsys):
+    from kivi_fast import cli
+
+    common = ["uci-batch", "yacht:kivi:4", "--out", str(tmp_path), "--checkpoint-seconds", "0.5",
+              "--uci-args", "--epochs 150 --samples 10 --eval-every 50"]
+    assert cli.main([*common, "--minutes", "0.15"]) == 0
+    assert "1 left" in capsys.readouterr().err
+    folder = tmp_path / "yacht-kivi" / "split_04"
+    assert (folder / "checkpoint.pt").exists() and not (folder / "split_04.json").exists()
+    stopped_at = torch.load(folder / "checkpoint.pt", weights_only=False)["epoch"]
+    assert 0 < stopped_at < 150
+    first_log = (folder / "log.txt").read_text()
+    assert cli.main(common) == 0
+    resumed_log = (folder / "log.txt").read_text()[len(first_log):]
+    assert f" {stopped_at}/150 [00:00" in resumed_log  # the second process's bar starts where the first stopped
+    result = json.loads((folder / "split_04.json").read_text())
+    assert result["history"]["epoch"] == list(range(1, 151))

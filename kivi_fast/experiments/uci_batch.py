@@ -80,6 +80,8 @@ def run(args) -> int:
     todo = [t for t in tasks if not (split_folder(out, *t) / f"split_{t[2]:02d}.json").exists()]
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # a SIGTERM (a job scheduler, a lost session) stops the workers too, as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     running: dict[tuple, subprocess.Popen] = {}
     failed = []
     bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc="splits", unit="split", file=sys.stderr)
@@ -104,6 +106,8 @@ def run(args) -> int:
                         tqdm.write(f"{task}: exit {proc.returncode}, see {split_folder(out, *task) / 'log.txt'}",
                                    file=sys.stderr)
             bar.set_postfix(running=len(running), queued=len(todo), refresh=False)
+    except KeyboardInterrupt:
+        tqdm.write("interrupted: stopping the running splits (each resumes from its checkpoint)", file=sys.stderr)
     finally:
         for proc in running.values():  # stopped early: each resumes from its checkpoint next time
             proc.send_signal(signal.SIGTERM)
