@@ -335,6 +335,10 @@ def test_report_exports_small_copies_and_tabulates_beside_the_paper(tmp_path, mo
     assert any("ours: factorized" in line for line in table)
     assert any("paper KIVI" in line and "0.737 ± 0.068" in line for line in table)
     assert not any("boston" in line for line in table)  # only data sets with runs
+    side = [line for line in table if line.startswith("| yacht | ") and line.split(" | ")[1][0] in "0123456789-"]
+    rmse_row = side[0].split(" | ")  # the side-by-side RMSE table: ours (2 of 20 splits), then the paper's
+    assert rmse_row[1] == f"{mean_rmse:.3f} ± {se_rmse:.3f} (2 splits)" and rmse_row[2] == "-"
+    assert rmse_row[4] == "0.737 ± 0.068" and rmse_row[5] == "0.864 ± 0.052"
 
     # a run from before --generator-init (no such key: torch's init) goes beside, not over, the new one
     summary_path = runs_dir / "kivi" / "summary.json"

@@ -138,12 +138,48 @@ def _cores(summary: dict) -> str:
     return " + ".join(str(c) for c in sorted(cores))
 
 
-def table(results_root: Path) -> str:
-    """Markdown: one block of rows per dataset, ours first, then the paper's."""
+def _summaries(results_root: Path) -> dict:
+    """(dataset, method, torch_init) -> summary of every exported result."""
     summaries = {}
     for path in sorted(results_root.glob("*/summary.json")):
         s = json.loads(path.read_text())
         summaries[(s["dataset"], s["method"], generator_init(s) == "torch")] = s
+    return summaries
+
+
+def side_by_side(results_root: Path, metric: str) -> str:
+    """Markdown: one row per data set, our three methods (Glorot init) beside the paper's five, for
+    ``metric`` "rmse" or "test_ll"; a method with fewer than all splits shows how many it has."""
+    summaries = _summaries(results_root)
+    column = {"rmse": 0, "test_ll": 2}[metric]
+    head = ["data set"] + [f"ours {m}" for m in METHODS] + [f"paper {m}" for m in PAPER_METHODS]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for dataset in DATASET_ORDER:
+        ours = {m: summaries.get((dataset, m, False)) for m in METHODS}
+        if not any(ours.values()):
+            continue
+        digits = 4 if dataset == "naval" and metric == "rmse" else 3
+        cells = [dataset]
+        for s in ours.values():
+            if s is None:
+                cells.append("-")
+                continue
+            note = "" if s["n_splits"] == _all_splits(dataset) else f" ({s['n_splits']} splits)"
+            cells.append(_cell(s[metric]["mean"], s[metric]["se"], digits) + note)
+        for method in PAPER_METHODS:
+            v = PAPER_RESULTS[dataset].get(method)
+            cells.append(_cell(v[column], v[column + 1], digits) if v else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _all_splits(dataset: str) -> int:
+    return 5 if dataset == "protein" else 20
+
+
+def table(results_root: Path) -> str:
+    """Markdown: one block of rows per dataset, ours first, then the paper's."""
+    summaries = _summaries(results_root)
     lines = ["| dataset | method | splits | epochs | test RMSE | test LL | s / epoch | cores of the machine(s) |",
              "|---|---|---|---|---|---|---|---|"]
     for dataset in DATASET_ORDER:
@@ -190,7 +226,9 @@ def run(args) -> int:
             return 2
         where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} run folders"
         print(f"{where}: " + (f"-> {dest}" if dest else "no finished split, skipped"))
-    text = table(root)
+    text = (table(root) + "\nTest RMSE, side by side (mean ± standard error over the splits; ours with Glorot's "
+            "initialization):\n\n" + side_by_side(root, "rmse") + "\nTest log-likelihood, side by side:\n\n"
+            + side_by_side(root, "test_ll"))
     (root / "TABLE.md").write_text(text)
     print(text)
     return 0
