@@ -88,17 +88,21 @@ def test_density_ratio_and_primitives_on_cuda_equal_the_reference(pr):
 
 
 def test_a_training_step_on_cuda_matches_the_cpu_step():
-    """One step of a generator trained through kl on the GPU moves its weights as on the CPU."""
+    """One SGD step of a generator trained through kl moves its weights on the GPU as on the CPU."""
+    import copy
+
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
     eps, prior = torch.randn(100, 4, dtype=torch.float64), torch.randn(100, 3, dtype=torch.float64)
-    grads = {}
+    stepped = {}
     for device in ("cpu", "cuda"):
-        model = net.to(device)
-        model.zero_grad()
+        model = copy.deepcopy(net).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         kivi_fast.kl(prior.to(device), model(eps.to(device))).backward()
-        grads[device] = [p.grad.cpu().clone() for p in model.parameters()]
-    for a, b in zip(grads["cpu"], grads["cuda"]):
+        opt.step()
+        stepped[device] = [p.detach().cpu() for p in model.parameters()]
+    for before, a, b in zip(net.parameters(), stepped["cpu"], stepped["cuda"]):
+        assert not torch.equal(a, before.detach())  # the step moved the weights
         torch.testing.assert_close(b, a, rtol=1e-7, atol=1e-10)
 
 

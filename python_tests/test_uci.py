@@ -405,11 +405,14 @@ def test_batch_splits_pooled_by_the_report_equal_one_sequential_run(tmp_path):
     for key in ("rmse", "test_ll", "test_ll_plugin"):
         assert pooled[key]["mean"] == sequential[key]["mean"] and pooled[key]["se"] == sequential[key]["se"]
     assert (results / "yacht-kivi" / "training.png").stat().st_size > 0
-    # a rerun finds every split done and starts nothing
-    assert cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch")]) == 0
+    # a rerun finds every split done; one with other settings does not pass the old results off as its own
+    before = (folders[0] / "split_00.json").read_text()
+    assert cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch"), "--uci-args", " ".join(tiny)]) == 0
+    assert (folders[0] / "split_00.json").read_text() == before
+    assert cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch")]) == 1
 
 
-def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path, monkeypatch):
+def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path, monkeypatch, capsys):
     from kivi_fast import cli
 
     monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
@@ -426,24 +429,53 @@ def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path,
 
     args = make_args(tmp_path, "--dataset", "yacht", "--splits", "2", "--epochs", "2", "--run-dir", str(tmp_path / "s2"))
     assert uci.run(args) == 0
+    exported = (results / "yacht-kivi" / "splits.json").read_text()
     assert cli.main(["uci-report", "--merge", str(tmp_path / "s2"), "--results", str(results)]) == 2
-    assert cli.main(["uci-report", str(tmp_path / "s1"), str(tmp_path / "s2"), "--results", str(results)]) == 2
+    assert cli.main(["uci-report", str(tmp_path / "s0"), str(tmp_path / "s2"), "--results", str(results)]) == 2
+    assert (results / "yacht-kivi" / "splits.json").read_text() == exported  # nothing half-written
+
+    # the same split from two folders with different numbers: the last one is taken, with a warning
+    import shutil
+
+    shutil.copytree(tmp_path / "s1", tmp_path / "s1-copy")
+    path = tmp_path / "s1-copy" / "split_01.json"
+    altered = json.loads(path.read_text())
+    altered["rmse"] += 1.0
+    path.write_text(json.dumps(altered))
+    assert cli.main(["uci-report", str(tmp_path / "s1"), str(tmp_path / "s1-copy"), "--results", str(results)]) == 0
+    assert "split 1 is in" in capsys.readouterr().err
+    assert json.loads((results / "yacht-kivi" / "splits.json").read_text())[0]["rmse"] == altered["rmse"]
 
 
 def test_batch_stopped_by_its_time_limit_resumes_from_the_checkpoints(tmp_path, capsys):
     from kivi_fast import cli
 
-    common = ["uci-batch", "yacht:kivi:4", "--out", str(tmp_path), "--checkpoint-seconds", "0.5",
-              "--uci-args", "--epochs 150 --samples 10 --eval-every 50"]
-    assert cli.main([*common, "--minutes", "0.15"]) == 0
-    assert "1 left" in capsys.readouterr().err
+    # far more epochs than the time limit allows, so the split is always cut short
+    common = ["uci-batch", "yacht:kivi:4", "--out", str(tmp_path), "--checkpoint-seconds", "0.5", "--minutes", "0.2",
+              "--uci-args", "--epochs 100000 --samples 10 --eval-every 100000"]
     folder = tmp_path / "yacht-kivi" / "split_04"
-    assert (folder / "checkpoint.pt").exists() and not (folder / "split_04.json").exists()
-    stopped_at = torch.load(folder / "checkpoint.pt", weights_only=False)["epoch"]
-    assert 0 < stopped_at < 150
-    first_log = (folder / "log.txt").read_text()
-    assert cli.main(common) == 0
-    resumed_log = (folder / "log.txt").read_text()[len(first_log):]
-    assert f" {stopped_at}/150 [00:00" in resumed_log  # the second process's bar starts where the first stopped
-    result = json.loads((folder / "split_04.json").read_text())
-    assert result["history"]["epoch"] == list(range(1, 151))
+    stops = []
+    for _ in range(2):
+        log_before = (folder / "log.txt").read_text() if (folder / "log.txt").exists() else ""
+        assert cli.main(common) == 0
+        assert "1 left" in capsys.readouterr().err
+        assert not (folder / "split_04.json").exists()
+        stops.append(torch.load(folder / "checkpoint.pt", weights_only=False)["epoch"])
+        log = (folder / "log.txt").read_text()[len(log_before):]
+    assert 0 < stops[0] < stops[1]
+    assert f" {stops[0]}/100000 [00:00" in log  # the second process's bar starts where the first stopped
+
+
+def test_batch_leaves_a_split_that_another_batch_is_running(tmp_path, capsys):
+    import fcntl
+
+    from kivi_fast import cli
+
+    folder = tmp_path / "yacht-kivi" / "split_02"
+    folder.mkdir(parents=True)
+    with open(folder / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the batch running it would
+        assert cli.main(["uci-batch", "yacht:kivi:2", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "running in another batch" in err and "1 left" in err
+    assert not (folder / "log.txt").exists()

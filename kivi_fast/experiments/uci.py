@@ -276,6 +276,9 @@ def split_statistics(results: list[dict]) -> dict:
     """The summary's numbers over the splits run: mean and standard error of the test metrics, timings."""
     rmse, ll, ll_plugin = (mean_se([r[k] for r in results]) for k in ("rmse", "test_ll", "test_ll_plugin"))
     secs = [r["seconds_per_epoch"] for r in results]
+    by_machine: dict[str, list[float]] = {}
+    for r in results:
+        by_machine.setdefault(machine_label(r.get("machine")), []).append(r["seconds_per_epoch"])
     return {
         "splits": [r["split"] for r in results], "n_splits": len(results),
         "rmse": {"mean": rmse[0], "se": rmse[1]},
@@ -286,14 +289,15 @@ def split_statistics(results: list[dict]) -> dict:
                            "how": "as test_ll with the posterior mean precision alpha / beta"},
         "seconds_per_epoch": float(np.mean(secs)) if secs else math.nan,
         "seconds_per_split": float(np.mean([r["train_seconds"] for r in results])) if results else math.nan,
-        # timings are only comparable on one machine: say which ran the splits
-        "machines": sorted({machine_label(r.get("machine")) for r in results}),
+        # timings are only comparable on one machine: which ran the splits, and the time on each
+        "machines": sorted(by_machine),
+        "seconds_per_epoch_by_machine": {m: float(np.mean(v)) for m, v in sorted(by_machine.items())},
     }
 
 
 def machine_label(machine: dict | None) -> str:
     if machine is None:
-        return "not recorded (2-core dev VM)"  # all runs from before the field were made there
+        return "not recorded"  # results from before splits recorded it
     return f"{machine['cores']} cores ({machine['cpu']}), torch {machine['torch']}"
 
 

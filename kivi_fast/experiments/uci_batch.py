@@ -6,7 +6,9 @@
 A job is ``dataset:method[:splits]`` (all splits of the set when none are named); each of its splits runs
 in its own run folder ``<out>/<dataset>-<method>/split_NN/`` with its own checkpoint, so a batch that is
 stopped (``--minutes``, a signal, a lost machine) resumes where each split stopped when it is started
-again with the same arguments. Splits start in the order the jobs are given: put first what matters most.
+again with the same arguments (exit status 130 after a signal). Splits start in the order the jobs are
+given: put first what matters most. A lock file per split keeps two batches off the same split, and on
+Linux a split's process ends with the batch that started it.
 A split's result does not depend on which process or folder ran it (its seed is the run seed and the
 split number), so the merged folder holds the same numbers as one sequential ``uci`` run.
 """
@@ -14,6 +16,7 @@ split number), so the merged folder holds the same numbers as one sequential ``u
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shlex
 import signal
@@ -67,6 +70,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uci-args", default="", help='more arguments for every `uci` process, e.g. "--epochs 100"')
 
 
+def _die_with_parent() -> None:
+    """In the child (Linux): get SIGTERM when the batch process dies, so no split runs on orphaned."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _lock(folder: Path):
+    """An exclusive lock on the split's folder, or None if another batch is running that split. The
+    child inherits it, so it holds as long as either lives."""
+    f = open(folder / "lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(*_):
+    raise _Interrupted
+
+
 def run(args) -> int:
     if args.workers < 1:
         print(f"--workers must be >= 1, got {args.workers}", file=sys.stderr)
@@ -77,44 +107,66 @@ def run(args) -> int:
         print(err, file=sys.stderr)
         return 2
     out = Path(args.out)
-    todo = [t for t in tasks if not (split_folder(out, *t) / f"split_{t[2]:02d}.json").exists()]
+    # Every split gets a process, finished ones too: it only rereads its result, and refuses (exit 2)
+    # a folder made with other settings, so a changed command never passes old results off as new.
+    todo = list(tasks)
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    running: dict[tuple, tuple[subprocess.Popen, object]] = {}
+    failed, busy, interrupted = [], [], False
+    bar = tqdm(total=len(tasks), desc="splits", unit="split", file=sys.stderr)
+
+    def collect(task, proc, lock, stopping=False):
+        lock.close()
+        if proc.returncode == 0:
+            bar.update(1)
+        elif not (stopping and proc.returncode == -signal.SIGTERM):
+            failed.append(task)
+            tqdm.write(f"{task}: exit {proc.returncode}, see {split_folder(out, *task) / 'log.txt'}", file=sys.stderr)
+
     # a SIGTERM (a job scheduler, a lost session) stops the workers too, as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    running: dict[tuple, subprocess.Popen] = {}
-    failed = []
-    bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc="splits", unit="split", file=sys.stderr)
+    old_handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while todo or running:
             while todo and len(running) < args.workers and (deadline is None or time.time() < deadline):
                 task = todo.pop(0)
                 folder = split_folder(out, *task)
                 folder.mkdir(parents=True, exist_ok=True)
+                lock = _lock(folder)
+                if lock is None:
+                    busy.append(task)
+                    tqdm.write(f"{task}: running in another batch, skipped", file=sys.stderr)
+                    continue
                 with open(folder / "log.txt", "ab") as log:
-                    running[task] = subprocess.Popen(_command(args, *task, folder), stdout=log, stderr=log, env=env)
+                    proc = subprocess.Popen(_command(args, *task, folder), stdout=log, stderr=log, env=env,
+                                            pass_fds=(lock.fileno(),), preexec_fn=preexec)
+                running[task] = (proc, lock)
             if deadline is not None and time.time() >= deadline:
                 break
             time.sleep(1.0)
-            for task, proc in list(running.items()):
+            for task, (proc, lock) in list(running.items()):
                 if proc.poll() is not None:
                     del running[task]
-                    if proc.returncode == 0:
-                        bar.update(1)
-                    else:
-                        failed.append(task)
-                        tqdm.write(f"{task}: exit {proc.returncode}, see {split_folder(out, *task) / 'log.txt'}",
-                                   file=sys.stderr)
+                    collect(task, proc, lock)
             bar.set_postfix(running=len(running), queued=len(todo), refresh=False)
-    except KeyboardInterrupt:
+    except _Interrupted:
+        interrupted = True
         tqdm.write("interrupted: stopping the running splits (each resumes from its checkpoint)", file=sys.stderr)
     finally:
-        for proc in running.values():  # stopped early: each resumes from its checkpoint next time
+        for proc, _ in running.values():  # stopped early: each resumes from its checkpoint next time
             proc.send_signal(signal.SIGTERM)
-        for proc in running.values():
+        for task, (proc, lock) in list(running.items()):
             proc.wait()
+            collect(task, proc, lock, stopping=True)
+            if proc.returncode == 0:
+                del running[task]
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         bar.close()
-    left = len(running) + len(todo)
+    left = len(running) + len(todo) + len(busy)
     print(f"{bar.n} of {len(tasks)} splits done, {len(failed)} failed, {left} left"
           + (" (rerun the same command to resume)" if left else ""), file=sys.stderr)
+    if interrupted:
+        return 130
     return 1 if failed else 0

@@ -4,11 +4,12 @@
     python -m kivi_fast.cli uci-report --merge runs/batch/*/split_*   # add uci-batch's splits to those
 
 Run folders of the same data set, method and settings are pooled into one result (``uci-batch`` writes
-one folder per split); ``--merge`` keeps the splits already exported there. Each run folder is copied without its checkpoint and per-epoch histories (the test-metric curves every
-``eval_every`` epochs stay), so the copies are small enough to commit; then every
+one folder per split); ``--merge`` keeps the splits already exported there. Each run folder is copied
+without its checkpoint and per-epoch histories (the test-metric curves every ``eval_every`` epochs stay,
+with the training ELBO at those epochs), so the copies are small enough to commit; then every
 ``<dataset>-<method>/summary.json`` under the results folder goes into ``TABLE.md``: per dataset, our
 methods (with the number of splits run) and the paper's Table 1 (KIVI, SVGD, Dropout) and appendix table
-(Factorized, HMC), errors as standard errors over the splits.
+(Factorized, HMC), errors as standard errors over the splits, and the same side by side.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..data import uci as uci_data
 from . import runs
 from .uci import _RESUME_KEYS, METHODS, PAPER_RESULTS, split_statistics
-from .uci import machine_label
 from .uci import plot as uci_plot
 
 DATASET_ORDER = tuple(PAPER_RESULTS)
@@ -74,12 +75,14 @@ def _plot(splits: list[dict], path: Path, title: str) -> None:
     uci_plot(results, path, title)
 
 
-def export_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> Path | None:
-    """Copy run folders of one data set, method and setting to ``results_root/<dataset>-<method>/``.
+def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> dict | None:
+    """Pool run folders of one data set, method and setting into what ``write_result`` writes to
+    ``results_root/<dataset>-<method>/``; checks everything, writes nothing. None if no folder has a
+    finished split.
 
-    Their splits are pooled (folders of single splits, as ``uci-batch`` writes them, become one result);
-    with ``merge``, the splits already exported there are kept too (a later folder wins a split both hold).
-    The summary is recomputed from the pooled splits. None if no folder has a finished split.
+    Folders of single splits (as ``uci-batch`` writes them) become one result; with ``merge``, the splits
+    already exported there are kept too. A split in several places is taken from the last; a warning
+    says so if their numbers differ. The summary is recomputed from the pooled splits.
     """
     sources = [d for d in run_dirs if (d / "summary.json").exists() and any(d.glob("split_*.json"))]
     if not sources:
@@ -91,51 +94,73 @@ def export_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -
         raise ValueError(f"run folders {[str(d) for d in sources]} hold different runs ({sorted(names)}); "
                          "export them separately")
     dest = results_root / names.pop()
-    by_split: dict[int, dict] = {}
-    kept_profile = None
+    by_split: dict[int, tuple[str, dict]] = {}
+    commands = {c for s in summaries for c in s.get("commands", [s.get("command")]) if c}
+    profile = next((json.loads((d / "profile.json").read_text()) for d in sources if (d / "profile.json").exists()),
+                   None)
     if merge and (dest / "splits.json").exists():
-        old_config = json.loads((dest / "config.json").read_text())
-        if _settings(old_config) != _settings(configs[0]):
+        old_summary = json.loads((dest / "summary.json").read_text())
+        if _settings(json.loads((dest / "config.json").read_text())) != _settings(configs[0]):
             raise ValueError(f"{dest} holds a run with other settings than {sources[0]}; cannot merge")
-        by_split = {s["split"]: s for s in json.loads((dest / "splits.json").read_text())}
-        if (dest / "profile.json").exists():
-            kept_profile = (dest / "profile.json").read_text()
-    n_old = len(by_split)
+        by_split = {s["split"]: (str(dest), s) for s in json.loads((dest / "splits.json").read_text())}
+        commands |= {c for c in old_summary.get("commands", [old_summary.get("command")]) if c}
+        profile = profile or old_summary.get("profile")
     for d in sources:
-        by_split.update({s["split"]: s for s in _exported_splits(d)})
-    splits = [by_split[k] for k in sorted(by_split)]
+        for split in _exported_splits(d):
+            old = by_split.get(split["split"])
+            if old is not None and (old[1]["rmse"], old[1]["test_ll"]) != (split["rmse"], split["test_ll"]):
+                print(f"warning: split {split['split']} is in {old[0]} and {d} with other numbers; "
+                      f"taking {d}'s", file=sys.stderr)
+            by_split[split["split"]] = (str(d), split)
+    splits = [by_split[k][1] for k in sorted(by_split)]
+    summary = {**summaries[0], **split_statistics(splits), "commands": sorted(commands), "profile": profile}
+    summary.pop("command", None)  # one folder's; "commands" has them all
+    single = len(sources) == 1 and len(by_split) == len(_exported_splits(sources[0]))
+    png = sources[0] / "training.png" if single and (sources[0] / "training.png").exists() else None
+    return {"dest": dest, "splits": splits, "summary": summary, "config": {**configs[0], "splits": summary["splits"]},
+            "training_png": png}
 
-    if dest.exists():
-        shutil.rmtree(dest)  # no stale file of an earlier export survives
-    dest.mkdir(parents=True)
-    runs.write_json(dest / "splits.json", splits)
-    summary = {**summaries[0], **split_statistics(splits)}
-    summary["commands"] = sorted({s["command"] for s in summaries if s.get("command")})
-    profile_path = next((d / "profile.json" for d in sources if (d / "profile.json").exists()), None)
-    if profile_path is not None:
-        shutil.copyfile(profile_path, dest / "profile.json")
-        summary["profile"] = json.loads(profile_path.read_text())
-    elif kept_profile is not None:
-        (dest / "profile.json").write_text(kept_profile)
-        summary["profile"] = json.loads(kept_profile)
-    runs.write_json(dest / "summary.json", summary)
-    runs.write_json(dest / "config.json", {**configs[0], "splits": summary["splits"]})
-    if len(sources) == 1 and n_old == 0 and (sources[0] / "training.png").exists():
-        shutil.copyfile(sources[0] / "training.png", dest / "training.png")  # every epoch's ELBO
+
+def write_result(pooled: dict) -> Path:
+    """Write a pooled result into a fresh folder, then put it in place of the old one (a failure on the
+    way leaves the old export as it was; no stale file of it survives)."""
+    dest = pooled["dest"]
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    summary = pooled["summary"]
+    runs.write_json(tmp / "splits.json", pooled["splits"])
+    runs.write_json(tmp / "summary.json", summary)
+    runs.write_json(tmp / "config.json", pooled["config"])
+    if summary.get("profile") is not None:
+        runs.write_json(tmp / "profile.json", summary["profile"])
+    if pooled["training_png"] is not None:
+        shutil.copyfile(pooled["training_png"], tmp / "training.png")  # every epoch's ELBO
     else:
-        _plot(splits, dest / "training.png", f"{summary['dataset']}, {summary['method']}")
+        _plot(pooled["splits"], tmp / "training.png", f"{summary['dataset']}, {summary['method']}")
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
     return dest
+
+
+def export_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> Path | None:
+    """``pool_runs`` then ``write_result``: the run folders' result in ``results_root``."""
+    pooled = pool_runs(run_dirs, results_root, merge)
+    return write_result(pooled) if pooled is not None else None
 
 
 def _cell(mean: float, err: float, digits: int) -> str:
     return f"{mean:.{digits}f} ± {err:.{digits}f}" if not math.isnan(err) else f"{mean:.{digits}f}"
 
 
-def _cores(summary: dict) -> str:
-    """Which machines ran the splits, by core count (2: the dev VM; 16: the lent 16-core host)."""
-    labels = summary.get("machines") or [machine_label(None)]
-    cores = {int(label.split(" ", 1)[0]) if label[0].isdigit() else 2 for label in labels}
-    return " + ".join(str(c) for c in sorted(cores))
+def _timing_cells(summary: dict) -> tuple[str, str]:
+    """s / epoch and the machines' cores, one entry per machine (timings differ between machines)."""
+    by_machine = summary.get("seconds_per_epoch_by_machine") or {"not recorded": summary["seconds_per_epoch"]}
+    secs = " / ".join(f"{v:.3f}" for v in by_machine.values())
+    cores = " / ".join(label.split(" ", 1)[0] if label[0].isdigit() else label for label in by_machine)
+    return secs, cores
 
 
 def _summaries(results_root: Path) -> dict:
@@ -164,7 +189,7 @@ def side_by_side(results_root: Path, metric: str) -> str:
             if s is None:
                 cells.append("-")
                 continue
-            note = "" if s["n_splits"] == _all_splits(dataset) else f" ({s['n_splits']} splits)"
+            note = "" if s["n_splits"] == uci_data.n_splits(dataset) else f" ({s['n_splits']} splits)"
             cells.append(_cell(s[metric]["mean"], s[metric]["se"], digits) + note)
         for method in PAPER_METHODS:
             v = PAPER_RESULTS[dataset].get(method)
@@ -173,14 +198,10 @@ def side_by_side(results_root: Path, metric: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _all_splits(dataset: str) -> int:
-    return 5 if dataset == "protein" else 20
-
-
 def table(results_root: Path) -> str:
     """Markdown: one block of rows per dataset, ours first, then the paper's."""
     summaries = _summaries(results_root)
-    lines = ["| dataset | method | splits | epochs | test RMSE | test LL | s / epoch | cores of the machine(s) |",
+    lines = ["| dataset | method | splits | epochs | test RMSE | test LL | s / epoch | cores (per machine) |",
              "|---|---|---|---|---|---|---|---|"]
     for dataset in DATASET_ORDER:
         ours = [summaries[(dataset, m, torch_init)] for m in METHODS for torch_init in (False, True)
@@ -192,8 +213,7 @@ def table(results_root: Path) -> str:
             label = s["method"] + (" (torch init)" if generator_init(s) == "torch" else "")
             lines.append(f"| {dataset} | **ours: {label}** | {s['n_splits']} | {s['epochs']} | "
                          f"{_cell(s['rmse']['mean'], s['rmse']['se'], digits)} | "
-                         f"{_cell(s['test_ll']['mean'], s['test_ll']['se'], 3)} | {s['seconds_per_epoch']:.3f} | "
-                         f"{_cores(s)} |")
+                         f"{_cell(s['test_ll']['mean'], s['test_ll']['se'], 3)} | " + " | ".join(_timing_cells(s)) + " |")
         for method in PAPER_METHODS:
             if method in PAPER_RESULTS[dataset]:
                 rmse, rmse_err, ll, ll_err = PAPER_RESULTS[dataset][method]
@@ -218,14 +238,16 @@ def run(args) -> int:
             print(f"{run_dir}: no finished split, skipped")
             continue
         groups.setdefault(result_name(json.loads((run_dir / "summary.json").read_text())), []).append(run_dir)
-    for name, dirs in groups.items():
+    pooled = {}
+    for name, dirs in groups.items():  # check every group before writing any
         try:
-            dest = export_runs(dirs, root, merge=args.merge)
+            pooled[name] = pool_runs(dirs, root, merge=args.merge)
         except ValueError as err:
-            print(f"{name}: {err}", file=sys.stderr)
+            print(f"{name}: {err}; nothing exported", file=sys.stderr)
             return 2
+    for name, dirs in groups.items():
         where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} run folders"
-        print(f"{where}: " + (f"-> {dest}" if dest else "no finished split, skipped"))
+        print(f"{where}: " + (f"-> {write_result(pooled[name])}" if pooled[name] else "no finished split, skipped"))
     text = (table(root) + "\nTest RMSE, side by side (mean ± standard error over the splits; ours with Glorot's "
             "initialization):\n\n" + side_by_side(root, "rmse") + "\nTest log-likelihood, side by side:\n\n"
             + side_by_side(root, "test_ll"))
