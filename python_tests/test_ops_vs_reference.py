@@ -50,7 +50,7 @@ def value_and_grad(kl_fn, p, q, **kw):
     q = q.clone().requires_grad_(True)
     value = kl_fn(p, q, **kw)
     # Distinct weights per batch element check that each estimate gets its own gradient.
-    weights = torch.arange(1, value.numel() + 1, dtype=value.dtype).reshape(value.shape)
+    weights = torch.arange(1, value.numel() + 1, dtype=value.dtype, device=value.device).reshape(value.shape)
     (value * weights).sum().backward()
     return value.detach(), q.grad
 
