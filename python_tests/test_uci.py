@@ -334,6 +334,7 @@ def test_report_exports_small_copies_and_tabulates_beside_the_paper(tmp_path, mo
     assert f"{mean_rmse:.3f} ± {se_rmse:.3f}" in ours and "| 2 |" in ours
     assert any("ours: factorized" in line for line in table)
     assert any("paper KIVI" in line and "0.737 ± 0.068" in line for line in table)
+    assert (results / "comparison.png").stat().st_size > 0
     assert not any("boston" in line for line in table)  # only data sets with runs
     side = [line for line in table if line.startswith("| yacht | ") and line.split(" | ")[1][0] in "0123456789-"]
     rmse_row = side[0].split(" | ")  # the side-by-side RMSE table: ours (2 of 20 splits), then the paper's

@@ -222,6 +222,46 @@ def table(results_root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def comparison_plot(results_root: Path, path: Path) -> None:
+    """comparison.png: per data set, test RMSE and LL of ours (Glorot init) and the paper's methods,
+    mean ± standard error, so that where we stand is seen at a glance. Nothing if there is no result."""
+    summaries = _summaries(results_root)
+    datasets = [d for d in DATASET_ORDER if any((d, m, False) in summaries for m in METHODS)]
+    if not datasets:
+        return
+    plt = runs.matplotlib_pyplot()
+    fig, axes = plt.subplots(2, len(datasets), figsize=(2.6 * len(datasets) + 1, 6.4), squeeze=False)
+    entries = [(f"ours {m}", m) for m in METHODS] + [(f"paper {m}", m) for m in PAPER_METHODS]
+    colors = plt.get_cmap("tab10")
+    for col, dataset in enumerate(datasets):
+        for row, (metric, column) in enumerate((("rmse", 0), ("test_ll", 2))):
+            ax = axes[row][col]
+            for i, (label, m) in enumerate(entries):
+                if label.startswith("ours"):
+                    s = summaries.get((dataset, m, False))
+                    if s is None:
+                        continue
+                    mean, err = s[metric]["mean"], s[metric]["se"]
+                else:
+                    v = PAPER_RESULTS[dataset].get(m)
+                    if v is None:
+                        continue
+                    mean, err = v[column], v[column + 1]
+                ax.errorbar([i], [mean], yerr=[0 if math.isnan(err) else err], fmt="o" if label.startswith("ours")
+                            else "s", color=colors(i), capsize=3, label=label)
+            ax.set_xticks([])
+            partial = [f"{m} {summaries[(dataset, m, False)]['n_splits']}" for m in METHODS if (dataset, m, False)
+                       in summaries and summaries[(dataset, m, False)]["n_splits"] < uci_data.n_splits(dataset)]
+            title = dataset + (f"\n(splits: {', '.join(partial)} of {uci_data.n_splits(dataset)})" if partial else "")
+            ax.set_title(title if row == 0 else "", fontsize=10)
+            ax.set_ylabel({"rmse": "test RMSE (lower is better)", "test_ll": "test LL (higher is better)"}[metric]
+                          if col == 0 else "")
+    handles = [plt.Line2D([], [], color=colors(i), marker="o" if lab.startswith("ours") else "s", ls="")
+               for i, (lab, _) in enumerate(entries)]
+    fig.legend(handles, [lab for lab, _ in entries], loc="lower center", ncol=len(entries), fontsize=8)
+    runs.save_figure(fig, path, dpi=100, rect=(0, 0.06, 1, 1))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="*", help="run folders of `kivi-fast uci` to export (none: only the table)")
     p.add_argument("--results", default="results/uci", help="results folder (default results/uci)")
@@ -252,5 +292,6 @@ def run(args) -> int:
             "initialization):\n\n" + side_by_side(root, "rmse") + "\nTest log-likelihood, side by side:\n\n"
             + side_by_side(root, "test_ll"))
     (root / "TABLE.md").write_text(text)
+    comparison_plot(root, root / "comparison.png")
     print(text)
     return 0
