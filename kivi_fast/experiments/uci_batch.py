@@ -60,13 +60,15 @@ def _command(args, dataset: str, method: str, split: int, folder: Path) -> list[
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("jobs", nargs="+", help="dataset:method[:splits], e.g. energy:kivi:9-19 boston:kivi-ac")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    p.add_argument("--workers", type=int, default=max(1, cores - 1),
                    help="processes at once, one thread each (default: cores - 1)")
     p.add_argument("--out", default="runs/batch", help="batch folder (default runs/batch)")
     p.add_argument("--minutes", type=float, default=None,
                    help="stop (checkpointed) after this long; rerun the same command to resume")
-    p.add_argument("--checkpoint-seconds", type=float, default=15.0)
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--checkpoint-seconds", type=float, default=15.0,
+                   help="seconds between checkpoints of each split (what a stop can lose)")
+    p.add_argument("--data-dir", default=None, help="UCI_Datasets folder (default: the shipped data/)")
     p.add_argument("--uci-args", default="", help='more arguments for every `uci` process, e.g. "--epochs 100"')
 
 
