@@ -10,13 +10,13 @@ again with the same arguments (exit status 130 after a signal). Splits start in 
 given: put first what matters most. A lock file per split keeps two batches off the same split, and on
 Linux a split's process ends with the batch that started it.
 A split's result does not depend on which process or folder ran it (its seed is the run seed and the
-split number), so the merged folder holds the same numbers as one sequential ``uci`` run.
+split number), so the merged folder holds the same numbers as one sequential ``uci`` run on the same
+machine (another CPU may take other floating-point paths).
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import shlex
 import signal
@@ -82,6 +82,10 @@ def _die_with_parent() -> None:
 def _lock(folder: Path):
     """An exclusive lock on the split's folder, or None if another batch is running that split. The
     child inherits it, so it holds as long as either lives."""
+    try:
+        import fcntl
+    except ImportError:  # not on POSIX: no lock
+        return open(folder / "lock", "w")
     f = open(folder / "lock", "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
