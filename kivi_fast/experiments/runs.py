@@ -49,8 +49,12 @@ def machine() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "torch": torch.__version__, "backend": kivi_fast.backend()}
+    return {"cpu": cpu, "cores": usable_cores(), "torch": torch.__version__, "backend": kivi_fast.backend()}
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def matplotlib_pyplot():

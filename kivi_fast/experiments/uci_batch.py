@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..data import uci as uci_data
+from . import runs
 from .uci import METHODS, parse_splits
 
 
@@ -60,8 +61,7 @@ def _command(args, dataset: str, method: str, split: int, folder: Path) -> list[
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("jobs", nargs="+", help="dataset:method[:splits], e.g. energy:kivi:9-19 boston:kivi-ac")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    p.add_argument("--workers", type=int, default=max(1, cores - 1),
+    p.add_argument("--workers", type=int, default=max(1, runs.usable_cores() - 1),
                    help="processes at once, one thread each (default: cores - 1)")
     p.add_argument("--out", default="runs/batch", help="batch folder (default runs/batch)")
     p.add_argument("--minutes", type=float, default=None,

@@ -67,11 +67,11 @@ def _plot(splits: list[dict], path: Path, title: str) -> None:
     results = []
     for s in splits:
         h = s["eval_history"]
-        elbo = h.get("elbo", [])
+        # exports from before the ELBO was kept at the evaluation epochs draw no ELBO curve
+        has_elbo = len(h.get("elbo", [])) == len(h["eval_epoch"])
         results.append({"split": s["split"], "history": {
-            "epoch": h["eval_epoch"] if len(elbo) == len(h["eval_epoch"]) else [], "elbo": elbo if
-            len(elbo) == len(h["eval_epoch"]) else [], "eval_epoch": h["eval_epoch"], "rmse": h["rmse"],
-            "test_ll": h["test_ll"]}})
+            "epoch": h["eval_epoch"] if has_elbo else [], "elbo": h["elbo"] if has_elbo else [],
+            "eval_epoch": h["eval_epoch"], "rmse": h["rmse"], "test_ll": h["test_ll"]}})
     uci_plot(results, path, title)
 
 
@@ -105,8 +105,11 @@ def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> 
         by_split = {s["split"]: (str(dest), s) for s in json.loads((dest / "splits.json").read_text())}
         commands |= {c for c in old_summary.get("commands", [old_summary.get("command")]) if c}
         profile = profile or old_summary.get("profile")
+    first_source_splits = 0
     for d in sources:
-        for split in _exported_splits(d):
+        exported = _exported_splits(d)
+        first_source_splits = first_source_splits or len(exported)
+        for split in exported:
             old = by_split.get(split["split"])
             if old is not None and (old[1]["rmse"], old[1]["test_ll"]) != (split["rmse"], split["test_ll"]):
                 print(f"warning: split {split['split']} is in {old[0]} and {d} with other numbers; "
@@ -115,7 +118,7 @@ def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> 
     splits = [by_split[k][1] for k in sorted(by_split)]
     summary = {**summaries[0], **split_statistics(splits), "commands": sorted(commands), "profile": profile}
     summary.pop("command", None)  # one folder's; "commands" has them all
-    single = len(sources) == 1 and len(by_split) == len(_exported_splits(sources[0]))
+    single = len(sources) == 1 and len(by_split) == first_source_splits
     png = sources[0] / "training.png" if single and (sources[0] / "training.png").exists() else None
     return {"dest": dest, "splits": splits, "summary": summary, "config": {**configs[0], "splits": summary["splits"]},
             "training_png": png}
