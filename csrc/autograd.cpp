@@ -1,7 +1,9 @@
 // The autograd formulas of the kl and ratio ops (the paper's Eq. 8): the fitted ratio (coefficients,
 // centres, bandwidth) is held fixed and the gradient flows through the evaluation points only, so
-//   d/dz_j f(z_j) = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j)   (the weighted_grad op),
-// with the float64 weights W that the forward already computed and returns for this purpose.
+//   d/dz_j f(z_j) = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j),
+// with the float64 weights W that the forward already computed: the ratio op returns W (its backward
+// is the weighted_grad op), the kl op W or its projection on the points (the kl_grad op; see
+// kl_state_width in kivi.h).
 //
 // They are registered in C++ under the Autograd key rather than from Python: a training step then
 // never enters the interpreter for this op's forward or backward, which at small shapes (a VAE
@@ -23,6 +25,7 @@ using KlSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tens
 using RatioSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                    double, const Tensor&);
 using WeightedGradSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using KlGradSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
@@ -36,6 +39,11 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   return op.call(row_scale, weights, z, numer, denom);
 }
 
+Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
+  static const auto op = op_handle<KlGradSignature>("kivi_fast::kl_grad");
+  return op.call(grad_kl, state, q_z, prior_z, reverse);
+}
+
 class KlFunction : public torch::autograd::Function<KlFunction> {
  public:
   static constexpr bool is_traceable = true;  // the backward only reads what the forward saved
@@ -44,25 +52,17 @@ class KlFunction : public torch::autograd::Function<KlFunction> {
                                double clip, const std::optional<Tensor>& sigma, bool reverse) {
     static const auto op = op_handle<KlSignature>("kivi_fast::kl");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [kl, weights, used] = op.call(prior_z, q_z, lam, clip, sigma, reverse);
-    // the roles of kl_roles (kivi.h), without its row offset: sizes may be symbolic here (torch.compile)
-    ctx->save_for_backward({weights, q_z, reverse ? prior_z : q_z, reverse ? q_z : prior_z});
+    auto [kl, state, used] = op.call(prior_z, q_z, lam, clip, sigma, reverse);
+    ctx->save_for_backward({state, q_z, prior_z});
     ctx->saved_data["reverse"] = reverse;
-    ctx->mark_non_differentiable({weights, used});
-    return {kl, weights, used};
+    ctx->mark_non_differentiable({state, used});
+    return {kl, state, used};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!ctx->needs_input_grad(1)) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
-    const auto& q_z = saved[1];
-    // KL = -+ (1/n_q) sum_j log r(z_j); the saved weights already hold the 1 / r_j of d log r.
-    const double sign = ctx->saved_data["reverse"].toBool() ? -1.0 : 1.0;
-    const c10::SymInt n_q = q_z.sym_size(1);
-    auto row_scale = (grads[0].to(at::kDouble) * sign / c10::Scalar(n_q))
-                         .unsqueeze(1)
-                         .expand_symint({c10::SymInt(-1), n_q});
-    auto grad_q = weighted_grad(row_scale, saved[0], q_z, saved[2], saved[3]);
+    auto grad_q = kl_grad(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["reverse"].toBool());
     return {Tensor(), grad_q, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };

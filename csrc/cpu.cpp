@@ -132,10 +132,12 @@ class Scratch {
 // Per-thread buffers of one batch element, kept between calls (training calls the op with the same
 // shapes at every step: no allocation, no page faults). Buffers above 32 MB are freed after a call.
 struct Work {
-  Scratch sq, norms, system, coef, block;  // block: samples converted to float64, a column block
+  Scratch sq, norms, system, coef;
+  Scratch block;   // samples converted to float64, a column block
+  Scratch points;  // the stacked samples in float64: [d, N] (transposed) up to kMaxDirectDim, else [N, d]
   void trim() {
     constexpr int64_t kKeep = int64_t{1} << 22;
-    for (Scratch* b : {&sq, &norms, &system, &coef, &block}) b->release_if_above(kKeep);
+    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points}) b->release_if_above(kKeep);
   }
 };
 
@@ -210,16 +212,40 @@ void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
   }
 }
 
+// Up to this many pairs, one thread packs the upper triangle into one array first: three passes
+// over one array instead of three calls per row (rows of 100 values at n = 200 spend as much time
+// in call overhead and loop tails as in the vector loops).
+constexpr int64_t kPackedPairs = int64_t{1} << 20;
+
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
 // entries of sq.
 std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel) {
   const int64_t pairs = n * (n - 1) / 2;
+  TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
+  thread_local std::vector<double> packed;
+  const bool pack = !parallel && pairs <= kPackedPairs;
+  if (pack) {
+    packed.resize(pairs);
+    int64_t at = 0;
+    for_upper_rows(sq, n, false, [&](const double* row, int64_t count) {
+      std::copy_n(row, count, packed.data() + at);
+      at += count;
+    });
+  }
+  // fn(values, count) over all pairs: the packed array at once, or row by row (in parallel if asked)
+  auto for_pairs = [&](bool in_parallel, auto fn) {
+    if (pack) {
+      fn(static_cast<const double*>(packed.data()), pairs);
+    } else {
+      for_upper_rows(sq, n, in_parallel, fn);
+    }
+  };
   const int threads = parallel ? at::get_num_threads() : 1;
   auto tid = [&] { return parallel ? at::get_thread_num() : 0; };
   std::vector<double> cand;
   int64_t below = 0;
   std::vector<double> lo_v(threads, std::numeric_limits<double>::infinity()), hi_v(threads, -lo_v[0]);
-  for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+  for_pairs(parallel, [&](const double* row, int64_t count) {
     const int t = tid();
     rows::min_max(row, count, lo_v[t], hi_v[t]);
   });
@@ -227,23 +253,24 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
   const double hi = *std::max_element(hi_v.begin(), hi_v.end());
   if (pairs < kMinBinnedPairs || !(hi > lo)) {
     cand.reserve(pairs);
-    for_upper_rows(sq, n, false, [&](const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
+    for_pairs(false, [&](const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
   } else {
-    const int64_t bins = std::clamp<int64_t>(pairs / 4, 64, int64_t{1} << 16);
+    // ~8 values a bin: the counts stay in L1 and the one or two bins selected hold few values
+    const auto bins = static_cast<int32_t>(std::clamp<int64_t>(pairs / 8, 64, int64_t{1} << 16));
     const double inv_width = static_cast<double>(bins) / (hi - lo);
-    std::vector<int64_t> hist(threads * bins, 0);
-    for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+    std::vector<int32_t> hist(threads * bins, 0);
+    for_pairs(parallel, [&](const double* row, int64_t count) {
       rows::histogram(row, count, lo, inv_width, bins, hist.data() + tid() * bins);
     });
     for (int t = 1; t < threads; ++t)
-      for (int64_t b = 0; b < bins; ++b) hist[b] += hist[t * bins + b];
-    int64_t lo_bin = 0;
+      for (int32_t b = 0; b < bins; ++b) hist[b] += hist[t * bins + b];
+    int32_t lo_bin = 0;
     while (below + hist[lo_bin] <= k) below += hist[lo_bin++];
-    int64_t hi_bin = lo_bin;
+    int32_t hi_bin = lo_bin;
     for (int64_t seen = below + hist[lo_bin]; seen <= k + 1 && hi_bin + 1 < bins;) seen += hist[++hi_bin];
     cand.resize(static_cast<size_t>(std::accumulate(hist.begin() + lo_bin, hist.begin() + hi_bin + 1, int64_t{0})));
     int64_t filled = 0;
-    for_upper_rows(sq, n, false, [&](const double* row, int64_t count) {
+    for_pairs(false, [&](const double* row, int64_t count) {
       filled += rows::gather_bins(row, count, lo, inv_width, bins, lo_bin, hi_bin, cand.data() + filled);
     });
   }
@@ -262,15 +289,14 @@ double median_of_pairs(const double* sq, int64_t n, bool parallel) {
   return 0.5 * (std::sqrt(lo) + std::sqrt(hi));
 }
 
-// Up to this many dimensions, distances are summed from coordinate differences (exact up to the
-// last rounding, and faster than a GEMM with such a short inner dimension); above, from a Gram.
-constexpr int64_t kDirectMaxDim = 8;
+// Up to rows::kMaxDirectDim dimensions, distances are summed from coordinate differences (exact up
+// to the last rounding, and faster than a GEMM with such a short inner dimension); above, from a Gram.
 
-// Squared distances of batch element b by differences into out ([N, N]). The full matrix row by
-// row (twice the arithmetic of a triangle, but contiguous vector loops and no transposed writes).
-void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel) {
+// Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
+// a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points.
+void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel, Work& work) {
   const int64_t n = s.rows, d = s.d;
-  std::vector<double> pt(n * d);  // transposed points [d, n]: the inner loop runs over points
+  double* const pt = work.points.get(n * d);
   {
     std::vector<double> rows(n * d);
     s.load(b, 0, d, rows.data());
@@ -283,18 +309,21 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
       norms[i] = sq;
     }
   }
-  auto body = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      double* o = out + i * n;
-      rows::sq_diff(pt.data(), pt[i], o, n);
-      for (int64_t k = 1; k < d; ++k) rows::add_sq_diff(pt.data() + k * n, pt[k * n + i], o, n);
-      o[i] = 0.0;
+  auto row = [&](int64_t i) {
+    rows::sqdist_from_point(pt, n, d, i, i + 1, out + i * n);
+    out[i * n + i] = 0.0;
+  };
+  // rows in pairs (t, n - 1 - t), so that parallel chunks of t carry equal work
+  auto body = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      row(t);
+      if (n - 1 - t != t) row(n - 1 - t);
     }
   };
   if (parallel) {
-    at::parallel_for(0, n, 16, body);
+    at::parallel_for(0, (n + 1) / 2, 8, body);
   } else {
-    body(0, n);
+    body(0, (n + 1) / 2);
   }
 }
 
@@ -401,11 +430,11 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   mirror_gram(g, std::min(width, s.d));
 }
 
-// Squared distances of the stacked points of batch element b into sq ([N, N]) and their squared
-// norms into norms ([N]).
-void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel) {
-  if (s.d <= kDirectMaxDim) {
-    direct_sqdist(s, b, sq, norms, parallel);
+// Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
+// the diagonal: callers read nothing else) and their squared norms into norms ([N]).
+void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work) {
+  if (s.d <= rows::kMaxDirectDim) {
+    direct_sqdist(s, b, sq, norms, parallel, work);
     return;
   }
   gram_one(s, b, sq, parallel);
@@ -444,6 +473,10 @@ void for_each_element(int64_t batch, Fn fn) {
   }
 }
 
+// Systems up to this size are factored by rows::cholesky_upper: at 100 x 100, 21 us against 48 us for
+// MKL's dpotrf on this machine's AMD EPYC core, which loses to MKL's blocked code from ~300 rows.
+constexpr int64_t kOwnCholeskyMaxRows = 256;
+
 // (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num) by Cholesky, from the kernel of the
 // stacked points [denom; numer] (N x N, row-major). alpha gets n_den values.
 void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha, Scratch& scratch) {
@@ -459,7 +492,10 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
     alpha[i] = rhs_scale * std::accumulate(row + n_den, row + n, 0.0);
   }
   int info = 0;
-  if (dpotrf_ != nullptr && dpotrs_ != nullptr) {
+  if (n_den <= kOwnCholeskyMaxRows) {
+    info = rows::cholesky_upper(system, n_den) ? 0 : 1;
+    if (info == 0) rows::cholesky_solve_upper(system, n_den, alpha);
+  } else if (dpotrf_ != nullptr && dpotrs_ != nullptr) {
     // Symmetric, so the row-major buffer is also the column-major matrix.
     const int nn = static_cast<int>(n_den), one = 1;
     dpotrf_("L", &nn, system, &nn, &info);
@@ -475,6 +511,38 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   TORCH_CHECK_VALUE(info == 0, kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
 }
 
+// The kernel in the first `rows` rows of sq (n x n) from the squared distances in its upper triangle:
+// exp of the upper part, the diagonal 1, the lower part mirrored (the kernel is symmetric).
+void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel) {
+  const double scale = -0.5 / (sigma * sigma);
+  auto exp_rows = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      rows::scaled_exp(sq + i * n + i + 1, scale, n - i - 1);
+      sq[i * n + i] = 1.0;
+    }
+  };
+  // in strips of 8 columns: the 8 source rows are read along their length, a cache line of each at a
+  // time, instead of a line per element down a column
+  constexpr int64_t kStrip = 8;
+  auto mirror_strips = [&](int64_t s0, int64_t s1) {
+    for (int64_t j0 = s0 * kStrip; j0 < std::min(rows, s1 * kStrip); j0 += kStrip) {
+      const int64_t j1 = std::min(rows, j0 + kStrip);
+      for (int64_t i = j0 + 1; i < rows; ++i) {
+        double* ri = sq + i * n;
+        for (int64_t j = j0, end = std::min(j1, i); j < end; ++j) ri[j] = sq[j * n + i];
+      }
+    }
+  };
+  const int64_t strips = (rows + kStrip - 1) / kStrip;
+  if (parallel) {
+    at::parallel_for(0, rows, 16, exp_rows);
+    at::parallel_for(0, strips, 4, mirror_strips);
+  } else {
+    exp_rows(0, rows);
+    mirror_strips(0, strips);
+  }
+}
+
 // The fit of numer / denom for batch element b: leaves the coefficients [alpha; beta 1] in work.coef
 // ([N]) and the kernel of the stacked points in the first kernel_rows rows of work.sq ([N, N]; the
 // fit itself reads only the n_den denominator rows, a caller evaluating at the numer points asks for
@@ -485,11 +553,10 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, do
   double* sq = work.sq.get(n * n);
   double* norms = work.norms.get(n);
   double* coef = work.coef.get(n);
-  distances_one(s, b, sq, norms, parallel);
+  distances_one(s, b, sq, norms, parallel, work);
   check_finite(norms, n_den, n, names);
   const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
-  rows::scale(sq, -0.5 / (sigma * sigma), kernel_rows * n);
-  wrap(sq, {kernel_rows * n}).exp_();
+  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel);
   solve_alpha_one(sq, n, n_den, lam, coef, work.system);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
@@ -508,7 +575,7 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
     double* sq = work.sq.get(n * n);
     double* norms = work.norms.get(n);
-    distances_one(s, b, sq, norms, parallel);
+    distances_one(s, b, sq, norms, parallel, work);
     check_finite(norms, nx, n, {"y", "x"});
     double* o = out.data_ptr<double>() + b * nx * ny;
     for (int64_t i = 0; i < nx; ++i) std::copy_n(sq + i * n + nx, ny, o + i * ny);
@@ -523,7 +590,7 @@ Tensor median_bandwidth(const Tensor& x) {
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
     double* sq = work.sq.get(n * n);
     double* norms = work.norms.get(n);
-    distances_one(s, b, sq, norms, parallel);
+    distances_one(s, b, sq, norms, parallel, work);
     check_finite(norms, n, n, {"x", "x"});
     sigma.data_ptr<double>()[b] = checked_median(sq, n, parallel);
   });
@@ -546,9 +613,11 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
                                       const std::optional<Tensor>& sigma, bool reverse) {
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
   Stack s({roles.denom, roles.numer});
-  const int64_t n = s.rows, n_den = roles.denom.size(1), m = q_z.size(1);
+  const int64_t n = s.rows, n_den = roles.denom.size(1), m = q_z.size(1), d = s.d;
+  const bool projection = kl_state_is_projection(n, d);
+  const int64_t width = kl_state_width(n, d);
   auto kl_out = at::empty({s.batch}, at::kDouble);
-  auto weights = at::empty({s.batch, m, n}, at::kDouble);
+  auto state = at::empty({s.batch, m, width}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
     // the evaluation reads the kernel rows of q_z: the denominator's own (reverse) or all of them
@@ -558,14 +627,37 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     // r_j = sum_c coef_c k(c, z_j); W_jc = coef_c k(c, z_j) / (sigma^2 r_j), zero where r_j <= clip.
     const double* coef = work.coef.get(n);
     const double* kernel_rows = work.sq.get(n * n) + roles.row0 * n;
-    double* w = weights.data_ptr<double>() + b * m * n;
+    double* out = state.data_ptr<double>() + b * m * width;
+    // Projection with few dimensions: the points transposed, as direct_sqdist left them; else [N, d].
+    const bool direct = d <= rows::kMaxDirectDim;
+    double* const points = projection ? work.points.get(n * d) : nullptr;
+    if (projection && !direct) s.load(b, 0, d, points);
     std::vector<double> log_r(m);
-    auto rows_body = [&](int64_t j0, int64_t j1) {
+    auto chunk = [&](int64_t j0, int64_t j1) {
+      // W rows of this chunk: straight into the output, or into a buffer that the projection reads
+      std::vector<double> buffer(projection ? (direct ? n : (j1 - j0) * n) : 0);
       for (int64_t j = j0; j < j1; ++j) {
-        const double r = rows::mul_sum(coef, kernel_rows + j * n, w + j * n, n);
+        double* w = !projection ? out + j * n : direct ? buffer.data() : buffer.data() + (j - j0) * n;
+        const double r = rows::mul_sum(coef, kernel_rows + j * n, w, n);
         log_r[j] = std::log(std::max(r, clip));
-        rows::scale(w + j * n, r > clip ? 1.0 / (sg * sg * r) : 0.0, n);
+        const double row_scale = r > clip ? 1.0 / (sg * sg * r) : 0.0;
+        if (!projection || !direct) {
+          rows::scale(w, row_scale, n);
+        } else {
+          double* p = out + j * width;
+          rows::dots_with_columns(w, points, n, d, p);
+          for (int64_t k = 0; k < d; ++k) p[k] *= row_scale;
+        }
+        if (projection) out[j * width + d] = row_scale * r;  // sum_c W_jc
       }
+      if (projection && !direct) {
+        auto target = wrap(out, {m, width}).narrow(0, j0, j1 - j0).narrow(1, 0, d);
+        at::mm_out(target, wrap(buffer.data(), {j1 - j0, n}), wrap(points, {n, d}));
+      }
+    };
+    auto rows_body = [&](int64_t j0, int64_t j1) {
+      constexpr int64_t kChunkRows = 64;  // bounds the W buffer of the projection
+      for (int64_t j = j0; j < j1; j += kChunkRows) chunk(j, std::min(j1, j + kChunkRows));
     };
     if (parallel) {
       at::parallel_for(0, m, 16, rows_body);
@@ -575,7 +667,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     const double mean = std::accumulate(log_r.begin(), log_r.end(), 0.0) / static_cast<double>(m);
     kl_out.data_ptr<double>()[b] = reverse ? -mean : mean;
   });
-  return {kl_out, weights, used};
+  return {kl_out, state, used};
 }
 
 namespace {
@@ -638,6 +730,35 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
       scalar_t* out = grad.data_ptr<scalar_t>() + b * m * d + c0;
       for (int64_t j = 0; j < m; ++j) rows::axpby_out(gp + j * w, zp + j * w, sc[j], ws[j], out + j * d, w);
     });
+  });
+  return grad;
+}
+
+Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
+  // KL = -+ (1/n_q) sum_j log r(z_j)
+  const int64_t batch = q_z.size(0), m = q_z.size(1), d = q_z.size(2);
+  const double sign = reverse ? -1.0 : 1.0;
+  auto scale = (grad_kl.to(at::kDouble) * (sign / static_cast<double>(m))).contiguous();
+  if (!kl_state_is_projection(prior_z.size(1) + m, d)) {
+    const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+    return weighted_grad(scale.unsqueeze(1).expand({batch, m}), state.contiguous(), q_z, roles.numer, roles.denom);
+  }
+  // grad_j = scale (sum_c W_jc c - (sum_c W_jc) z_j), from the projection [sum_c W_jc c, sum_c W_jc]
+  auto z = q_z.contiguous();
+  auto p = state.contiguous();
+  auto grad = at::empty_like(z);
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_kl_grad", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    const double* pp = p.data_ptr<double>();
+    const double* sp = scale.data_ptr<double>();
+    scalar_t* gp = grad.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t row = b * m + j;
+        const double* pr = pp + row * (d + 1);
+        for (int64_t k = 0; k < d; ++k)
+          gp[row * d + k] = static_cast<scalar_t>(sp[b] * (pr[k] - pr[d] * static_cast<double>(zp[row * d + k])));
+      }
   });
   return grad;
 }

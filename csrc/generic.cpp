@@ -83,7 +83,23 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   auto scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
   auto kl = at::log(r.clamp_min(clip)).mean(-1);
   if (reverse) kl.neg_();
-  return {kl, terms.mul_(scale.unsqueeze(-1)), f.sigma};
+  auto weights = terms.mul_(scale.unsqueeze(-1));
+  if (!kl_state_is_projection(f.kernel.size(1), q_z.size(2))) return {kl, weights, f.sigma};
+  auto pts = stack_points(roles.denom, roles.numer).to(at::kDouble);
+  return {kl, at::cat({at::bmm(weights, pts), weights.sum(-1, true)}, -1), f.sigma};
+}
+
+Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
+  // KL = -+ (1/n_q) sum_j log r(z_j)
+  const double sign = reverse ? -1.0 : 1.0;
+  auto row_scale = (grad_kl.to(at::kDouble) * (sign / static_cast<double>(q_z.size(1)))).view({-1, 1, 1});
+  const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+  const int64_t d = q_z.size(2);
+  if (!kl_state_is_projection(prior_z.size(1) + q_z.size(1), d)) {
+    return weighted_grad(row_scale.squeeze(-1).expand({-1, q_z.size(1)}), state, q_z, roles.numer, roles.denom);
+  }
+  auto grad = state.narrow(2, 0, d) - state.narrow(2, d, 1) * q_z.to(at::kDouble);
+  return (grad * row_scale).to(q_z.scalar_type());
 }
 
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,

@@ -93,6 +93,12 @@ Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Te
                          : generic::weighted_grad(row_scale, weights, z, numer, denom);
 }
 
+template <bool kCpu>
+Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
+  return use_cpu<kCpu>() ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)
+                         : generic::kl_grad(grad_kl, state, q_z, prior_z, reverse);
+}
+
 bool set_force_generic(bool flag) { return force_generic.exchange(flag); }
 
 template <bool kCpu>
@@ -104,6 +110,7 @@ void register_kernels(torch::Library& m) {
   m.impl("ratio", &ratio_op<kCpu>);
   m.impl("kl", &kl_op<kCpu>);
   m.impl("weighted_grad", &weighted_grad_op<kCpu>);
+  m.impl("kl_grad", &kl_grad_op<kCpu>);
 }
 
 }  // namespace
@@ -116,6 +123,7 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma) -> (Tensor, Tensor)");
   m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse) -> (Tensor, Tensor, Tensor)");
   m.def("weighted_grad(Tensor row_scale, Tensor weights, Tensor z, Tensor numer, Tensor denom) -> Tensor");
+  m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor");
   // Not a tensor op: switches CPU tensors to the device-generic kernels (for tests); returns the old value.
   m.def("_set_force_generic(bool flag) -> bool", &set_force_generic);
 }

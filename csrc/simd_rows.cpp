@@ -1,6 +1,8 @@
 #include "simd_rows.h"
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <limits>
 
 namespace kivi_fast {
@@ -12,22 +14,173 @@ KIVI_FAST_ISA_CLONES void to_double(const float* src, double* dst, int64_t n) {
 
 KIVI_FAST_ISA_CLONES void to_double(const double* src, double* dst, int64_t n) { std::copy(src, src + n, dst); }
 
-KIVI_FAST_ISA_CLONES void sq_diff(const double* x, double xi, double* o, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const double t = x[j] - xi;
-    o[j] = t * t;
-  }
-}
-
-KIVI_FAST_ISA_CLONES void add_sq_diff(const double* x, double xi, double* o, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const double t = x[j] - xi;
-    o[j] += t * t;
-  }
-}
-
 KIVI_FAST_ISA_CLONES void gram_row_to_sqdist(double* row, const double* norms, double ni, int64_t n) {
   for (int64_t j = 0; j < n; ++j) row[j] = std::max(0.0, ni + norms[j] - 2.0 * row[j]);
+}
+
+namespace {
+
+// The point's coordinates stay in registers and each output is stored once (a loop over the
+// coordinates outside would load and store the row d times).
+template <int D>
+inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0, double* o) {
+  double xi[D];
+  for (int k = 0; k < D; ++k) xi[k] = pt[k * n + i];
+#pragma omp simd
+  for (int64_t j = j0; j < n; ++j) {
+    double acc = 0.0;
+    for (int k = 0; k < D; ++k) {
+      const double t = pt[k * n + j] - xi[k];
+      acc += t * t;
+    }
+    o[j] = acc;
+  }
+}
+
+// Four doubles; GCC lowers it to one AVX register or two SSE2 ones, whichever the clone has.
+typedef double Vec4 __attribute__((vector_size(32), aligned(8)));
+
+inline Vec4 load4(const double* p) {
+  Vec4 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int D>
+inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n, double* out) {
+  // D independent vector sums: enough of them in flight to keep the FMA units busy
+  Vec4 acc[D] = {};
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const Vec4 wv = load4(w + j);
+    for (int k = 0; k < D; ++k) acc[k] += wv * load4(pt + k * n + j);
+  }
+  for (int k = 0; k < D; ++k) {
+    double s = (acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3]);
+    for (int64_t t = j; t < n; ++t) s += w[t] * pt[k * n + t];
+    out[k] = s;
+  }
+}
+
+}  // namespace
+
+KIVI_FAST_ISA_CLONES void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o) {
+  switch (d) {
+    case 1: return sqdist_from_point_fixed<1>(pt, n, i, j0, o);
+    case 2: return sqdist_from_point_fixed<2>(pt, n, i, j0, o);
+    case 3: return sqdist_from_point_fixed<3>(pt, n, i, j0, o);
+    case 4: return sqdist_from_point_fixed<4>(pt, n, i, j0, o);
+    case 5: return sqdist_from_point_fixed<5>(pt, n, i, j0, o);
+    case 6: return sqdist_from_point_fixed<6>(pt, n, i, j0, o);
+    case 7: return sqdist_from_point_fixed<7>(pt, n, i, j0, o);
+    default: return sqdist_from_point_fixed<8>(pt, n, i, j0, o);
+  }
+}
+
+KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out) {
+  switch (d) {
+    case 1: return dots_with_columns_fixed<1>(w, pt, n, out);
+    case 2: return dots_with_columns_fixed<2>(w, pt, n, out);
+    case 3: return dots_with_columns_fixed<3>(w, pt, n, out);
+    case 4: return dots_with_columns_fixed<4>(w, pt, n, out);
+    case 5: return dots_with_columns_fixed<5>(w, pt, n, out);
+    case 6: return dots_with_columns_fixed<6>(w, pt, n, out);
+    case 7: return dots_with_columns_fixed<7>(w, pt, n, out);
+    default: return dots_with_columns_fixed<8>(w, pt, n, out);
+  }
+}
+
+KIVI_FAST_ISA_CLONES void scaled_exp(double* x, double s, int64_t n) {
+  // exp(y) = 2^m e^r with m = round(y / ln 2) and |r| <= ln(2) / 2, e^r by its Taylor series to
+  // degree 12 (truncation < 2e-16 relative). m is rounded by adding 1.5 * 2^52, which leaves it in the
+  // low bits of the sum; 2^m is then built from its bits. Plain arithmetic, so that it vectorizes.
+  constexpr double kLog2e = 1.4426950408889634;
+  constexpr double kLn2Hi = 0.6931471803691238;  // ln 2 in 32 leading bits: m * kLn2Hi is exact
+  constexpr double kLn2Lo = 1.9082149292705877e-10;
+  constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52
+  constexpr double kMin = -708.0;                  // below: under DBL_MIN, returned as 0
+  const int64_t shifter_bits = std::bit_cast<int64_t>(kShifter);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const double y0 = s * x[j];
+    const double y = y0 < kMin ? kMin : y0;
+    const double shifted = y * kLog2e + kShifter;
+    const double m = shifted - kShifter;
+    const double r = (y - m * kLn2Hi) - m * kLn2Lo;
+    double p = 1.0 / 479001600.0;  // 1/12!
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    const int64_t mi = std::bit_cast<int64_t>(shifted) - shifter_bits;
+    const double two_m = std::bit_cast<double>((mi + 1023) << 52);
+    x[j] = y0 < kMin ? 0.0 : p * two_m;
+  }
+}
+
+KIVI_FAST_ISA_CLONES bool cholesky_upper(double* a, int64_t n) {
+  // Right-looking, four rows at a time: factor the panel of rows k0..k0+3, then subtract its rank-4
+  // product from the trailing rows in one pass (four multiply-adds per element loaded and stored).
+  constexpr int64_t kPanel = 4;
+  for (int64_t k0 = 0; k0 < n; k0 += kPanel) {
+    const int64_t k1 = std::min(n, k0 + kPanel);
+    for (int64_t k = k0; k < k1; ++k) {
+      double* rk = a + k * n;
+      if (!(rk[k] > 0.0)) return false;  // also catches NaN
+      const double ukk = std::sqrt(rk[k]), inv = 1.0 / ukk;
+      rk[k] = ukk;
+      for (int64_t j = k + 1; j < n; ++j) rk[j] *= inv;
+      for (int64_t i = k + 1; i < k1; ++i) {
+        double* ri = a + i * n;
+        const double c = rk[i];
+        for (int64_t j = i; j < n; ++j) ri[j] -= c * rk[j];
+      }
+    }
+    const int64_t p = k1 - k0;
+    const double* r0 = a + k0 * n;
+    for (int64_t i = k1; i < n; ++i) {
+      double* ri = a + i * n;
+      if (p == kPanel) {
+        const double* r1 = r0 + n;
+        const double* r2 = r1 + n;
+        const double* r3 = r2 + n;
+        const double c0 = r0[i], c1 = r1[i], c2 = r2[i], c3 = r3[i];
+        for (int64_t j = i; j < n; ++j) ri[j] -= (c0 * r0[j] + c1 * r1[j]) + (c2 * r2[j] + c3 * r3[j]);
+      } else {
+        for (int64_t t = 0; t < p; ++t) {
+          const double* rt = r0 + t * n;
+          const double c = rt[i];
+          for (int64_t j = i; j < n; ++j) ri[j] -= c * rt[j];
+        }
+      }
+    }
+  }
+  return true;
+}
+
+KIVI_FAST_ISA_CLONES void cholesky_solve_upper(const double* u, int64_t n, double* b) {
+  // U^T y = b, forward, by rows of U; then U x = y, backward, by dot products with rows of U.
+  for (int64_t k = 0; k < n; ++k) {
+    const double* rk = u + k * n;
+    const double y = b[k] / rk[k];
+    b[k] = y;
+    for (int64_t j = k + 1; j < n; ++j) b[j] -= y * rk[j];
+  }
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const double* ri = u + i * n;
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = i + 1; j < n; ++j) s += ri[j] * b[j];
+    b[i] = (b[i] - s) / ri[i];
+  }
 }
 
 KIVI_FAST_ISA_CLONES void scale(double* row, double s, int64_t n) {
@@ -68,28 +221,43 @@ KIVI_FAST_ISA_CLONES void min_max(const double* x, int64_t n, double& lo, double
   hi = b;
 }
 
-void histogram(const double* x, int64_t n, double lo, double inv_width, int64_t bins, int64_t* hist) {
-  for (int64_t j = 0; j < n; ++j) ++hist[bin_of(x[j], lo, inv_width, bins)];
+KIVI_FAST_ISA_CLONES void histogram(const double* x, int64_t n, double lo, double inv_width, int32_t bins,
+                                    int32_t* hist) {
+  // the bin indices four at a time (a vector multiply and conversion), then the scalar increments
+  typedef int32_t Vec4i __attribute__((vector_size(16)));
+  const Vec4 lo4 = {lo, lo, lo, lo}, w4 = {inv_width, inv_width, inv_width, inv_width};
+  const int32_t last = bins - 1;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    Vec4i b = __builtin_convertvector((load4(x + j) - lo4) * w4, Vec4i);
+    b = b < last ? b : last;
+    ++hist[b[0]];
+    ++hist[b[1]];
+    ++hist[b[2]];
+    ++hist[b[3]];
+  }
+  for (; j < n; ++j) ++hist[bin_of(x[j], lo, inv_width, bins)];
 }
 
-KIVI_FAST_ISA_CLONES int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int64_t bins,
-                                         int64_t first, int64_t last, double* out) {
+KIVI_FAST_ISA_CLONES int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int32_t bins,
+                                         int32_t first, int32_t last, double* out) {
   // Few values fall in the bins sought: test 8 at a time against value bounds half a bin wider than
-  // those bins (a vectorizable test), and compute the exact bin only where one may hit.
+  // those bins (vector compares), and compute the exact bin only where one may hit.
   const double a = lo + (static_cast<double>(first) - 0.5) / inv_width;
   const double b = lo + (static_cast<double>(last) + 1.5) / inv_width;
+  const Vec4 a4 = {a, a, a, a}, b4 = {b, b, b, b};
   int64_t count = 0, j = 0;
   for (; j + 8 <= n; j += 8) {
-    int hit = 0;
-    for (int t = 0; t < 8; ++t) hit |= (x[j + t] >= a) & (x[j + t] <= b);
-    if (hit == 0) continue;
+    const Vec4 v0 = load4(x + j), v1 = load4(x + j + 4);
+    const auto hit = ((v0 >= a4) & (v0 <= b4)) | ((v1 >= a4) & (v1 <= b4));
+    if ((hit[0] | hit[1] | hit[2] | hit[3]) == 0) continue;
     for (int t = 0; t < 8; ++t) {
-      const int64_t bin = bin_of(x[j + t], lo, inv_width, bins);
+      const int32_t bin = bin_of(x[j + t], lo, inv_width, bins);
       if (bin >= first && bin <= last) out[count++] = x[j + t];
     }
   }
   for (; j < n; ++j) {
-    const int64_t bin = bin_of(x[j], lo, inv_width, bins);
+    const int32_t bin = bin_of(x[j], lo, inv_width, bins);
     if (bin >= first && bin <= last) out[count++] = x[j];
   }
   return count;

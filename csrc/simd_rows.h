@@ -1,4 +1,4 @@
-// Row kernels of the CPU path, each compiled for AVX-512, AVX2 and the baseline ISA, with the best
+// Row kernels of the CPU path, each compiled for AVX-512, AVX2 (with FMA: x86-64-v3) and the baseline ISA, with the best
 // one picked at load time from the CPU's features (GCC function multiversioning, on the definitions only, so that
 // callers go through the resolver; the loops are plain C++ that the compiler vectorizes). Elsewhere
 // they compile once, for the baseline.
@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-#define KIVI_FAST_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define KIVI_FAST_ISA_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else
 #define KIVI_FAST_ISA_CLONES
 #endif
@@ -18,14 +18,25 @@ namespace rows {
 // dst[i] = src[i] as float64
 void to_double(const float* src, double* dst, int64_t n);
 void to_double(const double* src, double* dst, int64_t n);
-// o[j] = (x[j] - xi)^2
-void sq_diff(const double* x, double xi, double* o, int64_t n);
-// o[j] += (x[j] - xi)^2
-void add_sq_diff(const double* x, double xi, double* o, int64_t n);
 // row[j] = max(0, ni + norms[j] - 2 row[j])
 void gram_row_to_sqdist(double* row, const double* norms, double ni, int64_t n);
+// o[j] = sum_k (pt[k n + j] - pt[k n + i])^2 for j0 <= j < n: squared distances from point i, with
+// the points stored by coordinate (pt is [d, n]); d <= kMaxDirectDim.
+inline constexpr int64_t kMaxDirectDim = 8;
+void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o);
+// out[k] = sum_j w[j] pt[k n + j] for k < d <= kMaxDirectDim (pt is [d, n], as for sqdist_from_point)
+void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out);
 // row[j] *= s
 void scale(double* row, double s, int64_t n);
+// In place, the upper Cholesky factor U (A = U^T U) of the symmetric positive definite row-major
+// n x n matrix a (only its upper triangle is read and written). False if a pivot is not positive.
+// For small systems (LAPACK's unblocked small-matrix path runs one matrix-vector product per column).
+bool cholesky_upper(double* a, int64_t n);
+// b = A^{-1} b from the factor of cholesky_upper.
+void cholesky_solve_upper(const double* u, int64_t n, double* b);
+// x[j] = exp(s x[j]) for s x[j] <= 0 (kernel values from squared distances): within 2 ulp of
+// std::exp down to exp(-708), 0 below (values under 1e-307 that no fit or ratio can tell from 0).
+void scaled_exp(double* x, double s, int64_t n);
 // out[j] = s x[j]
 void scale_copy(const double* x, double s, double* out, int64_t n);
 // w[j] = c[j] k[j]; returns sum_j w[j]
@@ -37,15 +48,16 @@ void axpby_out(const double* g, const double* z, double s, double t, double* out
 // lo = min(lo, x[0, n)), hi = max(hi, x[0, n))
 void min_max(const double* x, int64_t n, double& lo, double& hi);
 // Bin of v among `bins` equal-width bins starting at lo: min(bins - 1, floor((v - lo) inv_width)),
-// monotone in v. histogram() adds the counts of x[0, n) to hist; gather_bins() writes the values
-// whose bin is in [first, last] to out and returns how many.
-inline int64_t bin_of(double v, double lo, double inv_width, int64_t bins) {
-  const auto b = static_cast<int64_t>((v - lo) * inv_width);
+// monotone in v (v >= lo). histogram() adds the counts of x[0, n) to hist; gather_bins() writes the
+// values whose bin is in [first, last] to out and returns how many. 32-bit counts: the histogram of
+// a selection stays in L1, and no count can pass 2^31 (that takes N > 65536 points, a 34 GB matrix).
+inline int32_t bin_of(double v, double lo, double inv_width, int32_t bins) {
+  const auto b = static_cast<int32_t>((v - lo) * inv_width);
   return b < bins ? b : bins - 1;
 }
-void histogram(const double* x, int64_t n, double lo, double inv_width, int64_t bins, int64_t* hist);
-int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int64_t bins, int64_t first,
-                    int64_t last, double* out);
+void histogram(const double* x, int64_t n, double lo, double inv_width, int32_t bins, int32_t* hist);
+int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int32_t bins, int32_t first,
+                    int32_t last, double* out);
 
 }  // namespace rows
 }  // namespace kivi_fast

@@ -1,11 +1,14 @@
 """Fake (meta) kernels of the compiled ops ``torch.ops.kivi_fast.*``, for torch.compile and opcheck.
 
 The ops are declared in csrc/ops.cpp; their tensor arguments are always batched ([B, n, d]).
-Internally they work in float64 (see csrc/ops.cpp for why); ``weights`` outputs are the float64
-[B, m, n_denom + n_numer] matrices that the backward needs, saved by the forward.
+Internally they work in float64 (see csrc/kivi.h for why). What the backward needs is a float64
+output of the forward: ``ratio`` returns the weights W [B, m, N] (N = n_denom + n_numer) of its
+gradient; ``kl`` returns W, or with few dimensions (d + 1 < N) its projection [B, m, d + 1] on the
+points (``kl_state_width`` in csrc/kivi.h; the fake kernel below follows the same rule).
 
-The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``weighted_grad`` op)
-are registered in C++ (csrc/autograd.cpp), so that a training step stays out of Python.
+The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``kl_grad`` and
+``weighted_grad`` ops) are registered in C++ (csrc/autograd.cpp), so that a training step stays out
+of Python.
 """
 
 from __future__ import annotations
@@ -43,12 +46,18 @@ def _(z, numer, denom, alpha, beta, sigma):
 
 @torch.library.register_fake("kivi_fast::kl")
 def _(prior_z, q_z, lam, clip, sigma, reverse):
-    b, m = q_z.shape[0], q_z.shape[1]
+    b, m, d = q_z.shape
     n = prior_z.shape[1] + m
-    return (q_z.new_empty((b,)), q_z.new_empty((b, m, n), dtype=torch.float64),
+    width = d + 1 if d + 1 < n else n
+    return (q_z.new_empty((b,)), q_z.new_empty((b, m, width), dtype=torch.float64),
             q_z.new_empty((b,), dtype=torch.float64))
 
 
 @torch.library.register_fake("kivi_fast::weighted_grad")
 def _(row_scale, weights, z, numer, denom):
     return torch.empty_like(z)
+
+
+@torch.library.register_fake("kivi_fast::kl_grad")
+def _(grad_kl, state, q_z, prior_z, reverse):
+    return torch.empty_like(q_z, memory_format=torch.contiguous_format)

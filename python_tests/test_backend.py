@@ -47,7 +47,7 @@ def test_cuda_tensors_dispatch_to_the_generic_kernels():
     import torch
 
     kivi_fast.backend()
-    for op in ("sqdist", "rbf_gram", "median_bandwidth", "fit", "ratio", "kl", "weighted_grad"):
+    for op in ("sqdist", "rbf_gram", "median_bandwidth", "fit", "ratio", "kl", "weighted_grad", "kl_grad"):
         table = torch._C._dispatch_dump_table(f"kivi_fast::{op}")
         entries = dict(line.split(": ", 1) for line in table.splitlines() if ": " in line)
         assert "[kernel]" in entries["CPU"], (op, entries["CPU"])

@@ -181,3 +181,17 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         assert_close_rel(z.grad, z_ref.grad, 1e-5 if dtype == torch.float32 else 1e-7)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_kernel_values_across_the_range_of_exp(compiled, reverse):
+    """Points on a line with a fixed bandwidth put -||x - y||^2 / (2 sigma^2) anywhere from 0 down to
+    -2000: the kernel values (the C++ path has its own exp, 0 below exp(-708)) still give the
+    reference's value and gradient."""
+    t = torch.linspace(0.0, 1.0, 40, dtype=torch.float64).unsqueeze(1)
+    p, q = t * 60.0, t * 60.0 + 0.37
+    kw = dict(lam=0.1, bandwidth=1.0, reverse=reverse)
+    ours_v, ours_g = value_and_grad(kivi_fast.kl, p, q, **kw)
+    ref_v, ref_g = value_and_grad(reference.kl, p, q, **kw)
+    assert_close_rel(ours_v, ref_v, 1e-12)
+    assert_close_rel(ours_g, ref_g, 1e-11)

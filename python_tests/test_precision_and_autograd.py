@@ -142,7 +142,9 @@ def op_cases():
     _, qg = op_samples(requires_grad=True)
     sigma = torch.tensor([1.0, 1.5], dtype=torch.float64)
     alpha, sig = ops.fit(p, q, 1e-2, None)
-    _, weights, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)
+    _, weights = ops.ratio(q, p, q, alpha, 3.0, sig)
+    _, state, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # d + 1 < N: the projection of the weights
+    _, state_w, _ = ops.kl(p[..., :2, :], q[..., :2, :], 1e-3, 1e-8, None, True)  # N <= d + 1: the weights
     return [
         ("sqdist", ops.sqdist.default, (p, q)),
         ("rbf_gram", ops.rbf_gram.default, (p, q, sigma)),
@@ -153,10 +155,13 @@ def op_cases():
         ("kl", ops.kl.default, (p, qg, 1e-3, 1e-8, None, True)),
         ("kl_forward", ops.kl.default, (p, qg, 1e-3, 1e-8, sigma, False)),
         ("weighted_grad", ops.weighted_grad.default, (torch.ones(2, 7, dtype=torch.float64), weights, q, p, q)),
+        ("kl_grad", ops.kl_grad.default, (torch.tensor([1.0, -2.0], dtype=torch.float64), state, q, p, True)),
+        ("kl_grad_weights", ops.kl_grad.default,
+         (torch.tensor([1.0, -2.0], dtype=torch.float64), state_w, q[..., :2, :], p[..., :2, :], True)),
     ]
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(11))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]
     torch.library.opcheck(op, args)
