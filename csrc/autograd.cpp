@@ -21,7 +21,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using KlSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, double,
-                                                        const std::optional<Tensor>&, bool);
+                                                        const std::optional<Tensor>&, bool, bool);
 using RatioSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                    double, const Tensor&);
 using WeightedGradSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
@@ -52,7 +52,7 @@ class KlFunction : public torch::autograd::Function<KlFunction> {
                                double clip, const std::optional<Tensor>& sigma, bool reverse) {
     static const auto op = op_handle<KlSignature>("kivi_fast::kl");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [kl, state, used] = op.call(prior_z, q_z, lam, clip, sigma, reverse);
+    auto [kl, state, used] = op.call(prior_z, q_z, lam, clip, sigma, reverse, /*grad_state=*/true);
     ctx->save_for_backward({state, q_z, prior_z});
     ctx->saved_data["reverse"] = reverse;
     ctx->mark_non_differentiable({state, used});
@@ -90,7 +90,14 @@ class RatioFunction : public torch::autograd::Function<RatioFunction> {
 };
 
 std::tuple<Tensor, Tensor, Tensor> kl_autograd(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                               const std::optional<Tensor>& sigma, bool reverse) {
+                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
+  if (!at::GradMode::is_enabled() || !q_z.requires_grad()) {
+    // no gradient can be asked for: no graph node. The state is still returned as asked (a graph
+    // traced with a gradient, replayed without one, expects it).
+    static const auto op = op_handle<KlSignature>("kivi_fast::kl");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return op.call(prior_z, q_z, lam, clip, sigma, reverse, grad_state);
+  }
   auto out = KlFunction::apply(prior_z, q_z, lam, clip, sigma, reverse);
   return {out[0], out[1], out[2]};
 }

@@ -610,12 +610,12 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
 }
 
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse) {
+                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
   Stack s({roles.denom, roles.numer});
   const int64_t n = s.rows, n_den = roles.denom.size(1), m = q_z.size(1), d = s.d;
-  const bool projection = kl_state_is_projection(n, d);
-  const int64_t width = kl_state_width(n, d);
+  const bool projection = grad_state && kl_state_is_projection(n, d);
+  const int64_t width = grad_state ? kl_state_width(n, d) : 0;
   auto kl_out = at::empty({s.batch}, at::kDouble);
   auto state = at::empty({s.batch, m, width}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
@@ -634,13 +634,17 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     if (projection && !direct) s.load(b, 0, d, points);
     std::vector<double> log_r(m);
     auto chunk = [&](int64_t j0, int64_t j1) {
-      // W rows of this chunk: straight into the output, or into a buffer that the projection reads
-      std::vector<double> buffer(projection ? (direct ? n : (j1 - j0) * n) : 0);
+      // W rows of this chunk: straight into the output, or into a buffer (one row at a time where
+      // nothing or the few-dimension projection reads them, all rows where the GEMM projection does)
+      const bool rows_kept = projection && !direct;
+      const int64_t buffer_size = !grad_state || (projection && direct) ? n : rows_kept ? (j1 - j0) * n : 0;
+      std::unique_ptr<double[]> buffer(buffer_size > 0 ? new double[buffer_size] : nullptr);
       for (int64_t j = j0; j < j1; ++j) {
-        double* w = !projection ? out + j * n : direct ? buffer.data() : buffer.data() + (j - j0) * n;
+        double* w = grad_state && !projection ? out + j * n : buffer.get() + (rows_kept ? (j - j0) * n : 0);
         const double r = rows::mul_sum(coef, kernel_rows + j * n, w, n);
         log_r[j] = std::log(std::max(r, clip));
         const double row_scale = r > clip ? 1.0 / (sg * sg * r) : 0.0;
+        if (!grad_state) continue;
         if (!projection || !direct) {
           rows::scale(w, row_scale, n);
         } else {
@@ -650,9 +654,9 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
         }
         if (projection) out[j * width + d] = row_scale * r;  // sum_c W_jc
       }
-      if (projection && !direct) {
+      if (rows_kept) {
         auto target = wrap(out, {m, width}).narrow(0, j0, j1 - j0).narrow(1, 0, d);
-        at::mm_out(target, wrap(buffer.data(), {j1 - j0, n}), wrap(points, {n, d}));
+        at::mm_out(target, wrap(buffer.get(), {j1 - j0, n}), wrap(points, {n, d}));
       }
     };
     auto rows_body = [&](int64_t j0, int64_t j1) {

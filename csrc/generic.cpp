@@ -73,7 +73,7 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
 }
 
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse) {
+                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
   auto f = fit(roles.numer, roles.denom, lam, sigma, roles.names);
   // The evaluation points q_z are fitted samples too: their kernel rows are already in f.kernel.
@@ -83,6 +83,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   auto scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
   auto kl = at::log(r.clamp_min(clip)).mean(-1);
   if (reverse) kl.neg_();
+  if (!grad_state) return {kl, r.new_empty({r.size(0), r.size(1), 0}), f.sigma};
   auto weights = terms.mul_(scale.unsqueeze(-1));
   if (!kl_state_is_projection(f.kernel.size(1), q_z.size(2))) return {kl, weights, f.sigma};
   auto pts = stack_points(roles.denom, roles.numer).to(at::kDouble);

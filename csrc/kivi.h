@@ -52,8 +52,9 @@ inline KlRoles kl_roles(const Tensor& prior_z, const Tensor& q_z, bool reverse) 
 // gradient of log r at q_z_j is sum_c W_jc (c - z_j), c over the N stacked points, with the weights
 // W_jc = coef_c k(c, z_j) / (sigma^2 r_j) (0 where r_j is clipped). With few dimensions (d + 1 < N)
 // the forward stores the projection [sum_c W_jc c, sum_c W_jc] (width d + 1) instead of W itself
-// (width N): smaller, and the backward is then one elementwise pass. The fake kernel in
-// kivi_fast/_ops.py follows the same rule.
+// (width N): smaller, and the backward is then one elementwise pass. Without a gradient to come
+// (grad_state = false: the autograd kernel's choice) the width is 0. The fake kernel in
+// kivi_fast/_ops.py follows the same rules.
 inline bool kl_state_is_projection(int64_t n_total, int64_t d) { return d + 1 < n_total; }
 inline int64_t kl_state_width(int64_t n_total, int64_t d) {
   return kl_state_is_projection(n_total, d) ? d + 1 : n_total;
@@ -72,9 +73,10 @@ namespace generic {
 Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
 Tensor median_bandwidth(const Tensor& x);         // [B] float64
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
-// The kl op's forward: (KL [B], grad state [B, n_q, *] (see kl_state_width), sigma [B]), float64.
+// The kl op's forward: (KL [B], grad state [B, n_q, *] (see kl_state_width; width 0 unless
+// grad_state), sigma [B]), float64.
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse);
+                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 // The kl op's backward from its grad state: d(sum_b grad_kl[b] KL_b) / d q_z.
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
@@ -88,7 +90,7 @@ Tensor median_bandwidth(const Tensor& x);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
 // The kl op's forward, fused per batch element: (KL [B], grad state [B, n_q, *], sigma [B]), float64.
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse);
+                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);

@@ -78,12 +78,12 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 
 template <bool kCpu>
 std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                         const std::optional<Tensor>& sigma, bool reverse) {
+                                         const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
   const auto s = owned_double(sigma);
-  auto [kl, weights, used] = use_cpu<kCpu>()
-                                 ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse)
-                                 : generic::kl(prior_z, q_z, lam, clip, s, reverse);
-  return {kl.to(q_z.scalar_type()), weights, used};
+  auto [kl, state, used] = use_cpu<kCpu>()
+                               ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
+                               : generic::kl(prior_z, q_z, lam, clip, s, reverse, grad_state);
+  return {kl.to(q_z.scalar_type()), state, used};
 }
 
 template <bool kCpu>
@@ -95,6 +95,13 @@ Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Te
 
 template <bool kCpu>
 Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
+  const int64_t width = kl_state_width(prior_z.size(1) + q_z.size(1), q_z.size(2));
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == q_z.size(0) && state.size(1) == q_z.size(1) &&
+                  state.size(2) == width && state.scalar_type() == at::kDouble,
+              "kivi_fast::kl_grad: state must be the float64 [", q_z.size(0), ", ", q_z.size(1), ", ", width,
+              "] grad state of kl (called with grad_state=True), got ", state.scalar_type(), " ", state.sizes());
+  TORCH_CHECK(grad_kl.numel() == q_z.size(0), "kivi_fast::kl_grad: grad_kl must have ", q_z.size(0),
+              " elements, got ", grad_kl.sizes());
   return use_cpu<kCpu>() ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)
                          : generic::kl_grad(grad_kl, state, q_z, prior_z, reverse);
 }
@@ -121,7 +128,10 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("median_bandwidth(Tensor x) -> Tensor");
   m.def("fit(Tensor numer, Tensor denom, float lam, Tensor? sigma) -> (Tensor, Tensor)");
   m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma) -> (Tensor, Tensor)");
-  m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse) -> (Tensor, Tensor, Tensor)");
+  // grad_state: whether to return what the backward needs; kivi_fast.kl passes false when no gradient
+  // can be asked for (no grad mode, or q_z not requiring grad), and a gradient always gets it
+  m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse, bool grad_state=True) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("weighted_grad(Tensor row_scale, Tensor weights, Tensor z, Tensor numer, Tensor denom) -> Tensor");
   m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor");
   // Not a tensor op: switches CPU tensors to the device-generic kernels (for tests); returns the old value.

@@ -45,10 +45,10 @@ def _(z, numer, denom, alpha, beta, sigma):
 
 
 @torch.library.register_fake("kivi_fast::kl")
-def _(prior_z, q_z, lam, clip, sigma, reverse):
+def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
     b, m, d = q_z.shape
     n = prior_z.shape[1] + m
-    width = d + 1 if d + 1 < n else n
+    width = 0 if not grad_state else d + 1 if d + 1 < n else n
     return (q_z.new_empty((b,)), q_z.new_empty((b, m, width), dtype=torch.float64),
             q_z.new_empty((b,), dtype=torch.float64))
 

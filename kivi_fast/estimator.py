@@ -57,7 +57,9 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: flo
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
     batch = q_z.shape[0] if q_z.dim() == 3 else None
     sigma = _validate.bandwidth_tensor(bandwidth, batch, q_z)
-    out = _ops().kl(_batched(prior_z), _batched(q_z), lam, clip, sigma, reverse)[0]
+    # without a gradient to come the op skips what only the backward needs
+    grad_state = q_z.requires_grad and torch.is_grad_enabled()
+    out = _ops().kl(_batched(prior_z), _batched(q_z), lam, clip, sigma, reverse, grad_state)[0]
     return out if batch is not None else out[0]
 
 

@@ -195,3 +195,23 @@ def test_kernel_values_across_the_range_of_exp(compiled, reverse):
     ref_v, ref_g = value_and_grad(reference.kl, p, q, **kw)
     assert_close_rel(ours_v, ref_v, 1e-12)
     assert_close_rel(ours_g, ref_g, 1e-11)
+
+
+@pytest.mark.parametrize("n,d", [(30, 3), (30, 40), (5, 60)])  # projection by rows, by GEMM; weights kept
+def test_value_without_a_gradient_is_the_same(compiled, n, d):
+    """Without grad the op skips the backward's state: the value must not change."""
+    g = torch.Generator().manual_seed(n + d)
+    p = torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    q = torch.randn(2, n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3
+    with torch.no_grad():
+        plain = kivi_fast.kl(p, q)
+    with_grad = kivi_fast.kl(p, q.clone().requires_grad_(True))
+    torch.testing.assert_close(plain, with_grad.detach(), rtol=1e-14, atol=0)
+    torch.testing.assert_close(plain, reference.kl(p, q), rtol=1e-8, atol=0)
+
+
+def test_kl_grad_rejects_a_state_of_the_wrong_shape(compiled):
+    p, q = torch.randn(1, 10, 3, dtype=torch.float64), torch.randn(1, 10, 3, dtype=torch.float64)
+    _, state, _ = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, False)  # no state: width 0
+    with pytest.raises(RuntimeError, match=r"state must be the float64 \[1, 10, 4\] grad state"):
+        torch.ops.kivi_fast.kl_grad(torch.ones(1, dtype=torch.float64), state, q, p, True)

@@ -154,6 +154,7 @@ def op_cases():
         ("ratio", ops.ratio.default, (qg, p, q, alpha, 3.0, sig)),
         ("kl", ops.kl.default, (p, qg, 1e-3, 1e-8, None, True)),
         ("kl_forward", ops.kl.default, (p, qg, 1e-3, 1e-8, sigma, False)),
+        ("kl_no_state", ops.kl.default, (p, q, 1e-3, 1e-8, None, True, False)),
         ("weighted_grad", ops.weighted_grad.default, (torch.ones(2, 7, dtype=torch.float64), weights, q, p, q)),
         ("kl_grad", ops.kl_grad.default, (torch.tensor([1.0, -2.0], dtype=torch.float64), state, q, p, True)),
         ("kl_grad_weights", ops.kl_grad.default,
@@ -161,7 +162,7 @@ def op_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(12))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]
     torch.library.opcheck(op, args)
