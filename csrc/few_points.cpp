@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-#define KIVI_FAST_FEW_POINTS_AVX512 1
+#define KIVI_FAST_FEW_POINTS_SIMD 1
 #include <immintrin.h>
 // GCC 12's _mm512_cvtps_pd starts from an "undefined" register, which -Wmaybe-uninitialized reports.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -14,7 +14,7 @@
 namespace kivi_fast {
 namespace few_points {
 
-#ifdef KIVI_FAST_FEW_POINTS_AVX512
+#ifdef KIVI_FAST_FEW_POINTS_SIMD
 
 #define KIVI_AVX512 __attribute__((target("avx512f")))
 
@@ -170,26 +170,145 @@ void weighted_rows_dispatch(int64_t m, const double* weights, int64_t n, const T
   }
 }
 
+// The same kernels for AVX2 + FMA (4 doubles a register, 16 registers): 3 x 3 tiles, whose nine
+// accumulators, six row loads and one broadcast fit in the register file without spilling.
+#define KIVI_AVX2 __attribute__((target("avx2,fma")))
+
+namespace avx2 {
+
+constexpr int64_t kTile = 3;
+
+KIVI_AVX2 inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+KIVI_AVX2 inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
+KIVI_AVX2 inline void store4(float* p, __m256d v) { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
+KIVI_AVX2 inline void store4(double* p, __m256d v) { _mm256_storeu_pd(p, v); }
+KIVI_AVX2 inline double reduce_add(__m256d v) {
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+// sums[3 k + l] += a_k * b_l over a block of kBlock columns (a, b: kTile rows of the float64 buffer).
+KIVI_AVX2 void tile_block(const double* a, const double* b, __m256d* sums) {
+  __m256d s[9];
+  for (int t = 0; t < 9; ++t) s[t] = sums[t];
+  for (int64_t c = 0; c < kBlock; c += 4) {
+    const __m256d a0 = _mm256_loadu_pd(a + c), a1 = _mm256_loadu_pd(a + kBlock + c),
+                  a2 = _mm256_loadu_pd(a + 2 * kBlock + c);
+    for (int l = 0; l < 3; ++l) {
+      const __m256d bl = _mm256_loadu_pd(b + l * kBlock + c);
+      s[l] = _mm256_fmadd_pd(a0, bl, s[l]);
+      s[3 + l] = _mm256_fmadd_pd(a1, bl, s[3 + l]);
+      s[6 + l] = _mm256_fmadd_pd(a2, bl, s[6 + l]);
+    }
+  }
+  for (int t = 0; t < 9; ++t) sums[t] = s[t];
+}
+
+// Blocks of kBlock columns converted to float64 in an L1 buffer (float32 or float64 rows alike),
+// every 3 x 3 tile of the lower triangle accumulated from it; the tail columns one by one.
+template <class T>
+KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double* acc) {
+  TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);
+  const int64_t tiles = (n + kTile - 1) / kTile, w_main = w / kBlock * kBlock;
+  alignas(32) double buf[(kMaxRows + kTile) * kBlock];
+  std::fill(buf + n * kBlock, buf + tiles * kTile * kBlock, 0.0);  // padding rows: zeros, never stored
+  constexpr int64_t kMaxTiles = (kMaxRows / kTile + 1) * (kMaxRows / kTile + 2) / 2;
+  alignas(32) __m256d sums[kMaxTiles * 9];
+  for (int64_t t = 0; t < tiles * (tiles + 1) / 2 * 9; ++t) sums[t] = _mm256_setzero_pd();
+  for (int64_t c0 = 0; c0 < w_main; c0 += kBlock) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(buf + i * kBlock + c, load4(rows[i] + c0 + c));
+    __m256d* tile_sums = sums;
+    for (int64_t ib = 0; ib < tiles; ++ib)
+      for (int64_t jb = 0; jb <= ib; ++jb, tile_sums += 9)
+        tile_block(buf + kTile * ib * kBlock, buf + kTile * jb * kBlock, tile_sums);
+  }
+  const __m256d* tile_sums = sums;
+  for (int64_t ib = 0; ib < tiles; ++ib)
+    for (int64_t jb = 0; jb <= ib; ++jb, tile_sums += 9)
+      for (int k = 0; k < kTile; ++k)
+        for (int l = 0; l < kTile; ++l) {
+          const int64_t i = kTile * ib + k, j = kTile * jb + l;
+          if (i < n && j <= i) acc[i * n + j] += reduce_add(tile_sums[kTile * k + l]);
+        }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j <= i; ++j) {
+      double t = 0;
+      for (int64_t c = w_main; c < w; ++c) t += static_cast<double>(rows[i][c]) * static_cast<double>(rows[j][c]);
+      acc[i * n + j] += t;
+    }
+}
+
+template <int M, class T>
+KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                                  const double* s, const double* t, T* const* out, int64_t w) {
+  const int64_t w4 = w & ~int64_t{3};
+  for (int64_t c = 0; c < w4; c += 4) {
+    __m256d acc[M];
+    for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_pd();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256d x = load4(rows[i] + c);
+      for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_pd(_mm256_broadcast_sd(weights + j * n + i), x, acc[j]);
+    }
+    for (int j = 0; j < M; ++j) {
+      const __m256d g = _mm256_fnmadd_pd(_mm256_set1_pd(t[j]), load4(z[j] + c), acc[j]);
+      store4(out[j] + c, _mm256_mul_pd(_mm256_set1_pd(s[j]), g));
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int64_t c = w4; c < w; ++c) {
+      double g = 0;
+      for (int64_t i = 0; i < n; ++i) g += weights[j * n + i] * static_cast<double>(rows[i][c]);
+      out[j][c] = static_cast<T>(s[j] * (g - t[j] * static_cast<double>(z[j][c])));
+    }
+}
+
+template <int M, class T>
+void weighted_rows_dispatch(int64_t m, const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                            const double* s, const double* t, T* const* out, int64_t w) {
+  if constexpr (M == 0) {
+    TORCH_CHECK(false, "few_points: 1 to ", kMaxOutRows, " output rows, got ", m);
+  } else if (m == M) {
+    weighted_rows_impl<M>(weights, n, rows, z, s, t, out, w);
+  } else {
+    weighted_rows_dispatch<M - 1>(m, weights, n, rows, z, s, t, out, w);
+  }
+}
+
+}  // namespace avx2
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
 }  // namespace
 
-bool available() { return __builtin_cpu_supports("avx512f"); }
+bool available() {
+  static const bool yes = has_avx512() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  return yes;
+}
 
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc) {
-  add_gram_lower_blocked(rows, n, w, acc);
+  if (has_avx512()) return add_gram_lower_blocked(rows, n, w, acc);
+  avx2::add_gram_lower(rows, n, w, acc);
 }
 void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc) {
-  add_gram_lower_impl(rows, n, w, acc);
+  if (has_avx512()) return add_gram_lower_impl(rows, n, w, acc);
+  avx2::add_gram_lower(rows, n, w, acc);
 }
 void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, const float* const* z,
                    const double* s, const double* t, float* const* out, int64_t w) {
-  weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+  if (has_avx512()) return weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+  avx2::weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
 }
 void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, const double* const* z,
                    const double* s, const double* t, double* const* out, int64_t w) {
-  weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+  if (has_avx512()) return weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+  avx2::weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
 }
 
-#else  // no AVX-512 build: the callers keep the GEMM path
+#else  // not an x86-64 GCC/Clang build: the callers keep the GEMM path
 
 bool available() { return false; }
 void add_gram_lower(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }

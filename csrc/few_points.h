@@ -4,8 +4,8 @@
 // in L1). The GEMM path copies the samples into a float64 buffer first, and a GEMM with a 20 x 20
 // output and a long inner dimension runs far below peak.
 //
-// AVX-512 only (register tiles of 8 doubles); available() says whether this CPU has it, and callers
-// keep the GEMM path otherwise.
+// Written for AVX-512 (4 x 4 register tiles of 8 doubles) and for AVX2 + FMA (3 x 3 tiles of 4
+// doubles); available() says whether this CPU has either, and callers keep the GEMM path otherwise.
 #pragma once
 
 #include <cstdint>

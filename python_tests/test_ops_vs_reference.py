@@ -147,7 +147,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     assert kivi_fast.median_bandwidth(x).item() == pytest.approx(expected, rel=1e-12)
 
 
-# Few points in many dimensions (an MNIST layer) take register-tiled kernels on AVX-512 CPUs
+# Few points in many dimensions (an MNIST layer) take register-tiled kernels on AVX-512 or AVX2 CPUs
 # (csrc/few_points.h): up to 32 stacked points, up to 16 evaluation points in the backward, columns
 # split over threads above 2 x 16384. The cases sit on both sides of each limit; hypothesis rarely
 # draws them.
