@@ -191,6 +191,13 @@ KIVI_FAST_ISA_CLONES void scale_copy(const double* x, double s, double* out, int
   for (int64_t j = 0; j < n; ++j) out[j] = s * x[j];
 }
 
+KIVI_FAST_ISA_CLONES double dot(const double* a, const double* b, int64_t n) {
+  double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
 KIVI_FAST_ISA_CLONES double mul_sum(const double* c, const double* k, double* w, int64_t n) {
   double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
