@@ -479,28 +479,30 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   double* const system = scratch.get(n_den * n_den);
   const double inv_n = 1.0 / static_cast<double>(n_den);
   const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
+  // Only the upper triangle (row-major) is filled: what both Cholesky paths read (LAPACK's "L" of the
+  // column-major view is the same triangle).
   for (int64_t i = 0; i < n_den; ++i) {
     const double* row = kernel + i * n;
     double* a = system + i * n_den;
-    rows::scale_copy(row, inv_n, a, n_den);
+    rows::scale_copy(row + i, inv_n, a + i, n_den - i);
     a[i] += lam;
-    alpha[i] = rhs_scale * std::accumulate(row + n_den, row + n, 0.0);
+    alpha[i] = rhs_scale * rows::sum(row + n_den, n_num);
   }
   int info = 0;
   if (n_den <= kOwnCholeskyMaxRows) {
     info = rows::cholesky_upper(system, n_den) ? 0 : 1;
     if (info == 0) rows::cholesky_solve_upper(system, n_den, alpha);
   } else if (dpotrf_ != nullptr && dpotrs_ != nullptr) {
-    // Symmetric, so the row-major buffer is also the column-major matrix.
+    // The row-major upper triangle is the column-major lower one.
     const int nn = static_cast<int>(n_den), one = 1;
     dpotrf_("L", &nn, system, &nn, &info);
     if (info == 0) dpotrs_("L", &nn, &one, system, &nn, alpha, &nn, &info);
   } else {
-    auto [chol, status] = at::linalg_cholesky_ex(wrap(system, {n_den, n_den}));
+    auto [chol, status] = at::linalg_cholesky_ex(wrap(system, {n_den, n_den}), /*upper=*/true);
     info = status.item<int>();
     if (info == 0) {
       auto x = wrap(alpha, {n_den, 1});
-      x.copy_(at::cholesky_solve(x.clone(), chol));
+      x.copy_(at::cholesky_solve(x.clone(), chol, /*upper=*/true));
     }
   }
   TORCH_CHECK_VALUE(info == 0, kNotPositiveDefiniteMessage, " (lam = ", lam, ")");

@@ -39,8 +39,9 @@ void cholesky_solve_upper(const double* u, int64_t n, double* b);
 void scaled_exp(double* x, double s, int64_t n);
 // out[j] = s x[j]
 void scale_copy(const double* x, double s, double* out, int64_t n);
-// sum_j a[j] b[j]
+// sum_j a[j] b[j], and sum_j x[j]
 double dot(const double* a, const double* b, int64_t n);
+double sum(const double* x, int64_t n);
 // w[j] = c[j] k[j]; returns sum_j w[j]
 double mul_sum(const double* c, const double* k, double* w, int64_t n);
 // out[j] = s (g[j] - t z[j]), converted to the output type
