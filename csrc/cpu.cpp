@@ -451,19 +451,26 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
   return sigma;
 }
 
+// Below this much work per element (N^2 max(d, 8) multiply-adds, ~2 ms at 1 thread), splitting one
+// element over threads costs more in parallel-region overhead than it saves: (100, 8) and (100, 51)
+// ran slower at 2 threads than at 1.
+constexpr int64_t kMinSplitWork = int64_t{1} << 24;
+
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
-// occupy the threads, otherwise one element after another, each using the threads inside.
+// occupy the threads, otherwise one element after another, each using the threads inside when it is
+// large enough.
 template <class Fn>
-void for_each_element(int64_t batch, Fn fn) {
-  if (batch >= at::get_num_threads()) {
-    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+void for_each_element(const Stack& s, Fn fn) {
+  if (s.batch >= at::get_num_threads()) {
+    at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
       Work& work = thread_work();
       for (int64_t b = b0; b < b1; ++b) fn(b, false, work);
       work.trim();
     });
   } else {
+    const bool split = s.rows * s.rows * std::max<int64_t>(s.d, 8) >= kMinSplitWork;
     Work& work = thread_work();
-    for (int64_t b = 0; b < batch; ++b) fn(b, true, work);
+    for (int64_t b = 0; b < s.batch; ++b) fn(b, split, work);
     work.trim();
   }
 }
@@ -569,7 +576,7 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
   Stack s({x, y});
   const int64_t nx = x.size(1), ny = y.size(1), n = s.rows;
   auto out = at::empty({s.batch, nx, ny}, at::kDouble);
-  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+  for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     double* sq = work.sq.get(n * n);
     double* norms = work.norms.get(n);
     distances_one(s, b, sq, norms, parallel, work);
@@ -584,7 +591,7 @@ Tensor median_bandwidth(const Tensor& x) {
   Stack s({x});
   const int64_t n = s.rows;
   auto sigma = at::empty({s.batch}, at::kDouble);
-  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+  for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     double* sq = work.sq.get(n * n);
     double* norms = work.norms.get(n);
     distances_one(s, b, sq, norms, parallel, work);
@@ -599,7 +606,7 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   const int64_t n = s.rows;
   auto coef = at::empty({s.batch, n}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
-  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+  for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     used.data_ptr<double>()[b] = fit_one(s, b, denom.size(1), denom.size(1), lam, sigma_data(sigma), names, parallel, work);
     std::copy_n(work.coef.get(n), n, coef.data_ptr<double>() + b * n);
   });
@@ -616,7 +623,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   auto kl_out = at::empty({s.batch}, at::kDouble);
   auto state = at::empty({s.batch, m, width}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
-  for_each_element(s.batch, [&](int64_t b, bool parallel, Work& work) {
+  for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     // the evaluation reads the kernel rows of q_z: the denominator's own (reverse) or all of them
     const double sg = fit_one(s, b, n_den, roles.row0 + m, lam, sigma_data(sigma), roles.names, parallel, work);
     used.data_ptr<double>()[b] = sg;

@@ -28,10 +28,14 @@ def test_implicit_posterior_recovers_the_blr_posterior():
     generator = torch.nn.Sequential(
         torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, d)
     ).double()
-    steps, n = 1500, 100
-    opt = torch.optim.Adam(generator.parameters(), lr=1e-2)
+    steps, n = 1500, 200
+    opt = torch.optim.Adam(generator.parameters(), lr=5e-3)
     # A decaying step size: with a constant one the sampled KL gradients keep q's spread noisy
-    # (seen: up to 1.3x the posterior std after 1000 steps, or divergence at lr = 3e-3).
+    # (seen: up to 1.3x the posterior std after 1000 steps, or divergence at lr = 3e-3). The loop is
+    # chaotic: results that differ in the last bit (another CPU, another summation order) end on
+    # another run, so its settings must pass on most runs, not on one. With 100 samples and lr 1e-2,
+    # 2 of seeds 0-5 ended with 2-4x the posterior std (q escapes late in training); with 200 samples
+    # and lr 5e-3 all six end within 2% of it (std) and 0.02 std of the mean.
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
     for step in range(steps):
         w = generator(torch.randn(n, 4, dtype=torch.float64))
