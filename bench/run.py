@@ -9,7 +9,8 @@ Shapes are n x d (n_p = n_q = n) or B x n x d. For each shape, dtype and thread 
 forward and the forward+backward (gradient w.r.t. q_z) of both implementations: warm-up, then the
 median of an adaptive number of repetitions (about --target-s seconds each). Peak memory comes from
 a fresh subprocess per (implementation, shape, dtype): the RSS high-water mark of one forward+backward
-minus the RSS after imports and input creation. The roofline (bench/roofline.py) uses this machine's
+minus the RSS after imports and input creation, for the first call (one-time allocations included:
+BLAS buffers, our per-thread scratch) and for the next one (what every later step of a loop costs). The roofline (bench/roofline.py) uses this machine's
 GEMM GFLOP/s and memory read GB/s measured in the same run. See bench/README.md.
 """
 
@@ -171,26 +172,29 @@ def _mem_child(impl: str, shape: str, dtype: str) -> None:
     call(fn, tp, tq, True)
     call(fn, tp[0], tq[0], True)
     p, q = make_inputs(b, n, d, batched, DTYPES[dtype])
-    base = _proc_status_kb("VmRSS")
-    try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        hwm0 = _proc_status_kb("VmHWM")
-    except OSError:
-        hwm0 = None
-    call(fn, p, q, True)
-    peak = _proc_status_kb("VmHWM")
-    print(json.dumps({"peak_delta_mb": (peak - base) / 1024.0, "hwm_reset": hwm0 is not None}))
+    deltas, reset = [], True
+    for _ in range(2):  # the first call, then the next one (what each step of a training loop sees)
+        base = _proc_status_kb("VmRSS")
+        try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            reset = False
+        call(fn, p, q, True)
+        deltas.append((_proc_status_kb("VmHWM") - base) / 1024.0)
+    print(json.dumps({"peak_delta_mb": deltas[0], "next_call_peak_delta_mb": deltas[1], "hwm_reset": reset}))
 
 
-def peak_memory_mb(impl: str, shape: str, dtype: str) -> float | None:
+def peak_memory_mb(impl: str, shape: str, dtype: str) -> tuple[float, float] | None:
+    """(first call, next call) peak RSS increase in MB, or None if the subprocess failed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_mem", impl, shape, dtype],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         print(f"  peak memory of {impl} {shape} {dtype} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_delta_mb"]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["peak_delta_mb"], out["next_call_peak_delta_mb"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,12 +247,16 @@ def _fmt(v, spec):
 def table(rows: list[dict], markdown: bool) -> str:
     head = ["shape", "dtype", "thr", "pass", "pure ms", "ours ms", "pure/ours", "roofline ms",
             "ours % roofline", "pure MB", "ours MB"]
+
+    def mb(v):  # first call / next call
+        return "-" if v is None else f"{v[0]:.1f} / {v[1]:.1f}"
+
     body = []
     for r in rows:
         body.append([r["shape"], r["dtype"], str(r["threads"]), r["pass"], _fmt_ms(r["pure_s"]), _fmt_ms(r["ours_s"]),
                      _fmt(r["ratio"], ".2f"), _fmt_ms(r["roofline_s"]),
                      _fmt(None if r["roofline_frac"] is None else 100 * r["roofline_frac"], ".1f"),
-                     _fmt(r["pure_mb"], ".1f"), _fmt(r["ours_mb"], ".1f")])
+                     mb(r["pure_mb"]), mb(r["ours_mb"])])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -369,7 +377,8 @@ def main(argv=None) -> int:
             ([f"the machine was busy (load average {load0[0]:.2f} -> {load1[0]:.2f} on {ncpu} CPUs)"] if busy else [])
             + (["'ours' ran on the reference backend, not the compiled ops"] if info["kivi_fast_backend"] != "cpp" else [])))
     print(f"ours = kivi_fast.kl on the {info['kivi_fast_backend']} backend; pure = bench/pure_torch.py; "
-          "ms = median wall time; MB = peak RSS increase of one forward+backward (1 thread); "
+          "ms = median wall time; MB = peak RSS increase of one forward+backward (1 thread), "
+          "the first call in a fresh process / the next call; "
           "roofline = max(flops / GEMM rate, bytes / bandwidth) at the same thread count")
 
     if args.json:

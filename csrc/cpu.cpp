@@ -6,10 +6,15 @@
 //  - samples are read in column blocks converted to float64 in a per-thread buffer, so float32
 //    inputs never pay for a full float64 copy (d = 314000 for an MNIST layer), and each block's
 //    GEMM runs while the block is in cache; up to 8 dimensions, distances come from differences;
+//  - only the upper triangle of the distances is computed (the median reads nothing else), the
+//    kernel rows the fit and the evaluation read are mirrored from it;
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
 //    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
 //  - the median is an exact selection over binned values (see select_two), not a sort;
-//  - the backward reads the samples once more, block by block, and writes the gradient once.
+//  - systems up to 256 x 256 are factored by our own Cholesky (rows::cholesky_upper);
+//  - with few dimensions (d + 1 < N) the forward leaves the backward the projection of its weights on
+//    the points (kl_state_width in kivi.h), so the backward is one elementwise pass; otherwise the
+//    backward reads the samples once more, block by block, and writes the gradient once.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -44,8 +49,9 @@ namespace kivi_fast {
 namespace cpu {
 namespace {
 
-// A [N, w] float64 block of about 2 MB: fits in this machine's 2 MB-per-core L2 with its GEMM.
-constexpr int64_t kBlockDoubles = int64_t{1} << 18;
+// A [N, w] float64 block of about 512 KB, half of this machine's L2 per core: as fast here as the
+// 2 MB blocks used before (one block for d = 700 at N = 200), and a smaller buffer to keep.
+constexpr int64_t kBlockDoubles = int64_t{1} << 16;
 
 // Row-wise concatenation of sample tensors ([B, n_i, d], contiguous, one dtype), read block by block.
 struct Stack {
@@ -134,10 +140,11 @@ class Scratch {
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block
-  Scratch points;  // the stacked samples in float64: [d, N] (transposed) up to kMaxDirectDim, else [N, d]
+  Scratch points;   // the stacked samples in float64: [d, N] (transposed) up to kMaxDirectDim, else [N, d]
+  Scratch product;  // the backward's weights times a column block
   void trim() {
     constexpr int64_t kKeep = int64_t{1} << 22;
-    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points}) b->release_if_above(kKeep);
+    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points, &product}) b->release_if_above(kKeep);
   }
 };
 
@@ -736,8 +743,9 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
     return grad;
   }
   for_each_block(s, parallel_over_batch(s), [&](int64_t b, int64_t c0, int64_t w, const Tensor& block) {
-    auto g = at::mm(weights[b], block.narrow(0, 0, n));  // [m, w]
-    const double* gp = g.data_ptr<double>();
+    double* gp = thread_work().product.get(m * w);  // [m, w], kept between calls like the other buffers
+    auto g = wrap(gp, {m, w});
+    at::mm_out(g, weights[b], block.narrow(0, 0, n));
     const double* zp = block.data_ptr<double>() + z_row * w;
     const double* ws = w_sum.data_ptr<double>() + b * m;
     const double* sc = scale.data_ptr<double>() + b * m;
