@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
 #define KIVI_FAST_FEW_POINTS_SIMD 1
@@ -277,17 +278,22 @@ void weighted_rows_dispatch(int64_t m, const double* weights, int64_t n, const T
 
 }  // namespace avx2
 
+std::atomic<bool> force_avx2{false};
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
+  return yes && !force_avx2.load();
 }
 
 }  // namespace
 
 bool available() {
-  static const bool yes = has_avx512() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  static const bool yes = __builtin_cpu_supports("avx512f") ||
+                          (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
   return yes;
 }
+
+bool set_force_avx2(bool flag) { return force_avx2.exchange(flag); }
 
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc) {
   if (has_avx512()) return add_gram_lower_blocked(rows, n, w, acc);
@@ -311,6 +317,7 @@ void weighted_rows(const double* weights, int64_t m, int64_t n, const double* co
 #else  // not an x86-64 GCC/Clang build: the callers keep the GEMM path
 
 bool available() { return false; }
+bool set_force_avx2(bool flag) { return false; }
 void add_gram_lower(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
 void add_gram_lower(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
 void weighted_rows(const double*, int64_t, int64_t, const float* const*, const float* const*, const double*,

@@ -19,6 +19,9 @@ inline constexpr int64_t kMaxRows = 32;
 inline constexpr int64_t kMaxOutRows = 16;
 
 bool available();
+// Tests: use the AVX2 kernels even on an AVX-512 CPU (so that both run where AVX-512 exists); returns
+// the old setting.
+bool set_force_avx2(bool flag);
 
 // acc[i * n + j] += sum_{c < w} x_i[c] x_j[c] for j <= i < n (lower triangle only), rows[i] = x_i.
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc);

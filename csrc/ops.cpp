@@ -5,6 +5,7 @@
 
 #include <atomic>
 
+#include "few_points.h"
 #include "kivi.h"
 
 namespace kivi_fast {
@@ -136,6 +137,8 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor");
   // Not a tensor op: switches CPU tensors to the device-generic kernels (for tests); returns the old value.
   m.def("_set_force_generic(bool flag) -> bool", &set_force_generic);
+  // Not a tensor op either: the few-points kernels' AVX2 version on an AVX-512 CPU (for tests).
+  m.def("_set_few_points_avx2(bool flag) -> bool", &few_points::set_force_avx2);
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from

@@ -157,13 +157,15 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (17, 16, 100, 3, torch.float32, 1),       # 33 points: the GEMM path
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
     (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
-    (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (3 padded rows in the tiles)
+    (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (padded rows in the tiles)
 ])
-def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads):
+@pytest.mark.parametrize("avx2", [False, True])  # True: the AVX2 kernels even on an AVX-512 CPU
+def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)
     p, q = make_samples(pr)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    old_avx2 = torch.ops.kivi_fast._set_few_points_avx2(avx2)
     try:
         for reverse in (True, False):
             ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
@@ -181,6 +183,7 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         assert_close_rel(z.grad, z_ref.grad, 1e-5 if dtype == torch.float32 else 1e-7)
     finally:
         torch.set_num_threads(old)
+        torch.ops.kivi_fast._set_few_points_avx2(old_avx2)
 
 
 @pytest.mark.parametrize("reverse", [True, False])
