@@ -219,6 +219,11 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
   for (int64_t c0 = 0; c0 < w_main; c0 += kBlock) {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(buf + i * kBlock + c, load4(rows[i] + c0 + c));
+    // the next block's rows start coming from memory while this block's tiles are multiplied
+    if (c0 + 2 * kBlock <= w_main)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < kBlock; c += 64 / static_cast<int64_t>(sizeof(T)))
+          _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c0 + kBlock + c), _MM_HINT_T0);
     __m256d* tile_sums = sums;
     for (int64_t ib = 0; ib < tiles; ++ib)
       for (int64_t jb = 0; jb <= ib; ++jb, tile_sums += 9)
@@ -244,7 +249,13 @@ template <int M, class T>
 KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, const T* const* z,
                                   const double* s, const double* t, T* const* out, int64_t w) {
   const int64_t w4 = w & ~int64_t{3};
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));  // elements per cache line
   for (int64_t c = 0; c < w4; c += 4) {
+    // each row a few cache lines ahead: n input and M output streams are more than the hardware
+    // prefetchers follow
+    if (c % kLine == 0 && c + 8 * kLine < w4) {
+      for (int64_t i = 0; i < n; ++i) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c + 8 * kLine), _MM_HINT_T0);
+    }
     __m256d acc[M];
     for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_pd();
     for (int64_t i = 0; i < n; ++i) {
