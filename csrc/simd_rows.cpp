@@ -20,15 +20,15 @@ KIVI_FAST_ISA_CLONES void gram_row_to_sqdist(double* row, const double* norms, d
 
 namespace {
 
-// The point's coordinates stay in registers and each output is stored once (a loop over the
-// coordinates outside would load and store the row d times).
+// D <= 8 coordinates at a time: the point's coordinates stay in registers and each output is
+// loaded and stored once per 8 coordinates (a loop over the coordinates outside would do it d times).
 template <int D>
-inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0, double* o) {
+inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0, bool add, double* o) {
   double xi[D];
   for (int k = 0; k < D; ++k) xi[k] = pt[k * n + i];
 #pragma omp simd
   for (int64_t j = j0; j < n; ++j) {
-    double acc = 0.0;
+    double acc = add ? o[j] : 0.0;
     for (int k = 0; k < D; ++k) {
       const double t = pt[k * n + j] - xi[k];
       acc += t * t;
@@ -65,28 +65,35 @@ inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n
 }  // namespace
 
 KIVI_FAST_ISA_CLONES void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o) {
-  switch (d) {
-    case 1: return sqdist_from_point_fixed<1>(pt, n, i, j0, o);
-    case 2: return sqdist_from_point_fixed<2>(pt, n, i, j0, o);
-    case 3: return sqdist_from_point_fixed<3>(pt, n, i, j0, o);
-    case 4: return sqdist_from_point_fixed<4>(pt, n, i, j0, o);
-    case 5: return sqdist_from_point_fixed<5>(pt, n, i, j0, o);
-    case 6: return sqdist_from_point_fixed<6>(pt, n, i, j0, o);
-    case 7: return sqdist_from_point_fixed<7>(pt, n, i, j0, o);
-    default: return sqdist_from_point_fixed<8>(pt, n, i, j0, o);
+  for (int64_t k0 = 0; k0 < d; k0 += 8) {
+    const double* p = pt + k0 * n;
+    const bool add = k0 > 0;
+    switch (std::min<int64_t>(8, d - k0)) {
+      case 1: sqdist_from_point_fixed<1>(p, n, i, j0, add, o); break;
+      case 2: sqdist_from_point_fixed<2>(p, n, i, j0, add, o); break;
+      case 3: sqdist_from_point_fixed<3>(p, n, i, j0, add, o); break;
+      case 4: sqdist_from_point_fixed<4>(p, n, i, j0, add, o); break;
+      case 5: sqdist_from_point_fixed<5>(p, n, i, j0, add, o); break;
+      case 6: sqdist_from_point_fixed<6>(p, n, i, j0, add, o); break;
+      case 7: sqdist_from_point_fixed<7>(p, n, i, j0, add, o); break;
+      default: sqdist_from_point_fixed<8>(p, n, i, j0, add, o); break;
+    }
   }
 }
 
 KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out) {
-  switch (d) {
-    case 1: return dots_with_columns_fixed<1>(w, pt, n, out);
-    case 2: return dots_with_columns_fixed<2>(w, pt, n, out);
-    case 3: return dots_with_columns_fixed<3>(w, pt, n, out);
-    case 4: return dots_with_columns_fixed<4>(w, pt, n, out);
-    case 5: return dots_with_columns_fixed<5>(w, pt, n, out);
-    case 6: return dots_with_columns_fixed<6>(w, pt, n, out);
-    case 7: return dots_with_columns_fixed<7>(w, pt, n, out);
-    default: return dots_with_columns_fixed<8>(w, pt, n, out);
+  for (int64_t k0 = 0; k0 < d; k0 += 8) {
+    const double* p = pt + k0 * n;
+    switch (std::min<int64_t>(8, d - k0)) {
+      case 1: dots_with_columns_fixed<1>(w, p, n, out + k0); break;
+      case 2: dots_with_columns_fixed<2>(w, p, n, out + k0); break;
+      case 3: dots_with_columns_fixed<3>(w, p, n, out + k0); break;
+      case 4: dots_with_columns_fixed<4>(w, p, n, out + k0); break;
+      case 5: dots_with_columns_fixed<5>(w, p, n, out + k0); break;
+      case 6: dots_with_columns_fixed<6>(w, p, n, out + k0); break;
+      case 7: dots_with_columns_fixed<7>(w, p, n, out + k0); break;
+      default: dots_with_columns_fixed<8>(w, p, n, out + k0); break;
+    }
   }
 }
 

@@ -23,7 +23,7 @@ def problems(draw):
     n_p = draw(st.integers(2, 300))
     n_q = draw(st.integers(2, 300))
     n = n_p + n_q
-    d = min(draw(st.sampled_from([1, 2, 3, 8, 17, 64, 300, 1000, 3000])), max(1, MAX_WORK // (n * n)))
+    d = min(draw(st.sampled_from([1, 2, 3, 8, 9, 17, 32, 33, 64, 300, 1000, 3000])), max(1, MAX_WORK // (n * n)))
     batch = draw(st.sampled_from([None, 1, 3]))
     if batch is not None:
         d = max(1, d // batch)
@@ -62,9 +62,9 @@ def assert_close_rel(actual, expected, rtol):
 
 @st.composite
 def few_point_problems(draw):
-    """Up to 32 points in 9 to 5000 dimensions: the few-points kernels' regime (csrc/few_points.h)."""
+    """Up to 32 points in 33 to 5000 dimensions: the few-points kernels' regime (csrc/few_points.h)."""
     pr = draw(problems())
-    pr.update(n_p=draw(st.integers(2, 16)), n_q=draw(st.integers(2, 16)), d=draw(st.integers(9, 5000)))
+    pr.update(n_p=draw(st.integers(2, 16)), n_q=draw(st.integers(2, 16)), d=draw(st.integers(33, 5000)))
     return pr
 
 
@@ -153,7 +153,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
 # draws them.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
     (10, 10, 33001, None, torch.float32, 2),  # columns over two threads, tail columns
-    (16, 16, 9, None, torch.float64, 1),      # 32 points, the first dimension past the direct path
+    (16, 16, 33, None, torch.float64, 1),     # 32 points, the first dimension past the direct path
     (17, 16, 100, 3, torch.float32, 1),       # 33 points: the GEMM path
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
     (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
