@@ -259,7 +259,10 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
   });
   const double lo = *std::min_element(lo_v.begin(), lo_v.end());
   const double hi = *std::max_element(hi_v.begin(), hi_v.end());
-  if (pairs < kMinBinnedPairs || !(hi > lo)) {
+  // a range too narrow or too wide for finite bin arithmetic (subnormal or overflowing distances):
+  // a plain selection over all pairs
+  const double inv_width_all = static_cast<double>(pairs) / (hi - lo);
+  if (pairs < kMinBinnedPairs || !(hi > lo) || !std::isfinite(hi) || !std::isfinite(inv_width_all)) {
     cand.reserve(pairs);
     for_pairs(false, [&](const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
   } else {
@@ -660,12 +663,13 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     auto rows_body = [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const double* k = kernel_rows + j * n;
-        // weights: W_j = row_scale_j coef * k, written into the state; otherwise only r_j
-        const double r = grad_state && !projection ? rows::mul_sum(coef, k, out + j * n, n) : rows::dot(coef, k, n);
+        // r_j the same way whatever is kept, so that the value does not depend on grad_state
+        const double r = rows::dot(coef, k, n);
         log_r[j] = std::log(std::max(r, clip));
         row_scale[j] = r > clip ? 1.0 / (sg * sg * r) : 0.0;
         if (!grad_state) continue;
-        if (!projection) {
+        if (!projection) {  // the weights W_j = row_scale_j coef * k
+          rows::mul_sum(coef, k, out + j * n, n);
           rows::scale(out + j * n, row_scale[j], n);
           continue;
         }

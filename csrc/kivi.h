@@ -53,7 +53,7 @@ inline KlRoles kl_roles(const Tensor& prior_z, const Tensor& q_z, bool reverse) 
 // W_jc = coef_c k(c, z_j) / (sigma^2 r_j) (0 where r_j is clipped). With few dimensions (d + 1 < N)
 // the forward stores the projection [sum_c W_jc c, sum_c W_jc] (width d + 1) instead of W itself
 // (width N): smaller, and the backward is then one elementwise pass. Without a gradient to come
-// (grad_state = false: the autograd kernel's choice) the width is 0. The fake kernel in
+// (grad_state = false: kivi_fast.kl's choice) the width is 0. The fake kernel in
 // kivi_fast/_ops.py follows the same rules.
 inline bool kl_state_is_projection(int64_t n_total, int64_t d) { return d + 1 < n_total; }
 inline int64_t kl_state_width(int64_t n_total, int64_t d) {

@@ -19,8 +19,31 @@ std::atomic<bool> force_generic{false};
 template <bool kCpu>
 bool use_cpu() { return kCpu && !force_generic.load(); }
 
+// The ops are also callable directly (torch.ops.kivi_fast.*), without the Python checks of
+// kivi_fast/_validate.py: sample arguments are checked here too, so that a mismatch is an error and
+// never a read past the end of a buffer.
+void check_samples(const char* op, const char* name, const Tensor& x, int64_t min_rows) {
+  TORCH_CHECK_VALUE(x.dim() == 3 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+                    "kivi_fast::", op, ": ", name, " must be a float32 or float64 [B, n, d] tensor, got ",
+                    x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) >= min_rows && x.size(2) >= 1, "kivi_fast::", op, ": ", name, " must hold at least ",
+                    min_rows, " samples of at least one dimension, got shape ", x.sizes());
+}
+
+void check_pair(const char* op, const char* name_a, const Tensor& a, const char* name_b, const Tensor& b) {
+  check_samples(op, name_a, a, 1);
+  check_samples(op, name_b, b, 1);
+  TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2), "kivi_fast::", op, ": ", name_a, " and ",
+                    name_b, " must have the same batch size and dimension, got shapes ", a.sizes(), " and ",
+                    b.sizes());
+  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() && a.device() == b.device(), "kivi_fast::", op, ": ", name_a,
+                    " and ", name_b, " must have the same dtype and device, got ", a.scalar_type(), " on ",
+                    a.device(), " and ", b.scalar_type(), " on ", b.device());
+}
+
 template <bool kCpu>
 Tensor sqdist_op(const Tensor& x, const Tensor& y) {
+  check_pair("sqdist", "x", x, "y", y);
   return use_cpu<kCpu>() ? cpu::sqdist(x.contiguous(), y.contiguous()) : generic::sqdist(x, y);
 }
 
@@ -32,6 +55,7 @@ Tensor rbf_gram_op(const Tensor& x, const Tensor& y, const Tensor& sigma) {
 
 template <bool kCpu>
 Tensor median_bandwidth_op(const Tensor& x) {
+  check_samples("median_bandwidth", "x", x, 2);
   return use_cpu<kCpu>() ? cpu::median_bandwidth(x.contiguous()) : generic::median_bandwidth(x);
 }
 
@@ -53,6 +77,7 @@ Fit fit_any(const Tensor& numer, const Tensor& denom, double lam, const std::opt
 template <bool kCpu>
 std::tuple<Tensor, Tensor> fit_op(const Tensor& numer, const Tensor& denom, double lam,
                                   const std::optional<Tensor>& sigma) {
+  check_pair("fit", "numer", numer, "denom", denom);
   auto f = fit_any<kCpu>(numer, denom, lam, sigma, {"numer", "denom"});
   return {f.coef.narrow(1, 0, denom.size(1)).contiguous(), f.sigma};
 }
@@ -69,6 +94,8 @@ std::tuple<Tensor, Tensor> evaluate(const Tensor& kernel_zc, const Tensor& coef,
 template <bool kCpu>
 std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const Tensor& denom, const Tensor& alpha,
                                     double beta, const Tensor& sigma) {
+  check_pair("ratio", "numer", numer, "denom", denom);
+  check_pair("ratio", "z", z, "denom", denom);
   auto pts = stack_points(denom, numer);
   auto s = sigma.to(at::kDouble);
   auto kernel = at::exp(sqdist_op<kCpu>(z, pts) / (s * s * -2.0).view({-1, 1, 1}));
@@ -80,6 +107,7 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 template <bool kCpu>
 std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                          const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
+  check_pair("kl", "prior_z", prior_z, "q_z", q_z);
   const auto s = owned_double(sigma);
   auto [kl, state, used] = use_cpu<kCpu>()
                                ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
@@ -90,12 +118,19 @@ std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z, const Tensor& q_
 template <bool kCpu>
 Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                         const Tensor& denom) {
+  check_pair("weighted_grad", "numer", numer, "denom", denom);
+  check_pair("weighted_grad", "z", z, "denom", denom);
+  TORCH_CHECK_VALUE(weights.dim() == 3 && weights.size(0) == z.size(0) && weights.size(1) == z.size(1) &&
+                        weights.size(2) == numer.size(1) + denom.size(1) && weights.scalar_type() == at::kDouble,
+                    "kivi_fast::weighted_grad: weights must be float64 [", z.size(0), ", ", z.size(1), ", ",
+                    numer.size(1) + denom.size(1), "], got ", weights.scalar_type(), " ", weights.sizes());
   return use_cpu<kCpu>() ? cpu::weighted_grad(row_scale, weights.contiguous(), z, numer, denom)
                          : generic::weighted_grad(row_scale, weights, z, numer, denom);
 }
 
 template <bool kCpu>
 Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
+  check_pair("kl_grad", "prior_z", prior_z, "q_z", q_z);
   const int64_t width = kl_state_width(prior_z.size(1) + q_z.size(1), q_z.size(2));
   TORCH_CHECK(state.dim() == 3 && state.size(0) == q_z.size(0) && state.size(1) == q_z.size(1) &&
                   state.size(2) == width && state.scalar_type() == at::kDouble,

@@ -22,8 +22,10 @@ namespace {
 
 // D <= 8 coordinates at a time: the point's coordinates stay in registers and each output is
 // loaded and stored once per 8 coordinates (a loop over the coordinates outside would do it d times).
+// always_inline: each ISA clone of the callers must get its own copy (an out-of-line instance is
+// compiled for the baseline ISA only: 8x slower for the row dots).
 template <int D>
-inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0, bool add, double* o) {
+__attribute__((always_inline)) inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0, bool add, double* o) {
   double xi[D];
   for (int k = 0; k < D; ++k) xi[k] = pt[k * n + i];
 #pragma omp simd
@@ -47,7 +49,7 @@ inline Vec4 load4(const double* p) {
 }
 
 template <int D>
-inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n, double* out) {
+__attribute__((always_inline)) inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n, double* out) {
   // D independent vector sums: enough of them in flight to keep the FMA units busy
   Vec4 acc[D] = {};
   int64_t j = 0;

@@ -115,3 +115,24 @@ def test_primitives_reject_nan(impl):
         kivi_fast.rbf_gram(Q, with_value(P, (0, 0), float("inf")), 1.0)
     with pytest.raises(ValueError, match="x contains NaN or Inf"):
         kivi_fast.rbf_gram(bad, Q, 1.0)
+
+
+def test_ops_called_directly_check_their_samples():
+    """torch.ops.kivi_fast.* skip the Python checks: mismatched samples are still an error naming the
+    op and the arguments, not a read past the end of a buffer."""
+    kivi_fast.backend()
+    ops = torch.ops.kivi_fast
+    f64 = dict(dtype=torch.float64)
+    p, q = torch.randn(1, 2, 50, **f64), torch.randn(1, 3, 40, **f64)
+    with pytest.raises(ValueError, match="kl_grad: prior_z and q_z must have the same batch size and dimension"):
+        ops.kl_grad(torch.ones(1, **f64), torch.zeros(1, 3, 5, **f64), q, p, False)
+    with pytest.raises(ValueError, match="kl: prior_z and q_z must have the same batch size and dimension"):
+        ops.kl(p, q, 1e-3, 1e-8, None, True)
+    with pytest.raises(ValueError, match="kl: prior_z and q_z must have the same dtype and device"):
+        ops.kl(p, p.float(), 1e-3, 1e-8, None, True)
+    with pytest.raises(ValueError, match="weighted_grad: weights must be float64 \\[1, 3, 5\\]"):
+        ops.weighted_grad(torch.ones(1, 3, **f64), torch.zeros(1, 3, 4, **f64), q, q[:, :2], q)
+    with pytest.raises(ValueError, match="median_bandwidth: x must hold at least 2 samples"):
+        ops.median_bandwidth(torch.randn(1, 1, 3, **f64))
+    with pytest.raises(ValueError, match="fit: numer must be a float32 or float64 \\[B, n, d\\] tensor"):
+        ops.fit(torch.randn(4, 3, **f64), torch.randn(1, 4, 3, **f64), 1e-3, None)

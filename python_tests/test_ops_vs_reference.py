@@ -4,10 +4,12 @@ Hypothesis draws shapes (n_p, n_q from 2 to a few hundred, d from 1 to thousands
 lam, scales, dtypes and both settings of ``reverse``; values and gradients must agree.
 """
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy.spatial.distance import pdist
 
 import kivi_fast
 from kivi_fast import reference
@@ -134,11 +136,9 @@ def test_cpu_and_generic_kernels_agree():
 
 @pytest.mark.parametrize("n,d,ties", [(2, 3, False), (3, 1, False), (400, 3, False), (700, 2, True), (1200, 70, False)])
 def test_median_bandwidth_equals_numpy(impl, n, d, ties):
-    """Small and large pair counts (the CPU kernel switches from nth_element to a radix selection
-    above 65536 pairs), odd and even counts, and many tied distances."""
-    import numpy as np
-    from scipy.spatial.distance import pdist
-
+    """Small and large pair counts (the CPU kernel selects among all pairs below 512 and in equal-width
+    bins above, packing the pairs first below 2^20 on one thread), odd and even counts, and many tied
+    distances."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, d, generator=g, dtype=torch.float64)
     if ties:
@@ -152,7 +152,8 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
 # split over threads above 2 x 16384. The cases sit on both sides of each limit; hypothesis rarely
 # draws them.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
-    (10, 10, 33001, None, torch.float32, 2),  # columns over two threads, tail columns
+    (10, 10, 33001, None, torch.float32, 2),  # the backward's columns over two threads, tail columns
+    (10, 10, 50000, None, torch.float32, 2),  # the forward's Gram too (N^2 d past the split threshold)
     (16, 16, 33, None, torch.float64, 1),     # 32 points, the first dimension past the direct path
     (17, 16, 100, 3, torch.float32, 1),       # 33 points: the GEMM path
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
@@ -218,3 +219,36 @@ def test_kl_grad_rejects_a_state_of_the_wrong_shape(compiled):
     _, state, _ = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, False)  # no state: width 0
     with pytest.raises(RuntimeError, match=r"state must be the float64 \[1, 10, 4\] grad state"):
         torch.ops.kivi_fast.kl_grad(torch.ones(1, dtype=torch.float64), state, q, p, True)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_one_large_element_split_over_threads(compiled, reverse):
+    """N^2 max(d, 8) >= 2^24 with one element and 2 threads: distances, median, kernel, evaluation and
+    projection each split over the threads (smaller elements never are)."""
+    pr = dict(n_p=750, n_q=750, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=7)
+    p, q = make_samples(pr)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
+    finally:
+        torch.set_num_threads(old)
+    ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+    assert_close_rel(ours[0], ref[0], 1e-8)
+    assert_close_rel(ours[1], ref[1], 1e-7)
+
+
+def test_median_of_distances_at_the_ends_of_float64(impl):
+    """Squared distances that are subnormal (1e-312): too narrow a range for bins; the selection over
+    all pairs still gives numpy's median."""
+    tiny = (torch.arange(40, dtype=torch.float64) * 1e-156).reshape(40, 1)
+    assert kivi_fast.median_bandwidth(tiny).item() == pytest.approx(np.median(pdist(tiny.numpy())), rel=1e-12)
+
+
+def test_median_of_overflowing_distances_is_inf():
+    """Squared distances that overflow (finite norms, differences of 2e154): the CPU kernel's bins
+    cannot span the range; it returns numpy's answer, inf (the reference's torch.quantile interpolates
+    between two infinities: NaN)."""
+    huge = torch.tensor([1e154, -1e154] * 20, dtype=torch.float64).reshape(40, 1)
+    with implementation("cpu"):
+        assert kivi_fast.median_bandwidth(huge).item() == np.median(pdist(huge.numpy())) == float("inf")
