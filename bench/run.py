@@ -125,10 +125,13 @@ def self_check(check_ours: bool) -> None:
 # Timing.
 
 def time_calls(fns: dict, p, q, backward: bool, target_s: float, min_reps: int = 5, max_reps: int = 2000):
-    """Median wall time (s) and repetition count of each fn, after warm-up.
+    """(median, minimum wall time in s, repetitions) of each fn, after warm-up, and under "ratio"
+    the median over repetitions of pure's time over ours in the same repetition.
 
     The implementations are timed alternately, call by call, so that a change of load on a shared
-    machine hits both alike; repetitions go on until ~target_s per implementation have elapsed.
+    machine hits both alike; the ratio of each pair of neighbouring calls is what such a change
+    disturbs least (this VM's speed drifts by tens of percent between minutes). Repetitions go on
+    until ~target_s per implementation have elapsed.
     """
     first = {}
     for name, fn in fns.items():
@@ -149,7 +152,10 @@ def time_calls(fns: dict, p, q, backward: bool, target_s: float, min_reps: int =
         reps = len(next(iter(times.values()), []))
         if reps >= max_reps or (reps >= min_reps and time.perf_counter() - start >= target_s * len(fns)):
             break
-    return {name: (statistics.median(ts), min(ts), len(ts)) for name, ts in times.items()}
+    out = {name: (statistics.median(ts), min(ts), len(ts)) for name, ts in times.items()}
+    if "pure" in times and "ours" in times:
+        out["ratio"] = statistics.median(a / b for a, b in zip(times["pure"], times["ours"]))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,7 +361,7 @@ def main(argv=None) -> int:
                         "pass": "fwd+bwd" if backward else "fwd",
                         "pure_s": pure_s, "ours_s": ours_s, "pure_min_s": res["pure"][1], "ours_min_s": res["ours"][1],
                         "pure_reps": res["pure"][2], "ours_reps": res["ours"][2],
-                        "ratio": None if ours_s is None else pure_s / ours_s,
+                        "ratio": res.get("ratio"), "ratio_of_medians": None if ours_s is None else pure_s / ours_s,
                         "roofline_s": roof, "roofline_frac": None if ours_s is None else roof / ours_s,
                         "pure_roofline_frac": roof / pure_s,
                         "pure_mb": mem.get(("pure", shape, dt)), "ours_mb": mem.get(("ours", shape, dt)),
@@ -371,13 +377,16 @@ def main(argv=None) -> int:
     print()
     print(table(rows, args.markdown))
     print()
-    busy = max(load0[0], load1[0]) > 0.5 * ncpu
+    # the load before the run: during it the benchmark itself (2 threads, memory subprocesses) keeps
+    # the 1-minute average near 1-2
+    busy = load0[0] > 0.5 * ncpu
     if busy or info["kivi_fast_backend"] != "cpp":
         print("PRELIMINARY: " + "; ".join(
             ([f"the machine was busy (load average {load0[0]:.2f} -> {load1[0]:.2f} on {ncpu} CPUs)"] if busy else [])
             + (["'ours' ran on the reference backend, not the compiled ops"] if info["kivi_fast_backend"] != "cpp" else [])))
     print(f"ours = kivi_fast.kl on the {info['kivi_fast_backend']} backend; pure = bench/pure_torch.py; "
-          "ms = median wall time; MB = peak RSS increase of one forward+backward (1 thread), "
+          "ms = median wall time; pure/ours = median over repetitions of the ratio of neighbouring calls; "
+          "MB = peak RSS increase of one forward+backward (1 thread), "
           "the first call in a fresh process / the next call; "
           "roofline = max(flops / GEMM rate, bytes / bandwidth) at the same thread count")
 
