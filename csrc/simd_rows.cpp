@@ -24,13 +24,14 @@ namespace {
 // loaded and stored once per 8 coordinates (a loop over the coordinates outside would do it d times).
 // always_inline: each ISA clone of the callers must get its own copy (an out-of-line instance is
 // compiled for the baseline ISA only: 8x slower for the row dots).
-template <int D>
-__attribute__((always_inline)) inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0, bool add, double* o) {
+template <int D, bool kAdd>
+__attribute__((always_inline)) inline void sqdist_from_point_fixed(const double* pt, int64_t n, int64_t i, int64_t j0,
+                                                                   double* o) {
   double xi[D];
   for (int k = 0; k < D; ++k) xi[k] = pt[k * n + i];
 #pragma omp simd
   for (int64_t j = j0; j < n; ++j) {
-    double acc = add ? o[j] : 0.0;
+    double acc = kAdd ? o[j] : 0.0;
     for (int k = 0; k < D; ++k) {
       const double t = pt[k * n + j] - xi[k];
       acc += t * t;
@@ -66,21 +67,24 @@ __attribute__((always_inline)) inline void dots_with_columns_fixed(const double*
 
 }  // namespace
 
-KIVI_FAST_ISA_CLONES void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o) {
-  for (int64_t k0 = 0; k0 < d; k0 += 8) {
-    const double* p = pt + k0 * n;
-    const bool add = k0 > 0;
-    switch (std::min<int64_t>(8, d - k0)) {
-      case 1: sqdist_from_point_fixed<1>(p, n, i, j0, add, o); break;
-      case 2: sqdist_from_point_fixed<2>(p, n, i, j0, add, o); break;
-      case 3: sqdist_from_point_fixed<3>(p, n, i, j0, add, o); break;
-      case 4: sqdist_from_point_fixed<4>(p, n, i, j0, add, o); break;
-      case 5: sqdist_from_point_fixed<5>(p, n, i, j0, add, o); break;
-      case 6: sqdist_from_point_fixed<6>(p, n, i, j0, add, o); break;
-      case 7: sqdist_from_point_fixed<7>(p, n, i, j0, add, o); break;
-      default: sqdist_from_point_fixed<8>(p, n, i, j0, add, o); break;
-    }
+template <bool kAdd>
+__attribute__((always_inline)) inline void sqdist_from_point_chunk(const double* p, int64_t n, int64_t d, int64_t i,
+                                                                   int64_t j0, double* o) {
+  switch (d) {
+    case 1: return sqdist_from_point_fixed<1, kAdd>(p, n, i, j0, o);
+    case 2: return sqdist_from_point_fixed<2, kAdd>(p, n, i, j0, o);
+    case 3: return sqdist_from_point_fixed<3, kAdd>(p, n, i, j0, o);
+    case 4: return sqdist_from_point_fixed<4, kAdd>(p, n, i, j0, o);
+    case 5: return sqdist_from_point_fixed<5, kAdd>(p, n, i, j0, o);
+    case 6: return sqdist_from_point_fixed<6, kAdd>(p, n, i, j0, o);
+    case 7: return sqdist_from_point_fixed<7, kAdd>(p, n, i, j0, o);
+    default: return sqdist_from_point_fixed<8, kAdd>(p, n, i, j0, o);
   }
+}
+
+KIVI_FAST_ISA_CLONES void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o) {
+  sqdist_from_point_chunk<false>(pt, n, std::min<int64_t>(8, d), i, j0, o);
+  for (int64_t k0 = 8; k0 < d; k0 += 8) sqdist_from_point_chunk<true>(pt + k0 * n, n, std::min<int64_t>(8, d - k0), i, j0, o);
 }
 
 KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out) {
