@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
 #define KIVI_FAST_FEW_POINTS_SIMD 1
@@ -20,6 +21,31 @@ namespace few_points {
 #define KIVI_AVX512 __attribute__((target("avx512f")))
 
 namespace {
+
+// The columns past the last full register of weighted_rows, [c0, w), one at a time.
+template <class T>
+void weighted_rows_tail(const double* weights, int m, int64_t n, const T* const* rows, const T* const* z,
+                        const double* s, const double* t, T* const* out, int64_t c0, int64_t w) {
+  for (int j = 0; j < m; ++j)
+    for (int64_t c = c0; c < w; ++c) {
+      double g = 0;
+      for (int64_t i = 0; i < n; ++i) g += weights[j * n + i] * static_cast<double>(rows[i][c]);
+      out[j][c] = static_cast<T>(s[j] * (g - t[j] * static_cast<double>(z[j][c])));
+    }
+}
+
+// fn(std::integral_constant<int, m>{}) for 1 <= m <= M: the weighted_rows kernels keep one
+// accumulator register per output row, so the count must be a compile-time constant.
+template <int M, class Fn>
+void with_out_rows(int64_t m, Fn fn) {
+  if constexpr (M == 0) {
+    TORCH_CHECK(false, "few_points: 1 to ", kMaxOutRows, " output rows, got ", m);
+  } else if (m == M) {
+    fn(std::integral_constant<int, M>{});
+  } else {
+    with_out_rows<M - 1>(m, fn);
+  }
+}
 
 // Columns per pass of the Gram kernel: 32 rows of 2048 columns (256 KB as float32) stay in L2 while
 // every register tile of the lower triangle reads them.
@@ -151,24 +177,7 @@ KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* c
       store8(out[j] + c, _mm512_mul_pd(_mm512_set1_pd(s[j]), g));
     }
   }
-  for (int j = 0; j < M; ++j)
-    for (int64_t c = w8; c < w; ++c) {
-      double g = 0;
-      for (int64_t i = 0; i < n; ++i) g += weights[j * n + i] * static_cast<double>(rows[i][c]);
-      out[j][c] = static_cast<T>(s[j] * (g - t[j] * static_cast<double>(z[j][c])));
-    }
-}
-
-template <int M, class T>
-void weighted_rows_dispatch(int64_t m, const double* weights, int64_t n, const T* const* rows, const T* const* z,
-                            const double* s, const double* t, T* const* out, int64_t w) {
-  if constexpr (M == 0) {
-    TORCH_CHECK(false, "few_points: 1 to ", kMaxOutRows, " output rows, got ", m);
-  } else if (m == M) {
-    weighted_rows_impl<M>(weights, n, rows, z, s, t, out, w);
-  } else {
-    weighted_rows_dispatch<M - 1>(m, weights, n, rows, z, s, t, out, w);
-  }
+  weighted_rows_tail(weights, M, n, rows, z, s, t, out, w8, w);
 }
 
 // The same kernels for AVX2 + FMA (4 doubles a register, 16 registers): 3 x 3 tiles, whose nine
@@ -267,24 +276,7 @@ KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* con
       store4(out[j] + c, _mm256_mul_pd(_mm256_set1_pd(s[j]), g));
     }
   }
-  for (int j = 0; j < M; ++j)
-    for (int64_t c = w4; c < w; ++c) {
-      double g = 0;
-      for (int64_t i = 0; i < n; ++i) g += weights[j * n + i] * static_cast<double>(rows[i][c]);
-      out[j][c] = static_cast<T>(s[j] * (g - t[j] * static_cast<double>(z[j][c])));
-    }
-}
-
-template <int M, class T>
-void weighted_rows_dispatch(int64_t m, const double* weights, int64_t n, const T* const* rows, const T* const* z,
-                            const double* s, const double* t, T* const* out, int64_t w) {
-  if constexpr (M == 0) {
-    TORCH_CHECK(false, "few_points: 1 to ", kMaxOutRows, " output rows, got ", m);
-  } else if (m == M) {
-    weighted_rows_impl<M>(weights, n, rows, z, s, t, out, w);
-  } else {
-    weighted_rows_dispatch<M - 1>(m, weights, n, rows, z, s, t, out, w);
-  }
+  weighted_rows_tail(weights, M, n, rows, z, s, t, out, w4, w);
 }
 
 }  // namespace avx2
@@ -314,15 +306,30 @@ void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc
   if (has_avx512()) return add_gram_lower_impl(rows, n, w, acc);
   avx2::add_gram_lower(rows, n, w, acc);
 }
+namespace {
+
+template <class T>
+void weighted_rows_any(const double* weights, int64_t m, int64_t n, const T* const* rows, const T* const* z,
+                       const double* s, const double* t, T* const* out, int64_t w) {
+  with_out_rows<kMaxOutRows>(m, [&](auto rows_count) {
+    constexpr int M = decltype(rows_count)::value;
+    if (has_avx512()) {
+      weighted_rows_impl<M>(weights, n, rows, z, s, t, out, w);
+    } else {
+      avx2::weighted_rows_impl<M>(weights, n, rows, z, s, t, out, w);
+    }
+  });
+}
+
+}  // namespace
+
 void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, const float* const* z,
                    const double* s, const double* t, float* const* out, int64_t w) {
-  if (has_avx512()) return weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
-  avx2::weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+  weighted_rows_any(weights, m, n, rows, z, s, t, out, w);
 }
 void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, const double* const* z,
                    const double* s, const double* t, double* const* out, int64_t w) {
-  if (has_avx512()) return weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
-  avx2::weighted_rows_dispatch<kMaxOutRows>(m, weights, n, rows, z, s, t, out, w);
+  weighted_rows_any(weights, m, n, rows, z, s, t, out, w);
 }
 
 #else  // not an x86-64 GCC/Clang build: the callers keep the GEMM path
