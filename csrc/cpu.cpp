@@ -617,7 +617,8 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   auto coef = at::empty({s.batch, n}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
-    used.data_ptr<double>()[b] = fit_one(s, b, denom.size(1), denom.size(1), lam, sigma_data(sigma), names, parallel, work);
+    const int64_t n_den = denom.size(1);
+    used.data_ptr<double>()[b] = fit_one(s, b, n_den, n_den, lam, sigma_data(sigma), names, parallel, work);
     std::copy_n(work.coef.get(n), n, coef.data_ptr<double>() + b * n);
   });
   return {coef, used, Tensor()};

@@ -50,7 +50,8 @@ inline Vec4 load4(const double* p) {
 }
 
 template <int D>
-__attribute__((always_inline)) inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n, double* out) {
+__attribute__((always_inline)) inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n,
+                                                                   double* out) {
   // D independent vector sums: enough of them in flight to keep the FMA units busy
   Vec4 acc[D] = {};
   int64_t j = 0;
@@ -84,7 +85,9 @@ __attribute__((always_inline)) inline void sqdist_from_point_chunk(const double*
 
 KIVI_FAST_ISA_CLONES void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o) {
   sqdist_from_point_chunk<false>(pt, n, std::min<int64_t>(8, d), i, j0, o);
-  for (int64_t k0 = 8; k0 < d; k0 += 8) sqdist_from_point_chunk<true>(pt + k0 * n, n, std::min<int64_t>(8, d - k0), i, j0, o);
+  for (int64_t k0 = 8; k0 < d; k0 += 8) {
+    sqdist_from_point_chunk<true>(pt + k0 * n, n, std::min<int64_t>(8, d - k0), i, j0, o);
+  }
 }
 
 KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out) {

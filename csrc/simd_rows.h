@@ -1,7 +1,8 @@
-// Row kernels of the CPU path, each compiled for AVX-512, AVX2 (with FMA: x86-64-v3) and the baseline ISA, with the best
-// one picked at load time from the CPU's features (GCC function multiversioning, on the definitions only, so that
-// callers go through the resolver; the loops are plain C++ that the compiler vectorizes). Elsewhere
-// they compile once, for the baseline.
+// Row kernels of the CPU path, each compiled for AVX-512, AVX2 with FMA (x86-64-v3) and the baseline
+// ISA, with the best one picked at load time from the CPU's features (GCC function multiversioning, on
+// the definitions only, so that callers go through the resolver; the loops are plain C++ that the
+// compiler vectorizes, and helpers they call are always inlined, so that each clone gets its own
+// copy). Elsewhere they compile once, for the baseline.
 #pragma once
 
 #include <cstdint>
