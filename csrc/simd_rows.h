@@ -8,7 +8,12 @@
 #include <cstdint>
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(KIVI_FAST_NO_MULTIVERSION)
+#if !defined(__clang__) && __GNUC__ >= 12
+// x86-64-v3 = AVX2 + FMA (+ BMI), chosen by CPU features; older compilers get plain AVX2 (no FMA)
 #define KIVI_FAST_ISA_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#else
+#define KIVI_FAST_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 #else
 #define KIVI_FAST_ISA_CLONES
 #endif
