@@ -201,23 +201,28 @@ void gram_to_sqdist(double* g, int64_t n) {
 // branches over all pairs.
 constexpr int64_t kMinBinnedPairs = 512;
 
-// Visits the upper triangle of an n x n matrix as fn(pointer to row i from column i + 1, count).
-// Rows go in pairs (t, n - 1 - t), so that parallel chunks of t carry equal work.
+// fn(i) for every row i < n of an upper triangle (row i has n - 1 - i entries past the diagonal).
+// Rows go in pairs (t, n - 1 - t), so that parallel chunks of t (at least grain pairs) carry equal work.
 template <class Fn>
-void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
+void for_triangle_rows(int64_t n, bool parallel, int64_t grain, Fn fn) {
   auto body = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      fn(m + t * n + t + 1, n - 1 - t);
-      const int64_t u = n - 1 - t;
-      if (u != t) fn(m + u * n + u + 1, n - 1 - u);
+      fn(t);
+      if (n - 1 - t != t) fn(n - 1 - t);
     }
   };
   const int64_t half = (n + 1) / 2;
   if (parallel) {
-    at::parallel_for(0, half, 16, body);
+    at::parallel_for(0, half, grain, body);
   } else {
     body(0, half);
   }
+}
+
+// Visits the upper triangle of an n x n matrix as fn(pointer to row i from column i + 1, count).
+template <class Fn>
+void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
+  for_triangle_rows(n, parallel, 16, [&](int64_t i) { fn(m + i * n + i + 1, n - 1 - i); });
 }
 
 // Up to this many pairs, one thread packs the upper triangle into one array first: three passes
@@ -320,22 +325,10 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
       norms[i] = sq;
     }
   }
-  auto row = [&](int64_t i) {
+  for_triangle_rows(n, parallel, 8, [&](int64_t i) {
     rows::sqdist_from_point(pt, n, d, i, i + 1, out + i * n);
     out[i * n + i] = 0.0;
-  };
-  // rows in pairs (t, n - 1 - t), so that parallel chunks of t carry equal work
-  auto body = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      row(t);
-      if (n - 1 - t != t) row(n - 1 - t);
-    }
-  };
-  if (parallel) {
-    at::parallel_for(0, (n + 1) / 2, 8, body);
-  } else {
-    body(0, (n + 1) / 2);
-  }
+  });
 }
 
 // The upper triangle (with the diagonal) of a a^T into g, the rows split in halves: the off-diagonal
@@ -670,8 +663,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
         row_scale[j] = r > clip ? 1.0 / (sg * sg * r) : 0.0;
         if (!grad_state) continue;
         if (!projection) {  // the weights W_j = row_scale_j coef * k
-          rows::mul_sum(coef, k, out + j * n, n);
-          rows::scale(out + j * n, row_scale[j], n);
+          rows::mul_scale(coef, k, row_scale[j], out + j * n, n);
           continue;
         }
         out[j * width + d] = row_scale[j] * r;  // sum_c W_jc
@@ -767,10 +759,8 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
-  // KL = -+ (1/n_q) sum_j log r(z_j)
   const int64_t batch = q_z.size(0), m = q_z.size(1), d = q_z.size(2);
-  const double sign = reverse ? -1.0 : 1.0;
-  auto scale = (grad_kl.to(at::kDouble) * (sign / static_cast<double>(m))).contiguous();
+  auto scale = kl_row_scale(grad_kl, m, reverse).contiguous();
   if (!kl_state_is_projection(prior_z.size(1) + m, d)) {
     const KlRoles roles = kl_roles(prior_z, q_z, reverse);
     return weighted_grad(scale.unsqueeze(1).expand({batch, m}), state.contiguous(), q_z, roles.numer, roles.denom);

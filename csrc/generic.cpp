@@ -72,6 +72,23 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   return {at::cat({alpha, beta}, 1), s, kernel};
 }
 
+namespace {
+
+// [sum_c W_jc c, sum_c W_jc] ([B, m, d + 1]), c over the stacked points [denom; numer]
+Tensor project_weights(const Tensor& weights, const Tensor& denom, const Tensor& numer) {
+  auto pts = stack_points(denom, numer).to(at::kDouble);
+  return at::cat({at::bmm(weights, pts), weights.sum(-1, true)}, -1);
+}
+
+// grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j) from the projection (row_scale [B, m] or [B, 1])
+Tensor grad_from_projection(const Tensor& projection, const Tensor& row_scale, const Tensor& z) {
+  const int64_t d = z.size(2);
+  auto grad = projection.narrow(2, 0, d) - projection.narrow(2, d, 1) * z.to(at::kDouble);
+  return (grad * row_scale.unsqueeze(-1)).to(z.scalar_type());
+}
+
+}  // namespace
+
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                       const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
@@ -86,28 +103,21 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   if (!grad_state) return {kl, r.new_empty({r.size(0), r.size(1), 0}), f.sigma};
   auto weights = terms.mul_(scale.unsqueeze(-1));
   if (!kl_state_is_projection(f.kernel.size(1), q_z.size(2))) return {kl, weights, f.sigma};
-  auto pts = stack_points(roles.denom, roles.numer).to(at::kDouble);
-  return {kl, at::cat({at::bmm(weights, pts), weights.sum(-1, true)}, -1), f.sigma};
+  return {kl, project_weights(weights, roles.denom, roles.numer), f.sigma};
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
-  // KL = -+ (1/n_q) sum_j log r(z_j)
-  const double sign = reverse ? -1.0 : 1.0;
-  auto row_scale = (grad_kl.to(at::kDouble) * (sign / static_cast<double>(q_z.size(1)))).view({-1, 1, 1});
-  const KlRoles roles = kl_roles(prior_z, q_z, reverse);
-  const int64_t d = q_z.size(2);
-  if (!kl_state_is_projection(prior_z.size(1) + q_z.size(1), d)) {
-    return weighted_grad(row_scale.squeeze(-1).expand({-1, q_z.size(1)}), state, q_z, roles.numer, roles.denom);
+  auto row_scale = kl_row_scale(grad_kl, q_z.size(1), reverse).view({-1, 1});
+  if (kl_state_is_projection(prior_z.size(1) + q_z.size(1), q_z.size(2))) {
+    return grad_from_projection(state, row_scale, q_z);
   }
-  auto grad = state.narrow(2, 0, d) - state.narrow(2, d, 1) * q_z.to(at::kDouble);
-  return (grad * row_scale).to(q_z.scalar_type());
+  const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+  return weighted_grad(row_scale.expand({-1, q_z.size(1)}), state, q_z, roles.numer, roles.denom);
 }
 
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom) {
-  auto pts = stack_points(denom, numer).to(at::kDouble);
-  auto grad = at::bmm(weights, pts) - weights.sum(-1, true) * z.to(at::kDouble);
-  return (grad * row_scale.to(at::kDouble).unsqueeze(-1)).to(z.scalar_type());
+  return grad_from_projection(project_weights(weights, denom, numer), row_scale.to(at::kDouble), z);
 }
 
 }  // namespace generic

@@ -231,14 +231,8 @@ KIVI_FAST_ISA_CLONES double sum(const double* x, int64_t n) {
   return total;
 }
 
-KIVI_FAST_ISA_CLONES double mul_sum(const double* c, const double* k, double* w, int64_t n) {
-  double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    w[j] = c[j] * k[j];
-    sum += w[j];
-  }
-  return sum;
+KIVI_FAST_ISA_CLONES void mul_scale(const double* c, const double* k, double s, double* w, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) w[j] = (c[j] * k[j]) * s;
 }
 
 KIVI_FAST_ISA_CLONES void axpby_out(const double* g, const double* z, double s, double t, float* out, int64_t n) {

@@ -50,8 +50,8 @@ void scale_copy(const double* x, double s, double* out, int64_t n);
 // sum_j a[j] b[j], and sum_j x[j]
 double dot(const double* a, const double* b, int64_t n);
 double sum(const double* x, int64_t n);
-// w[j] = c[j] k[j]; returns sum_j w[j]
-double mul_sum(const double* c, const double* k, double* w, int64_t n);
+// w[j] = (c[j] k[j]) s
+void mul_scale(const double* c, const double* k, double s, double* w, int64_t n);
 // out[j] = s (g[j] - t z[j]), converted to the output type
 void axpby_out(const double* g, const double* z, double s, double t, float* out, int64_t n);
 void axpby_out(const double* g, const double* z, double s, double t, double* out, int64_t n);
