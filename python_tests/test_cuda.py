@@ -74,6 +74,16 @@ def test_density_ratio_and_primitives_on_cuda_equal_the_reference(pr):
     assert_close_rel(kivi_fast.rbf_gram(p.to(CUDA), q.to(CUDA), sigma=1.7), reference.rbf_gram(p, q, sigma=1.7), 1e-10)
 
 
+@pytest.mark.parametrize("n", [363, 400])  # 65703 pairs (odd count), 79800 (even)
+@pytest.mark.parametrize("ties", [False, True])
+def test_median_of_many_pairs_on_cuda_equals_the_reference(n, ties):
+    """From 2^16 pairs the CUDA median sorts instead of selecting; both middles, ties included."""
+    x = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    if ties:
+        x = x.round()  # many equal distances, the middle two among them
+    assert_close_rel(kivi_fast.median_bandwidth(x.to(CUDA)), reference.median_bandwidth(x), 1e-12)
+
+
 def test_a_training_step_on_cuda_matches_the_cpu_step():
     """One SGD step of a generator trained through kl moves its weights on the GPU as on the CPU."""
     import copy
