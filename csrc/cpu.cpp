@@ -43,11 +43,18 @@ extern "C" {
 void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info) __attribute__((weak));
 void dpotrs_(const char* uplo, const int* n, const int* nrhs, const double* a, const int* lda, double* b,
              const int* ldb, int* info) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) __attribute__((weak));
 }
 
 namespace kivi_fast {
 namespace cpu {
 namespace {
+
+// Whether to call the BLAS/LAPACK symbols above where torch exports them; off, the ATen calls that
+// builds without them use (a test switch: _set_external_blas).
+std::atomic<bool> use_external_blas{true};
 
 // A [N, w] float64 block of about 512 KB, half of this machine's L2 per core: as fast here as the
 // 2 MB blocks used before (one block for d = 700 at N = 200), and a smaller buffer to keep.
@@ -88,6 +95,34 @@ struct Stack {
 
 Tensor wrap(double* data, at::IntArrayRef sizes) {
   return at::from_blob(data, sizes, at::TensorOptions().dtype(at::kDouble));
+}
+
+// Row-major C [m, n] = op(A) op(B) (accumulate: C += op(A) op(B)), op(X) = X^T where trans_x, with
+// leading dimensions lda, ldb, ldc. BLAS's dgemm directly where torch exports it: the ATen call costs
+// ~5 us of dispatch and tensor set-up, as much as a 100 x 100 x 51 product's arithmetic.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b,
+          int64_t ldb, bool accumulate, double* c, int64_t ldc) {
+  if (dgemm_ != nullptr && use_external_blas) {
+    // the row-major C is the column-major C^T = op(B)^T op(A)^T, and each row-major operand read
+    // column-major is its transpose
+    const int mm = static_cast<int>(n), nn = static_cast<int>(m), kk = static_cast<int>(k);
+    const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+    const double one = 1.0, beta = accumulate ? 1.0 : 0.0;
+    dgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &mm, &nn, &kk, &one, b, &lb, a, &la, &beta, c, &lc);
+    return;
+  }
+  auto view = [](const double* x, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+    auto t = at::from_blob(const_cast<double*>(x), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kDouble));
+    return trans ? t.t() : t;
+  };
+  auto out = view(c, m, n, ldc, false);
+  auto op_a = trans_a ? view(a, k, m, lda, true) : view(a, m, k, lda, false);
+  auto op_b = trans_b ? view(b, n, k, ldb, true) : view(b, k, n, ldb, false);
+  if (accumulate) {
+    out.addmm_(op_a, op_b);
+  } else {
+    at::mm_out(out, op_a, op_b);
+  }
 }
 
 // A growable scratch buffer whose contents start uninitialized (a std::vector would zero them).
@@ -337,24 +372,16 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
 // (BLAS's syrk is not exported by every torch build); the lower triangle is left as it was.
 constexpr int64_t kSplitGramRows = 64;
 
-void add_gram_upper(Tensor g, const Tensor& a, bool assign) {
-  const int64_t n = a.size(0);
-  auto product = [&](Tensor out, const Tensor& x, const Tensor& y) {
-    if (assign) {
-      at::mm_out(out, x, y.t());
-    } else {
-      out.addmm_(x, y.t());
-    }
-  };
+void add_gram_upper(double* g, int64_t ldg, const double* a, int64_t n, int64_t w, bool assign) {
   if (n < 2 * kSplitGramRows) {
-    product(g, a, a);
+    gemm(false, true, n, n, w, a, w, a, w, !assign, g, ldg);
     return;
   }
   const int64_t h = n / 2;
-  auto a1 = a.narrow(0, 0, h), a2 = a.narrow(0, h, n - h);
-  add_gram_upper(g.narrow(0, 0, h).narrow(1, 0, h), a1, assign);
-  product(g.narrow(0, 0, h).narrow(1, h, n - h), a1, a2);
-  add_gram_upper(g.narrow(0, h, n - h).narrow(1, h, n - h), a2, assign);
+  const double* a2 = a + h * w;
+  add_gram_upper(g, ldg, a, h, w, assign);
+  gemm(false, true, h, n - h, w, a, w, a2, w, !assign, g + h, ldg);
+  add_gram_upper(g + h * ldg + h, ldg, a2, n - h, w, assign);
 }
 
 // Splits [0, end) over the threads in chunks of at least grain, each chunk adding into its thread's
@@ -410,20 +437,19 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
     return;
   }
   const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
-  auto g = wrap(out, {n, n});
-  auto add_blocks = [&](int64_t k0, int64_t k1, Tensor target, bool first_assigns) {
+  auto add_blocks = [&](int64_t k0, int64_t k1, double* target, bool first_assigns) {
     double* buf = thread_work().block.get(n * width);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t c0 = k * width, w = std::min(width, s.d - c0);
       s.load(b, c0, w, buf);
-      add_gram_upper(target, wrap(buf, {n, w}), first_assigns && k == k0);
+      add_gram_upper(target, n, buf, n, w, first_assigns && k == k0);
     }
   };
   if (!parallel || blocks == 1) {
-    add_blocks(0, blocks, g, true);  // one block: the GEMM itself uses the threads
+    add_blocks(0, blocks, out, true);  // one block: the GEMM itself uses the threads
   } else {
-    sum_of_thread_partials(n, blocks, 1, g, [&](int64_t k0, int64_t k1, Tensor part) {
-      add_blocks(k0, k1, part, false);
+    sum_of_thread_partials(n, blocks, 1, wrap(out, {n, n}), [&](int64_t k0, int64_t k1, Tensor part) {
+      add_blocks(k0, k1, part.data_ptr<double>(), false);
     });
   }
 }
@@ -502,7 +528,7 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   if (n_den <= kOwnCholeskyMaxRows) {
     info = rows::cholesky_upper(system, n_den) ? 0 : 1;
     if (info == 0) rows::cholesky_solve_upper(system, n_den, alpha);
-  } else if (dpotrf_ != nullptr && dpotrs_ != nullptr) {
+  } else if (dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas) {
     // The row-major upper triangle is the column-major lower one.
     const int nn = static_cast<int>(n_den), one = 1;
     dpotrf_("L", &nn, system, &nn, &info);
@@ -682,8 +708,8 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     if (projection && !direct) {
       // as P^T = Y^T K^T: MKL runs this orientation of the thin product ~1.8x faster than K Y
       // ([1000, 2000] x [2000, 32]: 4.5 against 7.9 ms on this machine's core)
-      auto pt = at::mm(wrap(y, {n, d}).t(), wrap(const_cast<double*>(kernel_rows), {m, n}).t());  // [d, m]
-      const double* ptp = pt.data_ptr<double>();
+      double* const ptp = work.product.get(d * m);  // [d, m]
+      gemm(true, true, d, m, n, y, d, kernel_rows, n, false, ptp, m);
       for (int64_t j = 0; j < m; ++j)
         for (int64_t t = 0; t < d; ++t) out[j * width + t] = ptp[t * m + j] * row_scale[j];
     }
@@ -784,6 +810,8 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
   });
   return grad;
 }
+
+bool set_external_blas(bool flag) { return use_external_blas.exchange(flag); }
 
 }  // namespace cpu
 }  // namespace kivi_fast

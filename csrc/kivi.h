@@ -99,6 +99,9 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
+// Whether the CPU kernels call torch's exported dgemm_/dpotrf_ (default) or the ATen equivalents that
+// builds without those symbols get; returns the old value (a test switch).
+bool set_external_blas(bool flag);
 }  // namespace cpu
 
 // ATen-only helpers of the generic path (stack_points also serves the ratio op on every device).

@@ -174,6 +174,8 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("_set_force_generic(bool flag) -> bool", &set_force_generic);
   // Not a tensor op either: the few-points kernels' AVX2 version on an AVX-512 CPU (for tests).
   m.def("_set_few_points_avx2(bool flag) -> bool", &few_points::set_force_avx2);
+  // Nor this: the ATen calls in place of torch's exported BLAS/LAPACK symbols (for tests).
+  m.def("_set_external_blas(bool flag) -> bool", &cpu::set_external_blas);
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from

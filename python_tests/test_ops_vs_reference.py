@@ -187,6 +187,25 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         torch.ops.kivi_fast._set_few_points_avx2(old_avx2)
 
 
+@pytest.mark.parametrize("external_blas", [True, False])  # False: the ATen calls of torch builds without them
+@pytest.mark.parametrize("n_p,n_q,d", [
+    (80, 90, 51),   # the Gram by GEMMs of the split upper triangle, the projection by one GEMM
+    (20, 300, 3),   # a 300-row system: LAPACK's Cholesky (ours stops at 256 rows)
+])
+def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_blas):
+    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=d)
+    p, q = make_samples(pr)
+    old = torch.ops.kivi_fast._set_external_blas(external_blas)
+    try:
+        for reverse in (True, False):
+            ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
+            ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+            for a, b in zip(ours, ref):
+                assert_close_rel(a, b, 1e-8)
+    finally:
+        torch.ops.kivi_fast._set_external_blas(old)
+
+
 @pytest.mark.parametrize("reverse", [True, False])
 def test_kernel_values_across_the_range_of_exp(compiled, reverse):
     """Points on a line with a fixed bandwidth put -||x - y||^2 / (2 sigma^2) anywhere from 0 down to
