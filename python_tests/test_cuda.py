@@ -77,7 +77,8 @@ def test_density_ratio_and_primitives_on_cuda_equal_the_reference(pr):
 @pytest.mark.parametrize("n", [363, 400])  # 65703 pairs (odd count), 79800 (even)
 @pytest.mark.parametrize("ties", [False, True])
 def test_median_of_many_pairs_on_cuda_equals_the_reference(n, ties):
-    """From 2^16 pairs the CUDA median sorts instead of selecting; both middles, ties included."""
+    """From 2^16 pairs the CUDA median sorts instead of selecting: an odd and an even pair count, on
+    distinct distances and on many tied ones (where the two middles may coincide)."""
     x = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     if ties:
         x = x.round()  # many equal distances, the middle two among them

@@ -190,6 +190,7 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 @pytest.mark.parametrize("external_blas", [True, False])  # False: the ATen calls of torch builds without them
 @pytest.mark.parametrize("n_p,n_q,d", [
     (80, 90, 51),   # the Gram by GEMMs of the split upper triangle, the projection by one GEMM
+    (80, 90, 400),  # two column blocks: the second accumulates into the Gram (beta = 1)
     (20, 300, 3),   # a 300-row system: LAPACK's Cholesky (ours stops at 256 rows)
 ])
 def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_blas):
