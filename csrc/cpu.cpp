@@ -761,6 +761,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   Stack s = (z_is_denom || z_is_numer) ? Stack({denom, numer}) : Stack({denom, numer, z});
   const int64_t z_row = z_is_denom ? 0 : z_is_numer ? n_den : s.offsets[2];
   const int64_t n = n_den + numer.size(1);
+  TORCH_INTERNAL_ASSERT(weights.is_contiguous(), "kivi_fast: weighted_grad reads weights as [B, m, N] rows");
   auto w_sum = weights.sum(-1).contiguous();
   auto scale = row_scale.to(at::kDouble).contiguous();
   auto grad = at::empty_like(z, z.options().memory_format(at::MemoryFormat::Contiguous));
@@ -771,8 +772,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   }
   for_each_block(s, parallel_over_batch(s), [&](int64_t b, int64_t c0, int64_t w, const Tensor& block) {
     double* gp = thread_work().product.get(m * w);  // [m, w], kept between calls like the other buffers
-    auto g = wrap(gp, {m, w});
-    at::mm_out(g, weights[b], block.narrow(0, 0, n));
+    gemm(false, false, m, w, n, weights.data_ptr<double>() + b * m * n, n, block.data_ptr<double>(), w, false, gp, w);
     const double* zp = block.data_ptr<double>() + z_row * w;
     const double* ws = w_sum.data_ptr<double>() + b * m;
     const double* sc = scale.data_ptr<double>() + b * m;
