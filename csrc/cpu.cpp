@@ -272,11 +272,13 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
   TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
   thread_local std::vector<double> packed;
   const bool pack = !parallel && pairs <= kPackedPairs;
-  if (pack) {
+  const int threads = parallel ? at::get_num_threads() : 1;
+  std::vector<double> lo_v(threads, std::numeric_limits<double>::infinity()), hi_v(threads, -lo_v[0]);
+  if (pack) {  // the range in the same pass
     packed.resize(pairs);
     int64_t at = 0;
     for_upper_rows(sq, n, false, [&](const double* row, int64_t count) {
-      std::copy_n(row, count, packed.data() + at);
+      rows::copy_min_max(row, packed.data() + at, count, lo_v[0], hi_v[0]);
       at += count;
     });
   }
@@ -288,15 +290,15 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
       for_upper_rows(sq, n, in_parallel, fn);
     }
   };
-  const int threads = parallel ? at::get_num_threads() : 1;
   auto tid = [&] { return parallel ? at::get_thread_num() : 0; };
   std::vector<double> cand;
   int64_t below = 0;
-  std::vector<double> lo_v(threads, std::numeric_limits<double>::infinity()), hi_v(threads, -lo_v[0]);
-  for_pairs(parallel, [&](const double* row, int64_t count) {
-    const int t = tid();
-    rows::min_max(row, count, lo_v[t], hi_v[t]);
-  });
+  if (!pack) {
+    for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+      const int t = tid();
+      rows::min_max(row, count, lo_v[t], hi_v[t]);
+    });
+  }
   const double lo = *std::min_element(lo_v.begin(), lo_v.end());
   const double hi = *std::max_element(hi_v.begin(), hi_v.end());
   // a range too narrow or too wide for finite bin arithmetic (subnormal or overflowing distances):
@@ -504,7 +506,7 @@ void for_each_element(const Stack& s, Fn fn) {
   }
 }
 
-// Systems up to this size are factored by rows::cholesky_upper: at 100 x 100, 21 us against 48 us for
+// Systems up to this size are factored by rows::cholesky_upper: at 100 x 100, 18-25 us against 48 us for
 // MKL's dpotrf on this machine's AMD EPYC core, which loses to MKL's blocked code from ~300 rows.
 constexpr int64_t kOwnCholeskyMaxRows = 256;
 
@@ -512,22 +514,32 @@ constexpr int64_t kOwnCholeskyMaxRows = 256;
 // stacked points [denom; numer] (N x N, row-major). alpha gets n_den values.
 void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha, Scratch& scratch) {
   const int64_t n_num = n - n_den;
-  double* const system = scratch.get(n_den * n_den);
+  const bool own = n_den <= kOwnCholeskyMaxRows;
+  // our Cholesky wants padded rows (see rows::cholesky_upper); LAPACK and ATen a contiguous matrix
+  const int64_t ld = own ? rows::cholesky_ld(n_den) : n_den;
+  const int64_t rows_alloc = own ? rows::cholesky_rows(n_den) : n_den;
+  double* const system = scratch.get(rows_alloc * ld);
   const double inv_n = 1.0 / static_cast<double>(n_den);
   const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
   // Only the upper triangle (row-major) is filled: what both Cholesky paths read (LAPACK's "L" of the
-  // column-major view is the same triangle).
+  // column-major view is the same triangle). The padding, and the three entries left of the diagonal
+  // that our Cholesky's diagonal blocks update, are zeroed: stale bits there could be denormals.
   for (int64_t i = 0; i < n_den; ++i) {
     const double* row = kernel + i * n;
-    double* a = system + i * n_den;
+    double* a = system + i * ld;
     rows::scale_copy(row + i, inv_n, a + i, n_den - i);
     a[i] += lam;
     alpha[i] = rhs_scale * rows::sum(row + n_den, n_num);
+    if (own) {
+      std::fill(a + std::max<int64_t>(0, i - 3), a + i, 0.0);
+      std::fill(a + n_den, a + ld, 0.0);
+    }
   }
+  std::fill(system + n_den * ld, system + rows_alloc * ld, 0.0);
   int info = 0;
-  if (n_den <= kOwnCholeskyMaxRows) {
-    info = rows::cholesky_upper(system, n_den) ? 0 : 1;
-    if (info == 0) rows::cholesky_solve_upper(system, n_den, alpha);
+  if (own) {
+    info = rows::cholesky_upper(system, n_den, ld) ? 0 : 1;
+    if (info == 0) rows::cholesky_solve_upper(system, n_den, ld, alpha);
   } else if (dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas) {
     // The row-major upper triangle is the column-major lower one.
     const int nn = static_cast<int>(n_den), one = 1;

@@ -50,6 +50,8 @@ inline Vec4 load4(const double* p) {
   return v;
 }
 
+inline void store4(double* p, Vec4 v) { __builtin_memcpy(p, &v, sizeof v); }
+
 template <int D>
 __attribute__((always_inline)) inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n,
                                                                    double* out) {
@@ -107,92 +109,119 @@ KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, i
   }
 }
 
+namespace {
+
+// 2^(j / 64) for j < 64, each rounded once to double (computed in long double)
+struct Exp2Table {
+  double v[64];
+  Exp2Table() {
+    for (int j = 0; j < 64; ++j) v[j] = static_cast<double>(std::exp2(static_cast<long double>(j) / 64.0L));
+  }
+};
+const Exp2Table kExp2Table;
+
+}  // namespace
+
 KIVI_FAST_ISA_CLONES void scaled_exp(double* x, double s, int64_t n) {
-  // exp(y) = 2^m e^r with m = round(y / ln 2) and |r| <= ln(2) / 2, e^r by its Taylor series to
-  // degree 12 (truncation < 2e-16 relative). m is rounded by adding 1.5 * 2^52, which leaves it in the
-  // low bits of the sum; 2^m is then built from its bits. Plain arithmetic, so that it vectorizes.
-  constexpr double kLog2e = 1.4426950408889634;
-  constexpr double kLn2Hi = 0.6931471803691238;  // ln 2 in 32 leading bits: m * kLn2Hi is exact
-  constexpr double kLn2Lo = 1.9082149292705877e-10;
+  // exp(y) = 2^(k / 64) e^r with k = round(64 y / ln 2) and |r| <= ln(2) / 128; 2^(k / 64) =
+  // 2^floor(k / 64) 2^((k mod 64) / 64), the second factor from a table, and e^r by its Taylor series
+  // to degree 5 (truncation < 4e-17 relative): half the multiply-adds of a degree-12 series over
+  // |r| <= ln(2) / 2, which bound this loop's speed. k is rounded by adding 1.5 * 2^52, which leaves
+  // it in the low bits of the sum; the power of two is added to the table value's exponent bits.
+  constexpr double k64Log2e = 92.33248261689366;     // 64 / ln 2
+  constexpr double kLn2Hi = 0.6931471803691238 / 64;  // ln 2 / 64 in 32 leading bits: k * kLn2Hi is exact
+  constexpr double kLn2Lo = 1.9082149292705877e-10 / 64;
   constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52
   constexpr double kMin = -708.0;                  // below: under DBL_MIN, returned as 0
   const int64_t shifter_bits = std::bit_cast<int64_t>(kShifter);
+  const double* const table = kExp2Table.v;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const double y0 = s * x[j];
     const double y = y0 < kMin ? kMin : y0;
-    const double shifted = y * kLog2e + kShifter;
-    const double m = shifted - kShifter;
-    const double r = (y - m * kLn2Hi) - m * kLn2Lo;
-    double p = 1.0 / 479001600.0;  // 1/12!
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
+    const double shifted = y * k64Log2e + kShifter;
+    const double k = shifted - kShifter;
+    const double r = (y - k * kLn2Hi) - k * kLn2Lo;
+    double p = 1.0 / 120.0;
     p = p * r + 1.0 / 24.0;
     p = p * r + 1.0 / 6.0;
     p = p * r + 0.5;
     p = p * r + 1.0;
-    p = p * r + 1.0;
-    const int64_t mi = std::bit_cast<int64_t>(shifted) - shifter_bits;
-    const double two_m = std::bit_cast<double>((mi + 1023) << 52);
-    x[j] = y0 < kMin ? 0.0 : p * two_m;
+    const int64_t ki = std::bit_cast<int64_t>(shifted) - shifter_bits;
+    const int64_t scaled_bits = std::bit_cast<int64_t>(table[ki & 63]) + ((ki >> 6) << 52);
+    const double t = std::bit_cast<double>(scaled_bits);
+    const double e = t + t * (p * r);  // t e^r, the 1 of the series added last: one rounding fewer
+    x[j] = y0 < kMin ? 0.0 : e;
   }
 }
 
-KIVI_FAST_ISA_CLONES bool cholesky_upper(double* a, int64_t n) {
-  // Right-looking, four rows at a time: factor the panel of rows k0..k0+3, then subtract its rank-4
-  // product from the trailing rows in one pass (four multiply-adds per element loaded and stored).
-  constexpr int64_t kPanel = 4;
-  for (int64_t k0 = 0; k0 < n; k0 += kPanel) {
-    const int64_t k1 = std::min(n, k0 + kPanel);
+namespace {
+
+// a[i + r][j + c] -= sum_t u[t][i + r] u[t][j + c] for r < 4, c < 8, t < p (u: the panel's rows, ld
+// apart). The 4 x 8 block stays in eight vector registers over the p rank-1 steps; each step loads two
+// vectors of a panel row and broadcasts four of its values: 6 loads for 8 multiply-adds, where the
+// rank-4 row update it replaces made 6 loads and stores for 4.
+__attribute__((always_inline)) inline void subtract_panel_product(double* a, const double* u, int64_t ld, int64_t p,
+                                                                  int64_t i, int64_t j) {
+  Vec4 c[4][2];
+  for (int r = 0; r < 4; ++r) {
+    c[r][0] = load4(a + (i + r) * ld + j);
+    c[r][1] = load4(a + (i + r) * ld + j + 4);
+  }
+  for (int64_t t = 0; t < p; ++t) {
+    const double* ut = u + t * ld;
+    const Vec4 u0 = load4(ut + j), u1 = load4(ut + j + 4);
+    for (int r = 0; r < 4; ++r) {
+      const double b = ut[i + r];
+      c[r][0] -= b * u0;
+      c[r][1] -= b * u1;
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    store4(a + (i + r) * ld + j, c[r][0]);
+    store4(a + (i + r) * ld + j + 4, c[r][1]);
+  }
+}
+
+}  // namespace
+
+KIVI_FAST_ISA_CLONES bool cholesky_upper(double* a, int64_t n, int64_t ld) {
+  // Right-looking by panels of kCholeskyPanel rows: factor the panel row by row (rank-1 updates inside
+  // it), then subtract its product from the trailing matrix in 4 x 8 register blocks. The blocks start
+  // on the diagonal and run past column n: they also write below the diagonal of their first 4
+  // columns and into the padding, which no result reads (the padding holds only its own columns:
+  // column j of the update reads column j of the panel).
+  for (int64_t k0 = 0; k0 < n; k0 += kCholeskyPanel) {
+    const int64_t k1 = std::min(n, k0 + kCholeskyPanel);
     for (int64_t k = k0; k < k1; ++k) {
-      double* rk = a + k * n;
+      double* rk = a + k * ld;
       if (!(rk[k] > 0.0)) return false;  // also catches NaN
       const double ukk = std::sqrt(rk[k]), inv = 1.0 / ukk;
       rk[k] = ukk;
       for (int64_t j = k + 1; j < n; ++j) rk[j] *= inv;
       for (int64_t i = k + 1; i < k1; ++i) {
-        double* ri = a + i * n;
+        double* ri = a + i * ld;
         const double c = rk[i];
         for (int64_t j = i; j < n; ++j) ri[j] -= c * rk[j];
       }
     }
-    const int64_t p = k1 - k0;
-    const double* r0 = a + k0 * n;
-    for (int64_t i = k1; i < n; ++i) {
-      double* ri = a + i * n;
-      if (p == kPanel) {
-        const double* r1 = r0 + n;
-        const double* r2 = r1 + n;
-        const double* r3 = r2 + n;
-        const double c0 = r0[i], c1 = r1[i], c2 = r2[i], c3 = r3[i];
-        for (int64_t j = i; j < n; ++j) ri[j] -= (c0 * r0[j] + c1 * r1[j]) + (c2 * r2[j] + c3 * r3[j]);
-      } else {
-        for (int64_t t = 0; t < p; ++t) {
-          const double* rt = r0 + t * n;
-          const double c = rt[i];
-          for (int64_t j = i; j < n; ++j) ri[j] -= c * rt[j];
-        }
-      }
-    }
+    const double* u = a + k0 * ld;
+    for (int64_t i = k1; i < n; i += 4)
+      for (int64_t j = i; j < n; j += 8) subtract_panel_product(a, u, ld, k1 - k0, i, j);
   }
   return true;
 }
 
-KIVI_FAST_ISA_CLONES void cholesky_solve_upper(const double* u, int64_t n, double* b) {
+KIVI_FAST_ISA_CLONES void cholesky_solve_upper(const double* u, int64_t n, int64_t ld, double* b) {
   // U^T y = b, forward, by rows of U; then U x = y, backward, by dot products with rows of U.
   for (int64_t k = 0; k < n; ++k) {
-    const double* rk = u + k * n;
+    const double* rk = u + k * ld;
     const double y = b[k] / rk[k];
     b[k] = y;
     for (int64_t j = k + 1; j < n; ++j) b[j] -= y * rk[j];
   }
   for (int64_t i = n - 1; i >= 0; --i) {
-    const double* ri = u + i * n;
+    const double* ri = u + i * ld;
     double s = 0.0;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = i + 1; j < n; ++j) s += ri[j] * b[j];
@@ -251,6 +280,19 @@ KIVI_FAST_ISA_CLONES void min_max(const double* x, int64_t n, double& lo, double
   for (int64_t j = 0; j < n; ++j) {
     a = x[j] < a ? x[j] : a;
     b = x[j] > b ? x[j] : b;
+  }
+  lo = a;
+  hi = b;
+}
+
+KIVI_FAST_ISA_CLONES void copy_min_max(const double* x, double* out, int64_t n, double& lo, double& hi) {
+  double a = lo, b = hi;
+#pragma omp simd reduction(min : a) reduction(max : b)
+  for (int64_t j = 0; j < n; ++j) {
+    const double v = x[j];
+    out[j] = v;
+    a = v < a ? v : a;
+    b = v > b ? v : b;
   }
   lo = a;
   hi = b;

@@ -187,6 +187,19 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         torch.ops.kivi_fast._set_few_points_avx2(old_avx2)
 
 
+@pytest.mark.parametrize("n_den", [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33, 100, 255, 256])
+def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
+    """Our Cholesky (systems up to 256 rows) works in panels of 8 rows and 4 x 8 register blocks over
+    padded rows: sizes on and around those multiples, and the largest it takes, against the oracle.
+    The reverse ratio trick fits q_z / prior_z: the system is n_p x n_p."""
+    pr = dict(n_p=n_den, n_q=40, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=n_den)
+    p, q = make_samples(pr)
+    ours = value_and_grad(kivi_fast.kl, p, q, reverse=True)
+    ref = value_and_grad(reference.kl, p, q, reverse=True)
+    for a, b in zip(ours, ref):
+        assert_close_rel(a, b, 1e-8)
+
+
 @pytest.mark.parametrize("external_blas", [True, False])  # False: the ATen calls of torch builds without them
 @pytest.mark.parametrize("n_p,n_q,d", [
     (80, 90, 51),   # the Gram by GEMMs of the split upper triangle, the projection by one GEMM
