@@ -222,10 +222,7 @@ KIVI_FAST_ISA_CLONES void cholesky_solve_upper(const double* u, int64_t n, int64
   }
   for (int64_t i = n - 1; i >= 0; --i) {
     const double* ri = u + i * ld;
-    double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = i + 1; j < n; ++j) s += ri[j] * b[j];
-    b[i] = (b[i] - s) / ri[i];
+    b[i] = (b[i] - dot(ri + i + 1, b + i + 1, n - i - 1)) / ri[i];
   }
 }
 
