@@ -1,0 +1,73 @@
+"""A/B of two builds of the C++ ops in one process (bench/build_renamed.sh makes them).
+
+    python bench/ab.py /tmp/kfA.so /tmp/kfB.so 128x100x8 [--seconds 8] [--pass fwd]
+
+run.py compares ours with pure PyTorch; this compares two versions of ours, for a change to csrc/.
+Separate processes, or runs minutes apart, differ by tens of percent on this VM (its speed drifts);
+here the two builds are called alternately, A B then B A, on the same inputs, and the result is the
+median over the pairs of the ratio A time / B time (> 1: B is faster) with its interquartile range.
+The pass is the kl op's forward keeping the gradient state (fwd) or that plus torch.autograd.grad
+(fwd+bwd, the default), float32, 1 thread, the inputs of bench/run.py's shapes (n_p = n_q = n).
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("lib_a")
+    ap.add_argument("lib_b")
+    ap.add_argument("shape", help="NxD or BxNxD")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--pass", dest="which", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    names = []
+    for lib in (args.lib_a, args.lib_b):
+        torch.ops.load_library(lib)
+        names.append(os.path.basename(lib).split(".")[0])
+    if names[0] == names[1]:
+        raise SystemExit("the two builds need different namespaces (bench/build_renamed.sh's NS)")
+    dims = [int(v) for v in args.shape.lower().split("x")]
+    b, n, d = dims if len(dims) == 3 else [1] + dims
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(b, n, d, generator=g, dtype=dtype)
+    q = (0.8 * torch.randn(b, n, d, generator=g, dtype=dtype) + 0.3).requires_grad_()
+
+    def call(ns):
+        op = getattr(torch.ops, ns).kl
+        if args.which == "fwd":
+            return lambda: op(p, q.detach(), 1e-3, 1e-8, None, True, True)[0]
+        return lambda: torch.autograd.grad(op(p, q, 1e-3, 1e-8, None, True, True)[0].sum(), q)[0]
+
+    fa, fb = call(names[0]), call(names[1])
+    diff = (fa() - fb()).abs().max().item()
+    for _ in range(3):
+        fa(), fb()
+    ta, tb, ratio = [], [], []
+    end = time.perf_counter() + args.seconds
+    while time.perf_counter() < end:
+        for first, second in ((fa, fb), (fb, fa)):
+            t0 = time.perf_counter()
+            first()
+            t1 = time.perf_counter()
+            second()
+            t2 = time.perf_counter()
+            a, b_ = (t1 - t0, t2 - t1) if first is fa else (t2 - t1, t1 - t0)
+            ta.append(a)
+            tb.append(b_)
+            ratio.append(a / b_)
+    q1, _, q3 = statistics.quantiles(ratio, n=4)
+    print(f"{args.shape} {args.dtype} {args.which}: A {statistics.median(ta) * 1e6:.0f} us, "
+          f"B {statistics.median(tb) * 1e6:.0f} us, A/B {statistics.median(ratio):.3f} "
+          f"(IQR {q1:.3f}-{q3:.3f}, {len(ratio)} pairs); max |A - B| of the result {diff:.2g}")
+
+
+if __name__ == "__main__":
+    main()
