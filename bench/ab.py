@@ -12,9 +12,13 @@ The pass is the kl op's forward keeping the gradient state (fwd) or that plus to
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import make_inputs, parse_shape  # noqa: E402
 
 
 def main():
@@ -33,12 +37,10 @@ def main():
         names.append(os.path.basename(lib).split(".")[0])
     if names[0] == names[1]:
         raise SystemExit("the two builds need different namespaces (bench/build_renamed.sh's NS)")
-    dims = [int(v) for v in args.shape.lower().split("x")]
-    b, n, d = dims if len(dims) == 3 else [1] + dims
-    dtype = getattr(torch, args.dtype)
-    g = torch.Generator().manual_seed(0)
-    p = torch.randn(b, n, d, generator=g, dtype=dtype)
-    q = (0.8 * torch.randn(b, n, d, generator=g, dtype=dtype) + 0.3).requires_grad_()
+    b, n, d, _ = parse_shape(args.shape)
+    # the ops take [B, n, d] (kivi_fast.kl adds the batch dimension for unbatched inputs)
+    p, q = make_inputs(b, n, d, True, getattr(torch, args.dtype))
+    q.requires_grad_()
 
     def call(ns):
         op = getattr(torch.ops, ns).kl
