@@ -5,7 +5,8 @@
 //    inside each stage otherwise (one large element);
 //  - samples are read in column blocks converted to float64 in a per-thread buffer, so float32
 //    inputs never pay for a full float64 copy (d = 314000 for an MNIST layer), and each block's
-//    GEMM runs while the block is in cache; up to 32 dimensions, distances come from differences;
+//    Gram runs while the block is in cache (register tiles on AVX2 CPUs, gram_tiles.h; GEMMs of
+//    the split triangle elsewhere); with few dimensions, distances come from differences;
 //  - only the upper triangle of the distances is computed (the median reads nothing else), the
 //    kernel rows the fit and the evaluation read are mirrored from it;
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
@@ -34,6 +35,7 @@
 #endif
 
 #include "few_points.h"
+#include "gram_tiles.h"
 #include "kivi.h"
 #include "simd_rows.h"
 
@@ -77,6 +79,20 @@ struct Stack {
   }
   int64_t block_width() const { return std::min(d, std::max<int64_t>(64, kBlockDoubles / rows)); }
   int64_t n_blocks() const { return (d + block_width() - 1) / block_width(); }
+
+  // The same columns in gram_tiles' packed layout (gram_tiles::packed_size(rows, w) doubles).
+  void pack(int64_t b, int64_t c0, int64_t w, double* dst) const {
+    AT_DISPATCH_FLOATING_TYPES(parts[0].scalar_type(), "kivi_fast_pack", [&] {
+      thread_local std::vector<const scalar_t*> row_ptrs;
+      row_ptrs.resize(rows);
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const int64_t n = parts[i].size(1);
+        const scalar_t* src = parts[i].data_ptr<scalar_t>() + b * n * d + c0;
+        for (int64_t r = 0; r < n; ++r) row_ptrs[offsets[i] + r] = src + r * d;
+      }
+      gram_tiles::pack(row_ptrs.data(), rows, w, dst);
+    });
+  }
 
   // Rows [0, rows) x columns [c0, c0 + w) of batch element b, as float64 into dst ([rows, w]).
   void load(int64_t b, int64_t c0, int64_t w, double* dst) const {
@@ -175,7 +191,7 @@ class Scratch {
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block
-  Scratch points;   // the stacked samples in float64: [d, N] (transposed) up to kMaxDirectDim, else [N, d]
+  Scratch points;   // the stacked samples in float64: [d, N] (transposed) after direct_sqdist, else [N, d]
   Scratch product;  // the backward's weights times a column block
   void trim() {
     constexpr int64_t kKeep = int64_t{1} << 22;
@@ -342,8 +358,15 @@ double median_of_pairs(const double* sq, int64_t n, bool parallel) {
   return 0.5 * (std::sqrt(lo) + std::sqrt(hi));
 }
 
-// Up to rows::kMaxDirectDim dimensions, distances are summed from coordinate differences (exact up
-// to the last rounding, and as fast as a GEMM with such a short inner dimension); above, from a Gram.
+// Whether distances are summed from coordinate differences (exact up to the last rounding) rather than
+// taken from a Gram. Forward + backward, float32, 1 thread, bench/ab.py: the differences lose to the
+// Gram's register tiles from 16 dimensions ((100, 16) 5%, (100, 32) 14%, (1000, 32) 10% slower) and
+// are even at 8 ((100, 8) and 128 x (100, 8) within +-4%); against the split GEMMs they win up to 32
+// ((100, 16) and (1000, 32) forward 15% and 20% faster), and from ~48 the GEMMs win.
+constexpr int64_t kMaxDirectDimTiles = 8, kMaxDirectDimGemm = 32;
+bool use_direct_distances(int64_t d) {
+  return d <= (gram_tiles::enabled() ? kMaxDirectDimTiles : kMaxDirectDimGemm);
+}
 
 // Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
 // a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points.
@@ -432,23 +455,44 @@ void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
 }
 
 // Inner products of the stacked points of batch element b into the upper triangle of out ([N, N]).
-// Parallel over column blocks (thread-local partial sums) when asked and there is more than one block.
+// Parallel over column blocks (thread-local partial sums) when asked and there is more than one block;
+// one block's tiles are shared by the threads.
 void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   if (use_few_points(s.rows)) {
     few_points_gram(s, b, out, parallel);
     return;
   }
   const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
+  const bool tiles = gram_tiles::enabled() && width <= gram_tiles::kMaxPackColumns;
+  const int64_t panels = gram_tiles::panels(n);
+  if (tiles && parallel && blocks == 1) {
+    double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
+    s.pack(b, 0, s.d, buf);
+    // panel p costs ~p + 1 tiles: the pairs (t, panels - 1 - t) cost the same
+    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        gram_tiles::gram_upper(buf, n, s.d, out, n, false, t, t + 1);
+        if (panels - 1 - t != t) gram_tiles::gram_upper(buf, n, s.d, out, n, false, panels - 1 - t, panels - t);
+      }
+    });
+    return;
+  }
   auto add_blocks = [&](int64_t k0, int64_t k1, double* target, bool first_assigns) {
-    double* buf = thread_work().block.get(n * width);
+    double* buf = thread_work().block.get(tiles ? gram_tiles::packed_size(n, width) : n * width);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t c0 = k * width, w = std::min(width, s.d - c0);
-      s.load(b, c0, w, buf);
-      add_gram_upper(target, n, buf, n, w, first_assigns && k == k0);
+      const bool assign = first_assigns && k == k0;
+      if (tiles) {
+        s.pack(b, c0, w, buf);
+        gram_tiles::gram_upper(buf, n, w, target, n, !assign, 0, panels);
+      } else {
+        s.load(b, c0, w, buf);
+        add_gram_upper(target, n, buf, n, w, assign);
+      }
     }
   };
   if (!parallel || blocks == 1) {
-    add_blocks(0, blocks, out, true);  // one block: the GEMM itself uses the threads
+    add_blocks(0, blocks, out, true);  // one block of GEMMs: BLAS uses the threads
   } else {
     sum_of_thread_partials(n, blocks, 1, wrap(out, {n, n}), [&](int64_t k0, int64_t k1, Tensor part) {
       add_blocks(k0, k1, part.data_ptr<double>(), false);
@@ -459,7 +503,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
 // the diagonal: callers read nothing else) and their squared norms into norms ([N]).
 void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work) {
-  if (s.d <= rows::kMaxDirectDim) {
+  if (use_direct_distances(s.d)) {
     direct_sqdist(s, b, sq, norms, parallel, work);
     return;
   }
@@ -658,6 +702,8 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
 // Up to this many dimensions the projection of the weights (see kl) is summed row by row, all d sums
 // in registers; above, a GEMM does it faster ((1000, 32): 45 against 63 ms forward+backward).
 constexpr int64_t kRowDotsMaxDim = 8;
+static_assert(kRowDotsMaxDim <= kMaxDirectDimTiles && kRowDotsMaxDim <= kMaxDirectDimGemm,
+              "the row dots read the transposed points that direct_sqdist leaves");
 
 std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                       const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {

@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "few_points.h"
+#include "gram_tiles.h"
 #include "kivi.h"
 
 namespace kivi_fast {
@@ -174,6 +175,9 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("_set_force_generic(bool flag) -> bool", &set_force_generic);
   // Not a tensor op either: the few-points kernels' AVX2 version on an AVX-512 CPU (for tests).
   m.def("_set_few_points_avx2(bool flag) -> bool", &few_points::set_force_avx2);
+  // Nor this: the Gram's register tiles (true, where the CPU has AVX2 + FMA) or the split GEMMs (false).
+  m.def("_set_gram_tiles(bool flag) -> bool", &gram_tiles::set_enabled);
+  m.def("_gram_tiles_available() -> bool", &gram_tiles::available);
   // Nor this: the ATen calls in place of torch's exported BLAS/LAPACK symbols (for tests).
   m.def("_set_external_blas(bool flag) -> bool", &cpu::set_external_blas);
 }

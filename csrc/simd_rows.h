@@ -27,10 +27,8 @@ void to_double(const double* src, double* dst, int64_t n);
 // row[j] = max(0, ni + norms[j] - 2 row[j])
 void gram_row_to_sqdist(double* row, const double* norms, double ni, int64_t n);
 // o[j] = sum_k (pt[k n + j] - pt[k n + i])^2 for j0 <= j < n: squared distances from point i, with
-// the points stored by coordinate (pt is [d, n]), 8 coordinates a pass. Callers use it up to
-// kMaxDirectDim dimensions: there it is as fast as the Gram's GEMM or faster ((100, 16) and (1000,
-// 32) forward: 15% and 20% faster here), and exact up to the last rounding; from ~48 the GEMM wins.
-inline constexpr int64_t kMaxDirectDim = 32;
+// the points stored by coordinate (pt is [d, n]), 8 coordinates a pass. Exact up to the last rounding;
+// cpu.cpp's use_direct_distances says up to how many dimensions it beats a Gram.
 void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o);
 // out[k] = sum_j w[j] pt[k n + j] for k < d (pt is [d, n], as for sqdist_from_point), 8 a pass
 void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out);

@@ -187,6 +187,39 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         torch.ops.kivi_fast._set_few_points_avx2(old_avx2)
 
 
+# More than 32 points in more than 8 dimensions take the distances from a Gram: on AVX2 CPUs by 4 x 8
+# register tiles over panels of 8 packed rows (csrc/gram_tiles.h), elsewhere by BLAS GEMMs of the split
+# triangle. The cases sit on the tiles' edges (points past a multiple of 4 or 8, columns past a
+# multiple of 4) and on each way of sharing the work.
+@pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
+    (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), the first dimension past the differences
+    (20, 21, 35, 2, torch.float32, 1),        # 41 points, 3 tail columns
+    (100, 100, 51, None, torch.float32, 1),   # a UCI layer: one column block
+    (37, 40, 2101, None, torch.float32, 1),   # three column blocks: the later ones accumulate
+    (37, 40, 2101, None, torch.float64, 2),   # blocks over two threads: partial sums
+    (550, 550, 16, None, torch.float64, 2),   # one block whose tiles two threads share
+])
+@pytest.mark.parametrize("tiles", [True, False])  # False: the split GEMMs (AVX-512 CPUs take them)
+def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
+    if tiles and not torch.ops.kivi_fast._gram_tiles_available():
+        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
+    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.3, seed=n_p * d)
+    p, q = make_samples(pr)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    old_tiles = torch.ops.kivi_fast._set_gram_tiles(tiles)
+    try:
+        for reverse in (True, False):
+            ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
+            ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+            for a, b in zip(ours, ref):
+                assert_close_rel(a, b, 1e-5 if dtype == torch.float32 else 1e-8)
+        torch.testing.assert_close(kivi_fast.median_bandwidth(p), reference.median_bandwidth(p), rtol=1e-10, atol=0)
+    finally:
+        torch.set_num_threads(old)
+        torch.ops.kivi_fast._set_gram_tiles(old_tiles)
+
+
 @pytest.mark.parametrize("n_den", [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33, 100, 255, 256])
 def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
     """Our Cholesky (systems up to 256 rows) works in panels of 8 rows and 4 x 8 register blocks over

@@ -1,0 +1,158 @@
+#include "gram_tiles.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
+#define KIVI_FAST_GRAM_TILES_SIMD 1
+#include <immintrin.h>
+#endif
+
+namespace kivi_fast {
+namespace gram_tiles {
+
+#ifdef KIVI_FAST_GRAM_TILES_SIMD
+
+#define KIVI_AVX2 __attribute__((target("avx2,fma")))
+
+namespace {
+
+constexpr int64_t P = kPanel;
+
+constexpr int64_t kMaxColumns = kMaxPackColumns;
+alignas(64) const float kZeroFloats[kMaxColumns] = {};
+alignas(64) const double kZeroDoubles[kMaxColumns] = {};
+const float* zeros(const float*) { return kZeroFloats; }
+const double* zeros(const double*) { return kZeroDoubles; }
+
+KIVI_AVX2 inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+KIVI_AVX2 inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
+
+// Rows r0..r3 (4 columns each) stored as 4 columns of a panel: o[c P + r] = r_r[c].
+KIVI_AVX2 inline void store_transposed(__m256d r0, __m256d r1, __m256d r2, __m256d r3, double* o) {
+  const __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+  const __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+  _mm256_storeu_pd(o, _mm256_permute2f128_pd(t0, t2, 0x20));
+  _mm256_storeu_pd(o + P, _mm256_permute2f128_pd(t1, t3, 0x20));
+  _mm256_storeu_pd(o + 2 * P, _mm256_permute2f128_pd(t0, t2, 0x31));
+  _mm256_storeu_pd(o + 3 * P, _mm256_permute2f128_pd(t1, t3, 0x31));
+}
+
+template <class T>
+KIVI_AVX2 void pack_impl(const T* const* rows, int64_t n, int64_t w, double* packed) {
+  TORCH_CHECK(w <= kMaxColumns, "gram_tiles::pack: at most ", kMaxColumns, " columns, got ", w);
+  const int64_t w4 = w & ~int64_t{3};
+  for (int64_t p0 = 0; p0 < n; p0 += P) {
+    double* o = packed + p0 * w;
+    const T* r[P];
+    for (int64_t i = 0; i < P; ++i) r[i] = p0 + i < n ? rows[p0 + i] : zeros(rows[0]);
+    for (int64_t c = 0; c < w4; c += 4) {
+      store_transposed(load4(r[0] + c), load4(r[1] + c), load4(r[2] + c), load4(r[3] + c), o + c * P);
+      store_transposed(load4(r[4] + c), load4(r[5] + c), load4(r[6] + c), load4(r[7] + c), o + c * P + 4);
+    }
+    for (int64_t c = w4; c < w; ++c)
+      for (int64_t i = 0; i < P; ++i) o[c * P + i] = static_cast<double>(r[i][c]);
+  }
+}
+
+KIVI_AVX2 inline void add_to(double* p, __m256d v) { _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), v)); }
+
+// The 4 x 8 tile c[r ldc + j] (+)= sum_k a[k P + r] b[k P + j]: a is 4 rows of one panel, b a whole
+// panel. Eight accumulators (two registers a row) cover the FMA latency at two FMAs a cycle; named
+// ones, since GCC kept an array of them in memory.
+template <bool accumulate>
+KIVI_AVX2 void tile(const double* a, const double* b, int64_t w, double* c, int64_t ldc) {
+  __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+  for (int64_t k = 0; k < w; ++k, a += P, b += P) {
+    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+    __m256d x = _mm256_broadcast_sd(a);
+    c00 = _mm256_fmadd_pd(x, b0, c00);
+    c01 = _mm256_fmadd_pd(x, b1, c01);
+    x = _mm256_broadcast_sd(a + 1);
+    c10 = _mm256_fmadd_pd(x, b0, c10);
+    c11 = _mm256_fmadd_pd(x, b1, c11);
+    x = _mm256_broadcast_sd(a + 2);
+    c20 = _mm256_fmadd_pd(x, b0, c20);
+    c21 = _mm256_fmadd_pd(x, b1, c21);
+    x = _mm256_broadcast_sd(a + 3);
+    c30 = _mm256_fmadd_pd(x, b0, c30);
+    c31 = _mm256_fmadd_pd(x, b1, c31);
+  }
+  if constexpr (accumulate) {
+    add_to(c, c00), add_to(c + 4, c01), c += ldc;
+    add_to(c, c10), add_to(c + 4, c11), c += ldc;
+    add_to(c, c20), add_to(c + 4, c21), c += ldc;
+    add_to(c, c30), add_to(c + 4, c31);
+  } else {
+    _mm256_storeu_pd(c, c00), _mm256_storeu_pd(c + 4, c01), c += ldc;
+    _mm256_storeu_pd(c, c10), _mm256_storeu_pd(c + 4, c11), c += ldc;
+    _mm256_storeu_pd(c, c20), _mm256_storeu_pd(c + 4, c21), c += ldc;
+    _mm256_storeu_pd(c, c30), _mm256_storeu_pd(c + 4, c31);
+  }
+}
+
+// Panel by panel of columns j, the 4-row tiles of rows i that reach the upper triangle (i0 < j0 + P):
+// the panel (8 w doubles, 20 KB at w = 327) stays in L1 while the row tiles stream from L2. Tiles
+// on the diagonal or past row/column n go through a small buffer and write only i <= j < n.
+KIVI_AVX2 void gram_upper_impl(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate,
+                               int64_t p0, int64_t p1) {
+  alignas(32) double buf[4 * P];
+  for (int64_t j0 = p0 * P; j0 < std::min(n, p1 * P); j0 += P) {
+    const double* b = packed + j0 * w;
+    for (int64_t i0 = 0; i0 < std::min(n, j0 + P); i0 += 4) {
+      const double* a = packed + (i0 / P) * P * w + i0 % P;
+      if (i0 + 4 <= j0 && j0 + P <= n) {
+        if (accumulate) {
+          tile<true>(a, b, w, g + i0 * ldg + j0, ldg);
+        } else {
+          tile<false>(a, b, w, g + i0 * ldg + j0, ldg);
+        }
+        continue;
+      }
+      tile<false>(a, b, w, buf, P);
+      for (int64_t r = 0; r < 4 && i0 + r < n; ++r) {
+        double* row = g + (i0 + r) * ldg;
+        for (int64_t j = std::max(j0, i0 + r); j < std::min(n, j0 + P); ++j)
+          row[j] = (accumulate ? row[j] : 0.0) + buf[r * P + (j - j0)];
+      }
+    }
+  }
+}
+
+bool cpu_has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+std::atomic<bool> use_tiles{cpu_has_avx2_fma() && !__builtin_cpu_supports("avx512f")};
+
+}  // namespace
+
+bool available() { return cpu_has_avx2_fma(); }
+bool enabled() { return use_tiles.load() && available(); }
+bool set_enabled(bool flag) { return use_tiles.exchange(flag); }
+
+void pack(const float* const* rows, int64_t n, int64_t w, double* packed) { pack_impl(rows, n, w, packed); }
+void pack(const double* const* rows, int64_t n, int64_t w, double* packed) { pack_impl(rows, n, w, packed); }
+void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate, int64_t p0,
+                int64_t p1) {
+  gram_upper_impl(packed, n, w, g, ldg, accumulate, p0, p1);
+}
+
+#else  // not an x86-64 GCC/Clang build: callers keep the GEMMs
+
+bool available() { return false; }
+bool enabled() { return false; }
+bool set_enabled(bool flag) { return false; }
+void pack(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "gram_tiles unavailable"); }
+void pack(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "gram_tiles unavailable"); }
+void gram_upper(const double*, int64_t, int64_t, double*, int64_t, bool, int64_t, int64_t) {
+  TORCH_CHECK(false, "gram_tiles unavailable");
+}
+
+#endif
+
+}  // namespace gram_tiles
+}  // namespace kivi_fast
