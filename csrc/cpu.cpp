@@ -464,15 +464,16 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   }
   const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
   const bool tiles = gram_tiles::enabled() && width <= gram_tiles::kMaxPackColumns;
-  const int64_t panels = gram_tiles::panels(n);
+  const int64_t row_tiles = gram_tiles::row_tiles(n);
   if (tiles && parallel && blocks == 1) {
     double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
     s.pack(b, 0, s.d, buf);
-    // panel p costs ~p + 1 tiles: the pairs (t, panels - 1 - t) cost the same
-    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
+    // row tile t costs ~n - 4 t: the pairs (t, row_tiles - 1 - t) cost the same
+    at::parallel_for(0, (row_tiles + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         gram_tiles::gram_upper(buf, n, s.d, out, n, false, t, t + 1);
-        if (panels - 1 - t != t) gram_tiles::gram_upper(buf, n, s.d, out, n, false, panels - 1 - t, panels - t);
+        const int64_t u = row_tiles - 1 - t;
+        if (u != t) gram_tiles::gram_upper(buf, n, s.d, out, n, false, u, u + 1);
       }
     });
     return;
@@ -484,7 +485,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
       const bool assign = first_assigns && k == k0;
       if (tiles) {
         s.pack(b, c0, w, buf);
-        gram_tiles::gram_upper(buf, n, w, target, n, !assign, 0, panels);
+        gram_tiles::gram_upper(buf, n, w, target, n, !assign, 0, row_tiles);
       } else {
         s.load(b, c0, w, buf);
         add_gram_upper(target, n, buf, n, w, assign);

@@ -1,16 +1,18 @@
 // The Gram matrix's upper triangle of a column block of the stacked points, by register tiles (the
-// GEMM path of the distances: more than 32 points in more than 32 dimensions).
+// distances of more than 32 points in more than a few dimensions: use_direct_distances in cpu.cpp).
 //
 // BLAS exports no SYRK in every torch build, and the GEMMs of a split triangle (add_gram_upper in
 // cpu.cpp) still multiply 3/4 of the full product at 200 points; their operands are also copied
 // twice, once to float64 and once more into BLAS's packed panels. Here one pass converts a block of
 // float32 (or float64) rows straight into the panel layout the tiles read, and only tiles that touch
-// the upper triangle are multiplied (about half the product). Measured on this project's AVX2 CPU
-// (AMD EPYC, 1 thread) against the split GEMMs of MKL, conversion included: 1.2x faster at 200 points
-// x 51 dimensions, 1.3-1.4x at 200 x 700 and 200 x 50000, 1.5-2.9x at 41-73 points.
+// the upper triangle are multiplied (about half the product). On this project's AVX2 CPU (AMD EPYC,
+// 1 thread, bench/ab.py against the split GEMMs of MKL): the kl op's forward 1.64x faster at
+// (100, 50000), forward + backward 1.11-1.13x at (100, 51), 1.19x at (100, 700), 1.29x at (100, 50000);
+// at 2000 points x 32 dimensions the Gram alone is about as fast as MKL's split GEMMs.
 //
-// Written for AVX2 + FMA (4 doubles a register). On an AVX-512 CPU, MKL's 8-wide GEMM beats these
-// 4-wide tiles even with its 3/4 of the product, so callers keep the GEMMs there (enabled()).
+// Written for AVX2 + FMA (4 doubles a register). On an AVX-512 CPU, MKL's 8-wide GEMMs should beat
+// these 4-wide tiles despite their 3/4 of the product (twice the work per instruction; not measured:
+// no AVX-512 CPU was at hand), so callers keep the GEMMs there (enabled()).
 #pragma once
 
 #include <cstdint>
@@ -36,13 +38,14 @@ inline int64_t packed_size(int64_t n, int64_t w) { return (n + kPanel - 1) / kPa
 // column ([w][kPanel]); the rows past n of the last panel are zeros.
 void pack(const float* const* rows, int64_t n, int64_t w, double* packed);
 void pack(const double* const* rows, int64_t n, int64_t w, double* packed);
-// Panels of n rows.
-inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
-// g[i ldg + j] = sum_{c < w} x_i[c] x_j[c] (accumulate: +=) for i <= j < n and the columns j of panels
-// [p0, p1) (j in [p0 kPanel, p1 kPanel): threads can share one block), from pack()'s layout. The rest
-// of g is not written. Panel p costs about p + 1 tiles.
-void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate, int64_t p0,
-                int64_t p1);
+// Row tiles (of kTileRows rows) of n rows.
+inline constexpr int64_t kTileRows = 4;
+inline int64_t row_tiles(int64_t n) { return (n + kTileRows - 1) / kTileRows; }
+// g[i ldg + j] = sum_{c < w} x_i[c] x_j[c] (accumulate: +=) for i <= j < n and the rows i of row tiles
+// [t0, t1) (i in [t0 kTileRows, t1 kTileRows): threads can share one block), from pack()'s layout.
+// The rest of g is not written. Row tile t costs about n - t kTileRows products of rows.
+void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate, int64_t t0,
+                int64_t t1);
 
 }  // namespace gram_tiles
 }  // namespace kivi_fast

@@ -195,6 +195,7 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
     (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), the first dimension past the differences
     (20, 21, 35, 2, torch.float32, 1),        # 41 points, 3 tail columns
     (100, 100, 51, None, torch.float32, 1),   # a UCI layer: one column block
+    (150, 131, 40, None, torch.float32, 1),   # 281 points: row tiles first (past 256 points)
     (37, 40, 2101, None, torch.float32, 1),   # three column blocks: the later ones accumulate
     (37, 40, 2101, None, torch.float64, 2),   # blocks over two threads: partial sums
     (550, 550, 16, None, torch.float64, 2),   # one block whose tiles two threads share
