@@ -244,6 +244,7 @@ def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_b
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=d)
     p, q = make_samples(pr)
     old = torch.ops.kivi_fast._set_external_blas(external_blas)
+    old_tiles = torch.ops.kivi_fast._set_gram_tiles(False)  # the Gram by GEMMs, as on AVX-512 CPUs
     try:
         for reverse in (True, False):
             ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
@@ -252,6 +253,7 @@ def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_b
                 assert_close_rel(a, b, 1e-8)
     finally:
         torch.ops.kivi_fast._set_external_blas(old)
+        torch.ops.kivi_fast._set_gram_tiles(old_tiles)
 
 
 @pytest.mark.parametrize("reverse", [True, False])
