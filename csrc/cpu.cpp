@@ -190,7 +190,7 @@ class Scratch {
 // shapes at every step: no allocation, no page faults). Buffers above 32 MB are freed after a call.
 struct Work {
   Scratch sq, norms, system, coef;
-  Scratch block;   // samples converted to float64, a column block
+  Scratch block;   // samples converted to float64, a column block ([N, w], or gram_tiles' packed panels)
   Scratch points;   // the stacked samples in float64: [d, N] (transposed) after direct_sqdist, else [N, d]
   Scratch product;  // the backward's weights times a column block
   void trim() {
@@ -362,10 +362,13 @@ double median_of_pairs(const double* sq, int64_t n, bool parallel) {
 // taken from a Gram. Forward + backward, float32, 1 thread, bench/ab.py: the differences lose to the
 // Gram's register tiles from 16 dimensions ((100, 16) 5%, (100, 32) 14%, (1000, 32) 10% slower) and
 // are even at 8 ((100, 8) and 128 x (100, 8) within +-4%); against the split GEMMs they win up to 32
-// ((100, 16) and (1000, 32) forward 15% and 20% faster), and from ~48 the GEMMs win.
+// ((100, 16) and (1000, 32) forward 15% and 20% faster), and from ~48 the GEMMs win. Few points (the
+// few-points Gram, not the tiles) keep the differences up to 32 dimensions.
 constexpr int64_t kMaxDirectDimTiles = 8, kMaxDirectDimGemm = 32;
-bool use_direct_distances(int64_t d) {
-  return d <= (gram_tiles::enabled() ? kMaxDirectDimTiles : kMaxDirectDimGemm);
+bool use_few_points(int64_t rows);
+bool use_direct_distances(int64_t rows, int64_t d) {
+  const bool tiles = gram_tiles::enabled() && !use_few_points(rows);
+  return d <= (tiles ? kMaxDirectDimTiles : kMaxDirectDimGemm);
 }
 
 // Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
@@ -493,7 +496,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
     }
   };
   if (!parallel || blocks == 1) {
-    add_blocks(0, blocks, out, true);  // one block of GEMMs: BLAS uses the threads
+    add_blocks(0, blocks, out, true);  // one thread, or one block of GEMMs (BLAS uses the threads)
   } else {
     sum_of_thread_partials(n, blocks, 1, wrap(out, {n, n}), [&](int64_t k0, int64_t k1, Tensor part) {
       add_blocks(k0, k1, part.data_ptr<double>(), false);
@@ -504,7 +507,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
 // the diagonal: callers read nothing else) and their squared norms into norms ([N]).
 void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work) {
-  if (use_direct_distances(s.d)) {
+  if (use_direct_distances(s.rows, s.d)) {
     direct_sqdist(s, b, sq, norms, parallel, work);
     return;
   }

@@ -143,13 +143,17 @@ bool cpu_has_avx2_fma() {
   return yes;
 }
 
-std::atomic<bool> use_tiles{cpu_has_avx2_fma() && !__builtin_cpu_supports("avx512f")};
+// Set on first use (not during the library's static initialization).
+std::atomic<bool>& use_tiles() {
+  static std::atomic<bool> flag{cpu_has_avx2_fma() && !__builtin_cpu_supports("avx512f")};
+  return flag;
+}
 
 }  // namespace
 
 bool available() { return cpu_has_avx2_fma(); }
-bool enabled() { return use_tiles.load() && available(); }
-bool set_enabled(bool flag) { return use_tiles.exchange(flag); }
+bool enabled() { return use_tiles().load() && available(); }
+bool set_enabled(bool flag) { return use_tiles().exchange(flag); }
 
 void pack(const float* const* rows, int64_t n, int64_t w, double* packed) { pack_impl(rows, n, w, packed); }
 void pack(const double* const* rows, int64_t n, int64_t w, double* packed) { pack_impl(rows, n, w, packed); }

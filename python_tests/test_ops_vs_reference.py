@@ -155,7 +155,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (10, 10, 33001, None, torch.float32, 2),  # the backward's columns over two threads, tail columns
     (10, 10, 50000, None, torch.float32, 2),  # the forward's Gram too (N^2 d past the split threshold)
     (16, 16, 33, None, torch.float64, 1),     # 32 points, the first dimension past the direct path
-    (17, 16, 100, 3, torch.float32, 1),       # 33 points: the GEMM path
+    (17, 16, 100, 3, torch.float32, 1),       # 33 points: the Gram's tiles (GEMMs without AVX2)
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
     (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
     (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (padded rows in the tiles)
@@ -187,20 +187,23 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         torch.ops.kivi_fast._set_few_points_avx2(old_avx2)
 
 
-# More than 32 points in more than 8 dimensions take the distances from a Gram: on AVX2 CPUs by 4 x 8
-# register tiles over panels of 8 packed rows (csrc/gram_tiles.h), elsewhere by BLAS GEMMs of the split
-# triangle. The cases sit on the tiles' edges (points past a multiple of 4 or 8, columns past a
-# multiple of 4) and on each way of sharing the work.
+# More than 32 points take the distances from a Gram above 8 dimensions on AVX2 CPUs, by 4 x 8 register
+# tiles over panels of 8 packed rows (csrc/gram_tiles.h), and above 32 dimensions elsewhere, by BLAS
+# GEMMs of the split triangle (below: coordinate differences). The cases sit on the tiles' edges
+# (points past a multiple of 4 or 8, columns past a multiple of 4), on both loop orders (256 points)
+# and on each way of sharing the work between threads (an element is split from N^2 d >= 2^24). They
+# are larger than the hypothesis draws (MAX_WORK) so that the threads get them.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
-    (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), the first dimension past the differences
+    (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), 9 dimensions (tiles; differences without)
     (20, 21, 35, 2, torch.float32, 1),        # 41 points, 3 tail columns
     (100, 100, 51, None, torch.float32, 1),   # a UCI layer: one column block
     (150, 131, 40, None, torch.float32, 1),   # 281 points: row tiles first (past 256 points)
     (37, 40, 2101, None, torch.float32, 1),   # three column blocks: the later ones accumulate
-    (37, 40, 2101, None, torch.float64, 2),   # blocks over two threads: partial sums
-    (550, 550, 16, None, torch.float64, 2),   # one block whose tiles two threads share
+    (65, 65, 1003, None, torch.float64, 2),   # two blocks over two threads: partial sums, 3 tail columns
+    (128, 128, 256, None, torch.float64, 2),  # one block whose tiles two threads share, panels first
+    (550, 550, 16, None, torch.float64, 2),   # the same, row tiles first
 ])
-@pytest.mark.parametrize("tiles", [True, False])  # False: the split GEMMs (AVX-512 CPUs take them)
+@pytest.mark.parametrize("tiles", [True, False])  # False: as on AVX-512 CPUs (GEMMs above 32 dimensions)
 def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
     if tiles and not torch.ops.kivi_fast._gram_tiles_available():
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
