@@ -4,6 +4,8 @@ Hypothesis draws shapes (n_p, n_q from 2 to a few hundred, d from 1 to thousands
 lam, scales, dtypes and both settings of ``reverse``; values and gradients must agree.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -60,6 +62,31 @@ def value_and_grad(kl_fn, p, q, **kw):
 def assert_close_rel(actual, expected, rtol):
     scale = expected.abs().max().clamp_min(1e-30)
     assert (actual - expected).abs().max() <= rtol * scale, (actual, expected)
+
+
+def assert_kl_equals_reference(p, q, rtol):
+    """Value and gradient of kivi_fast.kl against the reference, both settings of reverse."""
+    for reverse in (True, False):
+        ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
+        ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+        for a, b in zip(ours, ref):
+            assert_close_rel(a, b, rtol)
+
+
+@contextlib.contextmanager
+def switched(flags, threads=None):
+    """Sets the ops' test switches ({switch op: flag}; each returns its old value) and torch's thread
+    count for the block, and restores them after."""
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    old = {switch: switch(flag) for switch, flag in flags.items()}
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        for switch, flag in old.items():
+            switch(flag)
 
 
 @st.composite
@@ -164,16 +191,8 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)
     p, q = make_samples(pr)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    old_avx2 = torch.ops.kivi_fast._set_few_points_avx2(avx2)
-    try:
-        for reverse in (True, False):
-            ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-            ref = value_and_grad(reference.kl, p, q, reverse=reverse)
-            rtol = 1e-5 if dtype == torch.float32 else 1e-8
-            for a, b in zip(ours, ref):
-                assert_close_rel(a, b, rtol)
+    with switched({torch.ops.kivi_fast._set_few_points_avx2: avx2}, threads):
+        assert_kl_equals_reference(p, q, 1e-5 if dtype == torch.float32 else 1e-8)
         z = (torch.cat([p, q], dim=-2)[..., 1::3, :] + 0.01).requires_grad_(True)  # points of neither set
         z_ref = z.detach().clone().requires_grad_(True)
         r = kivi_fast.DensityRatio().fit(p, q).log_ratio(z)
@@ -182,9 +201,6 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         r_ref.sum().backward()
         assert_close_rel(r.detach(), r_ref.detach(), 1e-5 if dtype == torch.float32 else 1e-7)
         assert_close_rel(z.grad, z_ref.grad, 1e-5 if dtype == torch.float32 else 1e-7)
-    finally:
-        torch.set_num_threads(old)
-        torch.ops.kivi_fast._set_few_points_avx2(old_avx2)
 
 
 # More than 32 points take the distances from a Gram above 8 dimensions on AVX2 CPUs, by 4 x 8 register
@@ -209,19 +225,9 @@ def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.3, seed=n_p * d)
     p, q = make_samples(pr)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    old_tiles = torch.ops.kivi_fast._set_gram_tiles(tiles)
-    try:
-        for reverse in (True, False):
-            ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-            ref = value_and_grad(reference.kl, p, q, reverse=reverse)
-            for a, b in zip(ours, ref):
-                assert_close_rel(a, b, 1e-5 if dtype == torch.float32 else 1e-8)
+    with switched({torch.ops.kivi_fast._set_gram_tiles: tiles}, threads):
+        assert_kl_equals_reference(p, q, 1e-5 if dtype == torch.float32 else 1e-8)
         torch.testing.assert_close(kivi_fast.median_bandwidth(p), reference.median_bandwidth(p), rtol=1e-10, atol=0)
-    finally:
-        torch.set_num_threads(old)
-        torch.ops.kivi_fast._set_gram_tiles(old_tiles)
 
 
 @pytest.mark.parametrize("n_den", [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33, 100, 255, 256])
@@ -246,17 +252,9 @@ def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
 def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_blas):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=d)
     p, q = make_samples(pr)
-    old = torch.ops.kivi_fast._set_external_blas(external_blas)
-    old_tiles = torch.ops.kivi_fast._set_gram_tiles(False)  # the Gram by GEMMs, as on AVX-512 CPUs
-    try:
-        for reverse in (True, False):
-            ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-            ref = value_and_grad(reference.kl, p, q, reverse=reverse)
-            for a, b in zip(ours, ref):
-                assert_close_rel(a, b, 1e-8)
-    finally:
-        torch.ops.kivi_fast._set_external_blas(old)
-        torch.ops.kivi_fast._set_gram_tiles(old_tiles)
+    # the Gram by GEMMs (tiles off), as on AVX-512 CPUs
+    with switched({torch.ops.kivi_fast._set_external_blas: external_blas, torch.ops.kivi_fast._set_gram_tiles: False}):
+        assert_kl_equals_reference(p, q, 1e-8)
 
 
 @pytest.mark.parametrize("reverse", [True, False])
