@@ -80,20 +80,6 @@ struct Stack {
   int64_t block_width() const { return std::min(d, std::max<int64_t>(64, kBlockDoubles / rows)); }
   int64_t n_blocks() const { return (d + block_width() - 1) / block_width(); }
 
-  // The same columns in gram_tiles' packed layout (gram_tiles::packed_size(rows, w) doubles).
-  void pack(int64_t b, int64_t c0, int64_t w, double* dst) const {
-    AT_DISPATCH_FLOATING_TYPES(parts[0].scalar_type(), "kivi_fast_pack", [&] {
-      thread_local std::vector<const scalar_t*> row_ptrs;
-      row_ptrs.resize(rows);
-      for (size_t i = 0; i < parts.size(); ++i) {
-        const int64_t n = parts[i].size(1);
-        const scalar_t* src = parts[i].data_ptr<scalar_t>() + b * n * d + c0;
-        for (int64_t r = 0; r < n; ++r) row_ptrs[offsets[i] + r] = src + r * d;
-      }
-      gram_tiles::pack(row_ptrs.data(), rows, w, dst);
-    });
-  }
-
   // Rows [0, rows) x columns [c0, c0 + w) of batch element b, as float64 into dst ([rows, w]).
   void load(int64_t b, int64_t c0, int64_t w, double* dst) const {
     AT_DISPATCH_FLOATING_TYPES(parts[0].scalar_type(), "kivi_fast_load", [&] {
@@ -433,6 +419,16 @@ void row_pointers(const Stack& s, int64_t b, int64_t c0, const T** out) {
   }
 }
 
+// Columns [c0, c0 + w) of batch element b in gram_tiles' packed layout (packed_size(rows, w) doubles).
+void pack_block(const Stack& s, int64_t b, int64_t c0, int64_t w, double* dst) {
+  AT_DISPATCH_FLOATING_TYPES(s.parts[0].scalar_type(), "kivi_fast_pack", [&] {
+    thread_local std::vector<const scalar_t*> rows;
+    rows.resize(s.rows);
+    row_pointers(s, b, c0, rows.data());
+    gram_tiles::pack(rows.data(), s.rows, w, dst);
+  });
+}
+
 // Columns per task when the few-points Gram of one element is split over threads.
 constexpr int64_t kFewPointsGrain = 16384;
 
@@ -470,7 +466,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
   const int64_t row_tiles = gram_tiles::row_tiles(n);
   if (tiles && parallel && blocks == 1) {
     double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
-    s.pack(b, 0, s.d, buf);
+    pack_block(s, b, 0, s.d, buf);
     // row tile t costs ~n - 4 t: the pairs (t, row_tiles - 1 - t) cost the same
     at::parallel_for(0, (row_tiles + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -487,7 +483,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
       const int64_t c0 = k * width, w = std::min(width, s.d - c0);
       const bool assign = first_assigns && k == k0;
       if (tiles) {
-        s.pack(b, c0, w, buf);
+        pack_block(s, b, c0, w, buf);
         gram_tiles::gram_upper(buf, n, w, target, n, !assign, 0, row_tiles);
       } else {
         s.load(b, c0, w, buf);

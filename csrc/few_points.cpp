@@ -8,7 +8,7 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
 #define KIVI_FAST_FEW_POINTS_SIMD 1
-#include <immintrin.h>
+#include "x86_avx2.h"
 // GCC 12's _mm512_cvtps_pd starts from an "undefined" register, which -Wmaybe-uninitialized reports.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
@@ -51,10 +51,7 @@ void with_out_rows(int64_t m, Fn fn) {
 // every register tile of the lower triangle reads them.
 constexpr int64_t kChunk = 2048;
 
-alignas(64) const float kZeroFloats[kChunk] = {};
-alignas(64) const double kZeroDoubles[kChunk] = {};
-const float* zeros(const float*) { return kZeroFloats; }
-const double* zeros(const double*) { return kZeroDoubles; }
+static_assert(kChunk <= x86::kZeroRowLength, "padding rows read from x86::zero_row");
 
 KIVI_AVX512 inline __m512d load8(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
 KIVI_AVX512 inline __m512d load8(const double* p) { return _mm512_loadu_pd(p); }
@@ -94,7 +91,7 @@ KIVI_AVX512 void add_gram_lower_impl(const T* const* rows, int64_t n, int64_t w,
   for (int64_t c0 = 0; c0 < w; c0 += kChunk) {
     const int64_t len = std::min(kChunk, w - c0), len8 = len & ~int64_t{7};
     // rows past n read zeros, so that every tile is a full 4 x 4 (their products are not stored)
-    for (int64_t i = 0; i < tiles * 4; ++i) p[i] = i < n ? rows[i] + c0 : zeros(rows[0]);
+    for (int64_t i = 0; i < tiles * 4; ++i) p[i] = i < n ? rows[i] + c0 : x86::zero_row(rows[0]);
     for (int64_t ib = 0; ib < tiles; ++ib)
       for (int64_t jb = 0; jb <= ib; ++jb) gram_tile(p + 4 * ib, p + 4 * jb, len8, 4 * ib, 4 * jb, n, acc);
     for (int64_t i = 0; i < n; ++i)
@@ -182,14 +179,12 @@ KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* c
 
 // The same kernels for AVX2 + FMA (4 doubles a register, 16 registers): 3 x 3 tiles, whose nine
 // accumulators, six row loads and one broadcast fit in the register file without spilling.
-#define KIVI_AVX2 __attribute__((target("avx2,fma")))
 
 namespace avx2 {
 
 constexpr int64_t kTile = 3;
 
-KIVI_AVX2 inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
-KIVI_AVX2 inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
+using x86::load4;
 KIVI_AVX2 inline void store4(float* p, __m256d v) { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
 KIVI_AVX2 inline void store4(double* p, __m256d v) { _mm256_storeu_pd(p, v); }
 KIVI_AVX2 inline double reduce_add(__m256d v) {

@@ -7,7 +7,7 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
 #define KIVI_FAST_GRAM_TILES_SIMD 1
-#include <immintrin.h>
+#include "x86_avx2.h"
 #endif
 
 namespace kivi_fast {
@@ -15,20 +15,12 @@ namespace gram_tiles {
 
 #ifdef KIVI_FAST_GRAM_TILES_SIMD
 
-#define KIVI_AVX2 __attribute__((target("avx2,fma")))
-
 namespace {
 
 constexpr int64_t P = kPanel;
 
-constexpr int64_t kMaxColumns = kMaxPackColumns;
-alignas(64) const float kZeroFloats[kMaxColumns] = {};
-alignas(64) const double kZeroDoubles[kMaxColumns] = {};
-const float* zeros(const float*) { return kZeroFloats; }
-const double* zeros(const double*) { return kZeroDoubles; }
-
-KIVI_AVX2 inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
-KIVI_AVX2 inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
+using x86::load4;
+static_assert(kMaxPackColumns <= x86::kZeroRowLength, "rows past n read from x86::zero_row");
 
 // Rows r0..r3 (4 columns each) stored as 4 columns of a panel: o[c P + r] = r_r[c].
 KIVI_AVX2 inline void store_transposed(__m256d r0, __m256d r1, __m256d r2, __m256d r3, double* o) {
@@ -42,12 +34,12 @@ KIVI_AVX2 inline void store_transposed(__m256d r0, __m256d r1, __m256d r2, __m25
 
 template <class T>
 KIVI_AVX2 void pack_impl(const T* const* rows, int64_t n, int64_t w, double* packed) {
-  TORCH_CHECK(w <= kMaxColumns, "gram_tiles::pack: at most ", kMaxColumns, " columns, got ", w);
+  TORCH_CHECK(w <= kMaxPackColumns, "gram_tiles::pack: at most ", kMaxPackColumns, " columns, got ", w);
   const int64_t w4 = w & ~int64_t{3};
   for (int64_t p0 = 0; p0 < n; p0 += P) {
     double* o = packed + p0 * w;
     const T* r[P];
-    for (int64_t i = 0; i < P; ++i) r[i] = p0 + i < n ? rows[p0 + i] : zeros(rows[0]);
+    for (int64_t i = 0; i < P; ++i) r[i] = p0 + i < n ? rows[p0 + i] : x86::zero_row(rows[0]);
     for (int64_t c = 0; c < w4; c += 4) {
       store_transposed(load4(r[0] + c), load4(r[1] + c), load4(r[2] + c), load4(r[3] + c), o + c * P);
       store_transposed(load4(r[4] + c), load4(r[5] + c), load4(r[6] + c), load4(r[7] + c), o + c * P + 4);
