@@ -56,11 +56,15 @@ class KlFunction : public torch::autograd::Function<KlFunction> {
     ctx->save_for_backward({state, q_z, prior_z});
     ctx->saved_data["reverse"] = reverse;
     ctx->mark_non_differentiable({state, used});
+    // state and used never get a gradient: no zero tensors made for them at every backward
+    ctx->set_materialize_grads(false);
     return {kl, state, used};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!ctx->needs_input_grad(1)) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!ctx->needs_input_grad(1) || !grads[0].defined()) {
+      return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
     const auto saved = ctx->get_saved_variables();
     auto grad_q = kl_grad(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["reverse"].toBool());
     return {Tensor(), grad_q, Tensor(), Tensor(), Tensor(), Tensor()};

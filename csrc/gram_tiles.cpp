@@ -87,6 +87,53 @@ KIVI_AVX2 void tile(const double* a, const double* b, int64_t w, double* c, int6
   }
 }
 
+// The 4 x 8 tile c[r ldc + j] = sum_k a_r[k] b[k P + j], as tile() but with the 4 rows of A read
+// in place (row-major rows, broadcast from each in turn) rather than from a packed panel.
+KIVI_AVX2 void row_tile(const double* a0, const double* a1, const double* a2, const double* a3, const double* b,
+                        int64_t w, double* c, int64_t ldc) {
+  __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+  for (int64_t k = 0; k < w; ++k, b += P) {
+    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+    __m256d x = _mm256_broadcast_sd(a0 + k);
+    c00 = _mm256_fmadd_pd(x, b0, c00);
+    c01 = _mm256_fmadd_pd(x, b1, c01);
+    x = _mm256_broadcast_sd(a1 + k);
+    c10 = _mm256_fmadd_pd(x, b0, c10);
+    c11 = _mm256_fmadd_pd(x, b1, c11);
+    x = _mm256_broadcast_sd(a2 + k);
+    c20 = _mm256_fmadd_pd(x, b0, c20);
+    c21 = _mm256_fmadd_pd(x, b1, c21);
+    x = _mm256_broadcast_sd(a3 + k);
+    c30 = _mm256_fmadd_pd(x, b0, c30);
+    c31 = _mm256_fmadd_pd(x, b1, c31);
+  }
+  _mm256_storeu_pd(c, c00), _mm256_storeu_pd(c + 4, c01), c += ldc;
+  _mm256_storeu_pd(c, c10), _mm256_storeu_pd(c + 4, c11), c += ldc;
+  _mm256_storeu_pd(c, c20), _mm256_storeu_pd(c + 4, c21), c += ldc;
+  _mm256_storeu_pd(c, c30), _mm256_storeu_pd(c + 4, c31);
+}
+
+KIVI_AVX2 void rows_times_panels_impl(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b,
+                                      int64_t w, double* c, int64_t ldc) {
+  TORCH_CHECK(m <= kPanelOrderMaxRows && w <= kPanelOrderMaxRows, "gram_tiles::rows_times_panels: at most ",
+              kPanelOrderMaxRows, " x ", kPanelOrderMaxRows, ", got ", m, " x ", w);
+  alignas(32) double buf[kTileRows * P];
+  for (int64_t j0 = 0; j0 < n_b; j0 += P) {
+    const double* panel = b + j0 * w;
+    for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
+      // rows past m repeat the last one; tiles past row m or column n_b go through buf
+      auto row = [&](int64_t r) { return a + std::min(i0 + r, m - 1) * lda; };
+      if (i0 + kTileRows <= m && j0 + P <= n_b) {
+        row_tile(row(0), row(1), row(2), row(3), panel, w, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      row_tile(row(0), row(1), row(2), row(3), panel, w, buf, P);
+      for (int64_t r = 0; r < kTileRows && i0 + r < m; ++r)
+        std::copy_n(buf + r * P, std::min(P, n_b - j0), c + (i0 + r) * ldc + j0);
+    }
+  }
+}
+
 // The tile of rows [i0, i0 + 4) and columns [j0, j0 + P) of g. Tiles on the diagonal or past row or
 // column n go through a small buffer and write only i <= j < n.
 KIVI_AVX2 void gram_tile(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate,
@@ -110,12 +157,11 @@ KIVI_AVX2 void gram_tile(const double* packed, int64_t n, int64_t w, double* g, 
   }
 }
 
-// Up to this many points, g (at most 512 KB) stays in L2 and the tiles go panel by panel of columns:
-// the panel stays in L1 while the row tiles stream from L2. Above, row tile by row tile, so that the
-// rows of g are written in order: walking down the columns of a 32 MB g (2000 points) ran 2.3x slower
-// where it sat on 4 KB pages (a C++ harness; cpu.cpp puts large buffers on 2 MB pages where it can),
-// and row tiles first ran 2.6% slower at 200 points x 51 dimensions.
-constexpr int64_t kPanelOrderMaxRows = 256;
+// Up to kPanelOrderMaxRows points, g (at most 512 KB) stays in L2 and the tiles go panel by panel of
+// columns: the panel stays in L1 while the row tiles stream from L2. Above, row tile by row tile, so
+// that the rows of g are written in order: walking down the columns of a 32 MB g (2000 points) ran 2.3x
+// slower where it sat on 4 KB pages (a C++ harness; cpu.cpp puts large buffers on 2 MB pages where it
+// can), and row tiles first ran 2.6% slower at 200 points x 51 dimensions.
 
 KIVI_AVX2 void gram_upper_impl(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate,
                                int64_t t0, int64_t t1) {
@@ -153,6 +199,10 @@ void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t l
                 int64_t t1) {
   gram_upper_impl(packed, n, w, g, ldg, accumulate, t0, t1);
 }
+void rows_times_panels(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b, int64_t w, double* c,
+                       int64_t ldc) {
+  rows_times_panels_impl(a, m, lda, b, n_b, w, c, ldc);
+}
 
 #else  // not an x86-64 GCC/Clang build: callers keep the GEMMs
 
@@ -162,6 +212,9 @@ bool set_enabled(bool flag) { return false; }
 void pack(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "gram_tiles unavailable"); }
 void pack(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "gram_tiles unavailable"); }
 void gram_upper(const double*, int64_t, int64_t, double*, int64_t, bool, int64_t, int64_t) {
+  TORCH_CHECK(false, "gram_tiles unavailable");
+}
+void rows_times_panels(const double*, int64_t, int64_t, const double*, int64_t, int64_t, double*, int64_t) {
   TORCH_CHECK(false, "gram_tiles unavailable");
 }
 

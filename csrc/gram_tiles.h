@@ -47,5 +47,17 @@ inline int64_t row_tiles(int64_t n) { return (n + kTileRows - 1) / kTileRows; }
 void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate, int64_t t0,
                 int64_t t1);
 
+// The same tiles for a general product, C = A B with A row-major and B in panels: c[i ldc + j] =
+// sum_{k < w} a[i lda + k] b_j[k] for i < m, j < n_b, with b's columns in panels of kPanel columns,
+// each stored by row ([w][kPanel], panel p at b + p kPanel w; columns past n_b zero). The kl op's
+// projection of its weights on the points (A = the kernel rows, B = the points scaled by their
+// coefficients): at 200 points x 51 dimensions MKL's GEMM spent as much time copying its operands and
+// in its edge cases as in its kernel. For A of at most kPanelOrderMaxRows x kPanelOrderMaxRows (it stays
+// in L2 while each panel of B stays in L1). The rest of c is not written.
+inline constexpr int64_t kPanelOrderMaxRows = 256;
+inline int64_t panels(int64_t columns) { return (columns + kPanel - 1) / kPanel; }
+void rows_times_panels(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b, int64_t w, double* c,
+                       int64_t ldc);
+
 }  // namespace gram_tiles
 }  // namespace kivi_fast

@@ -1,6 +1,7 @@
 """Fake (meta) kernels of the compiled ops ``torch.ops.kivi_fast.*``, for torch.compile and opcheck.
 
-The ops are declared in csrc/ops.cpp; their tensor arguments are always batched ([B, n, d]).
+The ops are declared in csrc/ops.cpp; their sample arguments are batched ([B, n, d]), except that
+``kl`` and ``kl_grad`` also take an unbatched pair ([n, d]) and then return no batch dimension.
 Internally they work in float64 (see csrc/kivi.h for why). What the backward needs is a float64
 output of the forward: ``ratio`` returns the weights W [B, m, N] (N = n_denom + n_numer) of its
 gradient; ``kl`` returns W, or with few dimensions (d + 1 < N) its projection [B, m, d + 1] on the
@@ -46,11 +47,11 @@ def _(z, numer, denom, alpha, beta, sigma):
 
 @torch.library.register_fake("kivi_fast::kl")
 def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
-    b, m, d = q_z.shape
-    n = prior_z.shape[1] + m
+    *batch, m, d = q_z.shape  # batch: [B], or [] for an unbatched pair
+    n = prior_z.shape[-2] + m
     width = 0 if not grad_state else d + 1 if d + 1 < n else n
-    return (q_z.new_empty((b,)), q_z.new_empty((b, m, width), dtype=torch.float64),
-            q_z.new_empty((b,), dtype=torch.float64))
+    return (q_z.new_empty(batch), q_z.new_empty((*batch, m, width), dtype=torch.float64),
+            q_z.new_empty(batch, dtype=torch.float64))
 
 
 @torch.library.register_fake("kivi_fast::weighted_grad")

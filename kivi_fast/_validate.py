@@ -21,12 +21,13 @@ def check_samples(name: str, x) -> None:
         raise TypeError(f"{name} must be a torch.Tensor of shape [n, d] or [B, n, d], got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype float32 or float64, got {x.dtype}")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"{name} must have shape [n, d] or [B, n, d], got shape {tuple(x.shape)}")
-    if x.shape[-1] < 1:
-        raise ValueError(f"{name} must have at least one dimension per sample (d >= 1), got shape {tuple(x.shape)}")
-    if x.shape[-2] < 1:
-        raise ValueError(f"{name} must hold at least one sample, got shape {tuple(x.shape)}")
+    shape = x.shape
+    if len(shape) not in (2, 3):
+        raise ValueError(f"{name} must have shape [n, d] or [B, n, d], got shape {tuple(shape)}")
+    if shape[-1] < 1:
+        raise ValueError(f"{name} must have at least one dimension per sample (d >= 1), got shape {tuple(shape)}")
+    if shape[-2] < 1:
+        raise ValueError(f"{name} must hold at least one sample, got shape {tuple(shape)}")
 
 
 def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -58,6 +59,8 @@ def check_finite(name: str, x: torch.Tensor) -> None:
 
 def check_positive(name: str, value) -> float:
     """A positive, finite Python number (lam, clip)."""
+    if type(value) is float and 0.0 < value < math.inf:  # the common case, without the checks below
+        return value
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"{name} must be a positive number, got a tensor of shape {tuple(value.shape)}")

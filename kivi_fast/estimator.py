@@ -59,8 +59,8 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: flo
     sigma = _validate.bandwidth_tensor(bandwidth, batch, q_z)
     # without a gradient to come the op skips what only the backward needs
     grad_state = q_z.requires_grad and torch.is_grad_enabled()
-    out = _ops().kl(_batched(prior_z), _batched(q_z), lam, clip, sigma, reverse, grad_state)[0]
-    return out if batch is not None else out[0]
+    # unbatched samples go in as they are (the op takes them): no view nodes in the graph
+    return _ops().kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state)[0]
 
 
 class DensityRatio(reference.DensityRatio):

@@ -130,6 +130,10 @@ def test_ops_called_directly_check_their_samples():
         ops.kl(p, q, 1e-3, 1e-8, None, True)
     with pytest.raises(ValueError, match="kl: prior_z and q_z must have the same dtype and device"):
         ops.kl(p, p.float(), 1e-3, 1e-8, None, True)
+    with pytest.raises(ValueError, match="kl: prior_z and q_z must both be unbatched \\[n, d\\] or both batched"):
+        ops.kl(p[0], p, 1e-3, 1e-8, None, True)
+    with pytest.raises(ValueError, match="kl_grad: prior_z and q_z must both be unbatched"):
+        ops.kl_grad(torch.ones((), **f64), torch.zeros(3, 41, **f64), q[0], p, False)
     with pytest.raises(ValueError, match="weighted_grad: weights must be float64 \\[1, 3, 5\\]"):
         ops.weighted_grad(torch.ones(1, 3, **f64), torch.zeros(1, 3, 4, **f64), q, q[:, :2], q)
     with pytest.raises(ValueError, match="median_bandwidth: x must hold at least 2 samples"):

@@ -159,10 +159,13 @@ def op_cases():
         ("kl_grad", ops.kl_grad.default, (torch.tensor([1.0, -2.0], dtype=torch.float64), state, q, p, True)),
         ("kl_grad_weights", ops.kl_grad.default,
          (torch.tensor([1.0, -2.0], dtype=torch.float64), state_w, q[..., :2, :], p[..., :2, :], True)),
+        # kl and kl_grad also take one unbatched pair (what kivi_fast.kl passes for [n, d] samples)
+        ("kl_unbatched", ops.kl.default, (p[0], qg[0].detach().requires_grad_(), 1e-3, 1e-8, None, False)),
+        ("kl_grad_unbatched", ops.kl_grad.default, (torch.tensor(-2.0, dtype=torch.float64), state[1], q[1], p[1], True)),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]
     torch.library.opcheck(op, args)
