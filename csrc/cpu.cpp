@@ -795,15 +795,8 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
       rows_body(0, m);
     }
     if (tiles) {
-      auto product = [&](int64_t t0, int64_t t1) {  // row tiles [t0, t1) of the kernel rows
-        const int64_t i0 = t0 * gram_tiles::kTileRows, i1 = std::min(m, t1 * gram_tiles::kTileRows);
-        gram_tiles::rows_times_panels(kernel_rows + i0 * n, i1 - i0, n, y, d, n, out + i0 * width, width);
-      };
-      if (parallel) {
-        at::parallel_for(0, gram_tiles::row_tiles(m), 4, product);
-      } else {
-        product(0, gram_tiles::row_tiles(m));
-      }
+      // one thread: with N <= 256 points and d < N - 1 an element is never split (N^2 d < kMinSplitWork)
+      gram_tiles::rows_times_panels(kernel_rows, m, n, y, d, n, out, width);
       for (int64_t j = 0; j < m; ++j) rows::scale(out + j * width, row_scale[j], d);
     } else if (projection && !direct) {
       // as P^T = Y^T K^T: MKL runs this orientation of the thin product ~1.8x faster than K Y
