@@ -171,8 +171,11 @@ def test_opcheck(compiled, case):
     torch.library.opcheck(op, args)
 
 
-def test_torch_compile_fullgraph(compiled):
+@pytest.mark.parametrize("batched", [True, False])  # unbatched: [n, d] samples straight to the op
+def test_torch_compile_fullgraph(compiled, batched):
     p, q = op_samples()
+    if not batched:
+        p, q = p[1], q[1]
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def loss(prior, post):
