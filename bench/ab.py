@@ -38,7 +38,7 @@ def main():
     if names[0] == names[1]:
         raise SystemExit("the two builds need different namespaces (bench/build_renamed.sh's NS)")
     b, n, d, _ = parse_shape(args.shape)
-    # the ops take [B, n, d] (kivi_fast.kl adds the batch dimension for unbatched inputs)
+    # batched [B, n, d] samples (B = 1 for NxD) at the op: the C++ side only, no Python wrapper
     p, q = make_inputs(b, n, d, True, getattr(torch, args.dtype))
     q.requires_grad_()
 

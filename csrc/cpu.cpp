@@ -890,7 +890,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
   std::vector<double> sp(batch);
   const double factor = (reverse ? -1.0 : 1.0) / static_cast<double>(m);
   const auto g = grad_kl.reshape({-1});  // a view for the [] or expanded [B] grads autograd passes
-  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "kivi_fast_kl_grad_scale", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "kivi_fast_kl_grad_scale", [&] {
     const auto acc = g.accessor<scalar_t, 1>();
     for (int64_t b = 0; b < batch; ++b) sp[b] = static_cast<double>(acc[b]) * factor;
   });

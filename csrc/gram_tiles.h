@@ -1,5 +1,6 @@
 // The Gram matrix's upper triangle of a column block of the stacked points, by register tiles (the
-// distances of more than 32 points in more than a few dimensions: use_direct_distances in cpu.cpp).
+// distances of more than 32 points in more than a few dimensions: use_direct_distances in cpu.cpp),
+// and the same tiles for the kl op's projection of its weights on the points (rows_times_panels).
 //
 // BLAS exports no SYRK in every torch build, and the GEMMs of a split triangle (add_gram_upper in
 // cpu.cpp) still multiply 3/4 of the full product at 200 points; their operands are also copied

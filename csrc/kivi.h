@@ -1,6 +1,7 @@
 // The KIVI estimator's building blocks, shared by the device-generic (ATen) and the CPU kernels.
 //
-// Conventions: every sample tensor is batched, [B, n, d], float32 or float64. The fit, the kernel
+// Conventions: every sample tensor here is batched, [B, n, d], float32 or float64 (the kl ops also take
+// an unbatched pair, which csrc/ops.cpp gives a batch dimension of 1). The fit, the kernel
 // values and the ratio are computed in float64 whatever the input dtype: evaluating the fitted
 // ratio cancels terms of size ~1/lam (its two parts have opposite signs), so float32 arithmetic
 // there loses up to ~1e-1 relative accuracy at lam = 1e-3. Only the results go back to the input dtype.

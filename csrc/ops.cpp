@@ -24,23 +24,38 @@ bool use_cpu() { return kCpu && !force_generic.load(); }
 // The ops are also callable directly (torch.ops.kivi_fast.*), without the Python checks of
 // kivi_fast/_validate.py: sample arguments are checked here too, so that a mismatch is an error and
 // never a read past the end of a buffer.
-void check_samples(const char* op, const char* name, const Tensor& x, int64_t min_rows) {
-  TORCH_CHECK_VALUE(x.dim() == 3 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-                    "kivi_fast::", op, ": ", name, " must be a float32 or float64 [B, n, d] tensor, got ",
-                    x.scalar_type(), " of shape ", x.sizes());
-  TORCH_CHECK_VALUE(x.size(1) >= min_rows && x.size(2) >= 1, "kivi_fast::", op, ": ", name, " must hold at least ",
+// unbatched_ok: the kl ops, which also take an unbatched pair (see kl_op); the checks read the
+// arguments as given, so that the messages show the shapes the caller passed.
+void check_samples(const char* op, const char* name, const Tensor& x, int64_t min_rows, bool unbatched_ok = false) {
+  const bool rank_ok = x.dim() == 3 || (unbatched_ok && x.dim() == 2);
+  TORCH_CHECK_VALUE(rank_ok && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+                    "kivi_fast::", op, ": ", name, " must be a float32 or float64 ",
+                    unbatched_ok ? "[n, d] or [B, n, d]" : "[B, n, d]", " tensor, got ", x.scalar_type(),
+                    " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(-2) >= min_rows && x.size(-1) >= 1, "kivi_fast::", op, ": ", name, " must hold at least ",
                     min_rows, " samples of at least one dimension, got shape ", x.sizes());
 }
 
-void check_pair(const char* op, const char* name_a, const Tensor& a, const char* name_b, const Tensor& b) {
-  check_samples(op, name_a, a, 1);
-  check_samples(op, name_b, b, 1);
-  TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2), "kivi_fast::", op, ": ", name_a, " and ",
-                    name_b, " must have the same batch size and dimension, got shapes ", a.sizes(), " and ",
+void check_pair(const char* op, const char* name_a, const Tensor& a, const char* name_b, const Tensor& b,
+                bool unbatched_ok = false) {
+  check_samples(op, name_a, a, 1, unbatched_ok);
+  check_samples(op, name_b, b, 1, unbatched_ok);
+  TORCH_CHECK_VALUE(a.dim() == b.dim(), "kivi_fast::", op, ": ", name_a, " and ", name_b,
+                    " must both be unbatched [n, d] or both batched [B, n, d], got shapes ", a.sizes(), " and ",
                     b.sizes());
+  const bool same_batch = a.dim() == 2 || a.size(0) == b.size(0);
+  TORCH_CHECK_VALUE(same_batch && a.size(-1) == b.size(-1), "kivi_fast::", op, ": ", name_a, " and ", name_b,
+                    " must have the same batch size and dimension, got shapes ", a.sizes(), " and ", b.sizes());
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() && a.device() == b.device(), "kivi_fast::", op, ": ", name_a,
                     " and ", name_b, " must have the same dtype and device, got ", a.scalar_type(), " on ",
                     a.device(), " and ", b.scalar_type(), " on ", b.device());
+}
+
+// A given bandwidth: one value per batch element (the kernels read sigma[b]).
+void check_sigma(const char* op, const std::optional<Tensor>& sigma, int64_t batch) {
+  if (!sigma.has_value()) return;
+  TORCH_CHECK_VALUE(sigma->dim() <= 1 && sigma->numel() == batch, "kivi_fast::", op,
+                    ": sigma must hold one bandwidth per batch element (", batch, "), got shape ", sigma->sizes());
 }
 
 template <bool kCpu>
@@ -80,6 +95,7 @@ template <bool kCpu>
 std::tuple<Tensor, Tensor> fit_op(const Tensor& numer, const Tensor& denom, double lam,
                                   const std::optional<Tensor>& sigma) {
   check_pair("fit", "numer", numer, "denom", denom);
+  check_sigma("fit", sigma, numer.size(0));
   auto f = fit_any<kCpu>(numer, denom, lam, sigma, {"numer", "denom"});
   return {f.coef.narrow(1, 0, denom.size(1)).contiguous(), f.sigma};
 }
@@ -109,20 +125,15 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 // kl and kl_grad also take one unbatched pair ([n, d] samples, a [] estimate): kivi_fast.kl passes
 // unbatched samples as they are, so that a training step's graph holds no batch-dimension views
 // (their autograd nodes cost ~60 us a step at (100, 8), 15% of the step). The kernels see [1, n, d].
-bool unbatched(const char* op, const Tensor& prior_z, const Tensor& q_z) {
-  TORCH_CHECK_VALUE(prior_z.dim() == q_z.dim() || (prior_z.dim() != 2 && q_z.dim() != 2), "kivi_fast::", op,
-                    ": prior_z and q_z must both be unbatched [n, d] or both batched [B, n, d], got shapes ",
-                    prior_z.sizes(), " and ", q_z.sizes());
-  return prior_z.dim() == 2 && q_z.dim() == 2;
-}
 Tensor batched(const Tensor& x, bool single) { return single ? x.unsqueeze(0) : x; }
 
 template <bool kCpu>
 std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const Tensor& q_z_in, double lam, double clip,
                                          const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
-  const bool single = unbatched("kl", prior_z_in, q_z_in);
+  check_pair("kl", "prior_z", prior_z_in, "q_z", q_z_in, /*unbatched_ok=*/true);
+  const bool single = q_z_in.dim() == 2;
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
-  check_pair("kl", "prior_z", prior_z, "q_z", q_z);
+  check_sigma("kl", sigma, q_z.size(0));
   const auto s = owned_double(sigma);
   auto [kl, state, used] = use_cpu<kCpu>()
                                ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
@@ -152,15 +163,16 @@ Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Te
 template <bool kCpu>
 Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
                   bool reverse) {
-  const bool single = unbatched("kl_grad", prior_z_in, q_z_in);
+  check_pair("kl_grad", "prior_z", prior_z_in, "q_z", q_z_in, /*unbatched_ok=*/true);
+  const bool single = q_z_in.dim() == 2;
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
-  const Tensor state = batched(state_in, single && state_in.dim() == 2);
-  check_pair("kl_grad", "prior_z", prior_z, "q_z", q_z);
   const int64_t width = kl_state_width(prior_z.size(1) + q_z.size(1), q_z.size(2));
-  TORCH_CHECK(state.dim() == 3 && state.size(0) == q_z.size(0) && state.size(1) == q_z.size(1) &&
-                  state.size(2) == width && state.scalar_type() == at::kDouble,
-              "kivi_fast::kl_grad: state must be the float64 [", q_z.size(0), ", ", q_z.size(1), ", ", width,
-              "] grad state of kl (called with grad_state=True), got ", state.scalar_type(), " ", state.sizes());
+  const auto expected = single ? std::vector<int64_t>{q_z.size(1), width}
+                               : std::vector<int64_t>{q_z.size(0), q_z.size(1), width};
+  TORCH_CHECK(state_in.sizes() == at::IntArrayRef(expected) && state_in.scalar_type() == at::kDouble,
+              "kivi_fast::kl_grad: state must be the float64 ", at::IntArrayRef(expected),
+              " grad state of kl (called with grad_state=True), got ", state_in.scalar_type(), " ", state_in.sizes());
+  const Tensor state = batched(state_in, single);
   TORCH_CHECK(grad_kl.numel() == q_z.size(0), "kivi_fast::kl_grad: grad_kl must have ", q_z.size(0),
               " elements, got ", grad_kl.sizes());
   auto grad = use_cpu<kCpu>() ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)

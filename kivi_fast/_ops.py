@@ -47,6 +47,9 @@ def _(z, numer, denom, alpha, beta, sigma):
 
 @torch.library.register_fake("kivi_fast::kl")
 def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
+    torch._check(q_z.dim() in (2, 3) and prior_z.dim() == q_z.dim(),
+                 lambda: f"kivi_fast::kl: prior_z and q_z must both be [n, d] or both [B, n, d], "
+                         f"got shapes {tuple(prior_z.shape)} and {tuple(q_z.shape)}")
     *batch, m, d = q_z.shape  # batch: [B], or [] for an unbatched pair
     n = prior_z.shape[-2] + m
     width = 0 if not grad_state else d + 1 if d + 1 < n else n

@@ -134,6 +134,15 @@ def test_ops_called_directly_check_their_samples():
         ops.kl(p[0], p, 1e-3, 1e-8, None, True)
     with pytest.raises(ValueError, match="kl_grad: prior_z and q_z must both be unbatched"):
         ops.kl_grad(torch.ones((), **f64), torch.zeros(3, 41, **f64), q[0], p, False)
+    with pytest.raises(ValueError, match="kl: prior_z and q_z must have the same batch size and dimension, "
+                                         "got shapes \\[2, 50\\] and \\[3, 40\\]"):
+        ops.kl(p[0], q[0], 1e-3, 1e-8, None, True)  # the shapes as passed, not with a batch dimension added
+    with pytest.raises(ValueError, match="kl: prior_z must be a float32 or float64 \\[n, d\\] or \\[B, n, d\\] tensor"):
+        ops.kl(p[0, 0], q[0, 0], 1e-3, 1e-8, None, True)
+    with pytest.raises(ValueError, match="kl: sigma must hold one bandwidth per batch element \\(1\\)"):
+        ops.kl(q, q, 1e-3, 1e-8, torch.ones(2, **f64), True)
+    with pytest.raises(ValueError, match="fit: sigma must hold one bandwidth per batch element \\(1\\)"):
+        ops.fit(q, q, 1e-3, torch.ones(3, **f64))
     with pytest.raises(ValueError, match="weighted_grad: weights must be float64 \\[1, 3, 5\\]"):
         ops.weighted_grad(torch.ones(1, 3, **f64), torch.zeros(1, 3, 4, **f64), q, q[:, :2], q)
     with pytest.raises(ValueError, match="median_bandwidth: x must hold at least 2 samples"):

@@ -209,10 +209,12 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 # (points past a multiple of 4 or 8, columns past a multiple of 4), on both loop orders (256 points)
 # and on each way of sharing the work between threads (an element is split from N^2 d >= 2^24). They
 # are larger than the hypothesis draws (MAX_WORK) so that the threads get them. The gradient's projection
-# (d + 1 < N above 8 dimensions) runs on the same tiles up to 256 points (the first three cases: rows
-# past a multiple of 4, columns past a multiple of 8) and on a GEMM above (281 points) or without tiles.
+# (d + 1 < N above 8 dimensions) runs on the same tiles up to 256 points (the first five cases: rows
+# past a multiple of 4, columns past or on a multiple of 8) and on a GEMM above (281 points) or without tiles.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
     (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), 9 dimensions (tiles; differences without)
+    (20, 23, 16, None, torch.float64, 1),     # 43 points, columns a multiple of 8 (the projection's full panels)
+    (30, 3, 9, None, torch.float32, 1),       # 3 evaluation points: the projection's one row tile, all clamped
     (20, 21, 35, 2, torch.float32, 1),        # 41 points, 3 tail columns
     (100, 100, 51, None, torch.float32, 1),   # a UCI layer: one column block
     (150, 131, 40, None, torch.float32, 1),   # 281 points: row tiles first (past 256 points)

@@ -122,6 +122,16 @@ def test_clipped_points_get_zero_gradient(impl):
     assert (grad[~clipped].abs().sum(-1) > 0).all()
 
 
+def test_an_undefined_output_gradient_gives_no_gradient(compiled):
+    """The autograd formula with no gradient for the estimate (what torch.autograd.gradcheck's
+    check_undefined_grad sends): no gradient for q_z, not zeros made up or an error."""
+    p = torch.randn(20, 2, dtype=torch.float64)
+    q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
+    blocked = torch._C._functions.UndefinedGrad()(kivi_fast.kl(p, q))
+    (grad,) = torch.autograd.grad(blocked, q, allow_unused=True, materialize_grads=False)
+    assert grad is None
+
+
 def test_prior_samples_get_no_gradient(impl):
     p = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
     q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
@@ -162,10 +172,13 @@ def op_cases():
         # kl and kl_grad also take one unbatched pair (what kivi_fast.kl passes for [n, d] samples)
         ("kl_unbatched", ops.kl.default, (p[0], qg[0].detach().requires_grad_(), 1e-3, 1e-8, None, False)),
         ("kl_grad_unbatched", ops.kl_grad.default, (torch.tensor(-2.0, dtype=torch.float64), state[1], q[1], p[1], True)),
+        ("kl_unbatched_no_state", ops.kl.default, (p[0], q[0], 1e-3, 1e-8, None, True, False)),
+        ("kl_grad_unbatched_weights", ops.kl_grad.default,
+         (torch.tensor(1.0, dtype=torch.float64), state_w[0], q[0, :2, :], p[0, :2, :], True)),
     ]
 
 
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(16))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]
     torch.library.opcheck(op, args)
