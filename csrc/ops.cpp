@@ -123,8 +123,9 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 }
 
 // kl and kl_grad also take one unbatched pair ([n, d] samples, a [] estimate): kivi_fast.kl passes
-// unbatched samples as they are, so that a training step's graph holds no batch-dimension views
-// (their autograd nodes cost ~60 us a step at (100, 8), 15% of the step). The kernels see [1, n, d].
+// unbatched samples as they are, so that a training step's graph holds no batch-dimension views, each
+// with its own backward (with a fast path in its checks, the wrapper's cost at (100, 8) went from 48 to
+// 27 us a forward+backward call: bench/overhead.py). The kernels see [1, n, d].
 Tensor batched(const Tensor& x, bool single) { return single ? x.unsqueeze(0) : x; }
 
 template <bool kCpu>
