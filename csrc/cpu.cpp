@@ -420,14 +420,21 @@ void row_pointers(const Stack& s, int64_t b, int64_t c0, const T** out) {
   }
 }
 
-// Columns [c0, c0 + w) of batch element b in gram_tiles' packed layout (packed_size(rows, w) doubles).
-void pack_block(const Stack& s, int64_t b, int64_t c0, int64_t w, double* dst) {
-  AT_DISPATCH_FLOATING_TYPES(s.parts[0].scalar_type(), "kivi_fast_pack", [&] {
+// fn(rows) with rows[i] pointing at column c0 of stacked row i of batch element b, in the input dtype
+// (a per-thread array).
+template <class Fn>
+void with_row_pointers(const Stack& s, int64_t b, int64_t c0, Fn fn) {
+  AT_DISPATCH_FLOATING_TYPES(s.parts[0].scalar_type(), "kivi_fast_rows", [&] {
     thread_local std::vector<const scalar_t*> rows;
     rows.resize(s.rows);
     row_pointers(s, b, c0, rows.data());
-    gram_tiles::pack(rows.data(), s.rows, w, dst);
+    fn(static_cast<const scalar_t* const*>(rows.data()));
   });
+}
+
+// Columns [c0, c0 + w) of batch element b in gram_tiles' packed layout (packed_size(rows, w) doubles).
+void pack_block(const Stack& s, int64_t b, int64_t c0, int64_t w, double* dst) {
+  with_row_pointers(s, b, c0, [&](auto rows) { gram_tiles::pack(rows, s.rows, w, dst); });
 }
 
 // The points of batch element b scaled by their coefficients, Y = coef * X, in gram_tiles' panels of
@@ -435,15 +442,12 @@ void pack_block(const Stack& s, int64_t b, int64_t c0, int64_t w, double* dst) {
 void scaled_point_panels(const Stack& s, int64_t b, const double* coef, double* y) {
   constexpr int64_t P = gram_tiles::kPanel;
   const int64_t n = s.rows, d = s.d;
-  AT_DISPATCH_FLOATING_TYPES(s.parts[0].scalar_type(), "kivi_fast_point_panels", [&] {
-    thread_local std::vector<const scalar_t*> rows;
-    rows.resize(n);
-    row_pointers(s, b, 0, rows.data());
+  with_row_pointers(s, b, 0, [&](auto rows) {
     for (int64_t t0 = 0; t0 < d; t0 += P) {
       const int64_t width = std::min(P, d - t0);
       double* panel = y + t0 * n;
       for (int64_t c = 0; c < n; ++c) {
-        const scalar_t* x = rows[c] + t0;
+        const auto* x = rows[c] + t0;
         double* o = panel + c * P;
         for (int64_t t = 0; t < width; ++t) o[t] = coef[c] * static_cast<double>(x[t]);
         std::fill(o + width, o + P, 0.0);
@@ -888,7 +892,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
   // The scale is read here rather than made by kl_row_scale's tensor ops: at (100, 8) the backward's
   // arithmetic takes less time than three small ATen calls.
   std::vector<double> sp(batch);
-  const double factor = (reverse ? -1.0 : 1.0) / static_cast<double>(m);
+  const double factor = kl_row_factor(m, reverse);
   const auto g = grad_kl.reshape({-1});  // a view for the [] or expanded [B] grads autograd passes
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "kivi_fast_kl_grad_scale", [&] {
     const auto acc = g.accessor<scalar_t, 1>();

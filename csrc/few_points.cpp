@@ -225,12 +225,12 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
   TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);
   constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(T));
   constexpr int64_t kLinesPerBlock = kBlock / kLineElements;
-  const int64_t tiles = (n + kTile - 1) / kTile, w_main = w / kBlock * kBlock;
+  const int64_t tiles = (n + kTile - 1) / kTile, tile_count = tiles * (tiles + 1) / 2, w_main = w / kBlock * kBlock;
   alignas(32) double buf[(kMaxRows + kTile) * kBlock];
   std::fill(buf + n * kBlock, buf + tiles * kTile * kBlock, 0.0);  // padding rows: zeros, never stored
   constexpr int64_t kMaxTiles = (kMaxRows / kTile + 1) * (kMaxRows / kTile + 2) / 2;
   alignas(32) __m256d sums[kMaxTiles * 9];
-  for (int64_t t = 0; t < tiles * (tiles + 1) / 2 * 9; ++t) sums[t] = _mm256_setzero_pd();
+  for (int64_t t = 0; t < tile_count * 9; ++t) sums[t] = _mm256_setzero_pd();
   for (int64_t c0 = 0; c0 < w_main; c0 += kBlock) {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(buf + i * kBlock + c, load4(rows[i] + c0 + c));
@@ -239,7 +239,7 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
     // above waiting on memory (spread, the forward at (10, 314000) is 1.10x faster: bench/ab.py).
     const int64_t next = c0 + kBlock;
     const int64_t lines = next + kBlock <= w_main ? n * kLinesPerBlock : 0;
-    const int64_t per_tile = (lines + tiles * (tiles + 1) / 2 - 1) / (tiles * (tiles + 1) / 2);
+    const int64_t per_tile = (lines + tile_count - 1) / tile_count;
     int64_t line = 0;
     __m256d* tile_sums = sums;
     for (int64_t ib = 0; ib < tiles; ++ib)

@@ -53,24 +53,28 @@ KIVI_AVX2 inline void add_to(double* p, __m256d v) { _mm256_storeu_pd(p, _mm256_
 
 static_assert(kTileRows == 4, "tile() is written for 4 rows");
 
-// The 4 x 8 tile c[r ldc + j] (+)= sum_k a[k P + r] b[k P + j]: a is 4 rows of one panel, b a whole
-// panel. Eight accumulators (two registers a row) cover the FMA latency at two FMAs a cycle; named
-// ones, since GCC kept an array of them in memory.
-template <bool accumulate>
-KIVI_AVX2 void tile(const double* a, const double* b, int64_t w, double* c, int64_t ldc) {
+// The 4 x 8 tile c[r ldc + j] (+)= sum_k a_r[k kStep] b[k P + j] for rows a_0..a_3 of A read with
+// step kStep (P: 4 rows of one packed panel, a_r = a_0 + r; 1: row-major rows) and b a whole panel.
+// Eight accumulators (two registers a row) cover the FMA latency at two FMAs a cycle; named ones,
+// since GCC kept an array of them in memory. Inlined into each caller, so that the packed panel's
+// rows are addressed from one pointer (four pointers and a runtime step cost 4-13% of the Gram).
+template <int64_t kStep, bool accumulate>
+KIVI_AVX2 __attribute__((always_inline)) inline void tile(const double* a0, const double* a1, const double* a2,
+                                                          const double* a3, const double* b, int64_t w, double* c,
+                                                          int64_t ldc) {
   __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-  for (int64_t k = 0; k < w; ++k, a += P, b += P) {
+  for (int64_t k = 0, o = 0; k < w; ++k, o += kStep, b += P) {
     const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
-    __m256d x = _mm256_broadcast_sd(a);
+    __m256d x = _mm256_broadcast_sd(a0 + o);
     c00 = _mm256_fmadd_pd(x, b0, c00);
     c01 = _mm256_fmadd_pd(x, b1, c01);
-    x = _mm256_broadcast_sd(a + 1);
+    x = _mm256_broadcast_sd(a1 + o);
     c10 = _mm256_fmadd_pd(x, b0, c10);
     c11 = _mm256_fmadd_pd(x, b1, c11);
-    x = _mm256_broadcast_sd(a + 2);
+    x = _mm256_broadcast_sd(a2 + o);
     c20 = _mm256_fmadd_pd(x, b0, c20);
     c21 = _mm256_fmadd_pd(x, b1, c21);
-    x = _mm256_broadcast_sd(a + 3);
+    x = _mm256_broadcast_sd(a3 + o);
     c30 = _mm256_fmadd_pd(x, b0, c30);
     c31 = _mm256_fmadd_pd(x, b1, c31);
   }
@@ -87,30 +91,14 @@ KIVI_AVX2 void tile(const double* a, const double* b, int64_t w, double* c, int6
   }
 }
 
-// The 4 x 8 tile c[r ldc + j] = sum_k a_r[k] b[k P + j], as tile() but with the 4 rows of A read
-// in place (row-major rows, broadcast from each in turn) rather than from a packed panel.
+// tile() over 4 rows of one packed panel, and over 4 row-major rows.
+template <bool accumulate>
+KIVI_AVX2 void panel_tile(const double* a, const double* b, int64_t w, double* c, int64_t ldc) {
+  tile<P, accumulate>(a, a + 1, a + 2, a + 3, b, w, c, ldc);
+}
 KIVI_AVX2 void row_tile(const double* a0, const double* a1, const double* a2, const double* a3, const double* b,
                         int64_t w, double* c, int64_t ldc) {
-  __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-  for (int64_t k = 0; k < w; ++k, b += P) {
-    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
-    __m256d x = _mm256_broadcast_sd(a0 + k);
-    c00 = _mm256_fmadd_pd(x, b0, c00);
-    c01 = _mm256_fmadd_pd(x, b1, c01);
-    x = _mm256_broadcast_sd(a1 + k);
-    c10 = _mm256_fmadd_pd(x, b0, c10);
-    c11 = _mm256_fmadd_pd(x, b1, c11);
-    x = _mm256_broadcast_sd(a2 + k);
-    c20 = _mm256_fmadd_pd(x, b0, c20);
-    c21 = _mm256_fmadd_pd(x, b1, c21);
-    x = _mm256_broadcast_sd(a3 + k);
-    c30 = _mm256_fmadd_pd(x, b0, c30);
-    c31 = _mm256_fmadd_pd(x, b1, c31);
-  }
-  _mm256_storeu_pd(c, c00), _mm256_storeu_pd(c + 4, c01), c += ldc;
-  _mm256_storeu_pd(c, c10), _mm256_storeu_pd(c + 4, c11), c += ldc;
-  _mm256_storeu_pd(c, c20), _mm256_storeu_pd(c + 4, c21), c += ldc;
-  _mm256_storeu_pd(c, c30), _mm256_storeu_pd(c + 4, c31);
+  tile<1, false>(a0, a1, a2, a3, b, w, c, ldc);
 }
 
 KIVI_AVX2 void rows_times_panels_impl(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b,
@@ -142,14 +130,14 @@ KIVI_AVX2 void gram_tile(const double* packed, int64_t n, int64_t w, double* g, 
   const double* b = packed + j0 * w;
   if (i0 + kTileRows <= j0 && j0 + P <= n) {
     if (accumulate) {
-      tile<true>(a, b, w, g + i0 * ldg + j0, ldg);
+      panel_tile<true>(a, b, w, g + i0 * ldg + j0, ldg);
     } else {
-      tile<false>(a, b, w, g + i0 * ldg + j0, ldg);
+      panel_tile<false>(a, b, w, g + i0 * ldg + j0, ldg);
     }
     return;
   }
   alignas(32) double buf[kTileRows * P];
-  tile<false>(a, b, w, buf, P);
+  panel_tile<false>(a, b, w, buf, P);
   for (int64_t r = 0; r < kTileRows && i0 + r < n; ++r) {
     double* row = g + (i0 + r) * ldg;
     for (int64_t j = std::max(j0, i0 + r); j < std::min(n, j0 + P); ++j)

@@ -58,9 +58,11 @@ inline KlRoles kl_roles(const Tensor& prior_z, const Tensor& q_z, bool reverse) 
 // kivi_fast/_ops.py follows the same rules.
 inline bool kl_state_is_projection(int64_t n_total, int64_t d) { return d + 1 < n_total; }
 // The backward's scale per batch element: KL = -+ (1/n_q) sum_j log r(z_j) (reverse: minus), so
-// d(sum_b grad_kl[b] KL_b) / d log r(z_j) = +- grad_kl[b] / n_q. Float64 [B].
+// d(sum_b grad_kl[b] KL_b) / d log r(z_j) = +- grad_kl[b] / n_q = grad_kl[b] kl_row_factor.
+inline double kl_row_factor(int64_t n_q, bool reverse) { return (reverse ? -1.0 : 1.0) / static_cast<double>(n_q); }
+// The same as a float64 [B] tensor.
 inline Tensor kl_row_scale(const Tensor& grad_kl, int64_t n_q, bool reverse) {
-  return grad_kl.to(at::kDouble).reshape({-1}) * ((reverse ? -1.0 : 1.0) / static_cast<double>(n_q));
+  return grad_kl.to(at::kDouble).reshape({-1}) * kl_row_factor(n_q, reverse);
 }
 inline int64_t kl_state_width(int64_t n_total, int64_t d) {
   return kl_state_is_projection(n_total, d) ? d + 1 : n_total;
