@@ -12,7 +12,8 @@
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
 //    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
 //  - the median is an exact selection over binned values (see select_two), not a sort;
-//  - systems up to 256 x 256 are factored by our own Cholesky (rows::cholesky_upper);
+//  - systems up to 256 x 256 are factored by our own Cholesky (rows::cholesky_upper), larger ones by
+//    LAPACK's float32 Cholesky refined in float64 to float64's backward error (solve_refined);
 //  - with few dimensions (d + 1 < N) the forward leaves the backward the projection of its weights on
 //    the points (kl_state_width in kivi.h), so the backward is one elementwise pass; otherwise the
 //    backward reads the samples once more, block by block, and writes the gradient once.
@@ -44,6 +45,9 @@
 extern "C" {
 void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info) __attribute__((weak));
 void dpotrs_(const char* uplo, const int* n, const int* nrhs, const double* a, const int* lda, double* b,
+             const int* ldb, int* info) __attribute__((weak));
+void spotrf_(const char* uplo, const int* n, float* a, const int* lda, int* info) __attribute__((weak));
+void spotrs_(const char* uplo, const int* n, const int* nrhs, const float* a, const int* lda, float* b,
              const int* ldb, int* info) __attribute__((weak));
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
@@ -581,17 +585,85 @@ void for_each_element(const Stack& s, Fn fn) {
 // MKL's dpotrf on this machine's AMD EPYC core, which loses to MKL's blocked code from ~300 rows.
 constexpr int64_t kOwnCholeskyMaxRows = 256;
 
+// Refinement steps before the float32 factor is given up for a float64 one. Each step multiplies the
+// error by about cond(A) eps_float32, cond(A) <= (1 + lam) / lam (the kernel's eigenvalues lie in
+// [0, n_den]): 3 solves at lam = 1e-3 ((2000, 32)), 5 at 1e-6 (400 rows), 8 at a condition number of 6e6.
+constexpr int kMaxRefinements = 30;
+
+// A x = b for A = K_dd / n_den + lam I (K_dd: the first n_den rows and columns of the N x N kernel,
+// row-major, full rows) by LAPACK's float32 Cholesky and refinement in float64, as LAPACK's dsposv
+// (which torch does not export): x = solve32(b), then x += solve32(b - A x) until the float64 residual
+// passes dsposv's test, ||r|| <= sqrt(n_den) eps ||A|| ||x|| (infinity norms, eps = 2^-53), a backward
+// error as small as float64 Cholesky's. The float32 factor costs half the float64 one (2000 rows:
+// 50 against 110 ms, 1 thread) and each step two passes over n_den^2 values. Each right-hand side is
+// scaled to a largest entry of 1 before it is rounded, so float32's range never limits it. Returns
+// false, with x undefined, where float32 cannot factor A (lam below its resolution of the diagonal)
+// or the steps do not converge: the caller then factors in float64.
+bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, const double* b, double* x,
+                   Scratch& scratch, bool parallel) {
+  const double inv_n = 1.0 / static_cast<double>(n_den);
+  // the row-major upper triangle is LAPACK's column-major lower one
+  auto* const factor = reinterpret_cast<float*>(scratch.get((n_den * n_den + 1) / 2));
+  for (int64_t i = 0; i < n_den; ++i) {
+    rows::scale_copy(kernel + i * n + i, inv_n, factor + i * n_den + i, n_den - i);
+    factor[i * n_den + i] = static_cast<float>(kernel[i * n + i] * inv_n + lam);
+  }
+  const int nn = static_cast<int>(n_den), one = 1;
+  int info = 0;
+  spotrf_("L", &nn, factor, &nn, &info);
+  if (info != 0) return false;
+  std::vector<double> r(b, b + n_den);
+  std::vector<float> step(n_den);
+  double a_norm = 0.0;  // ||A||_inf, summed in the first residual pass (the kernel is >= 0)
+  std::vector<double> row_norm(n_den);
+  std::fill(x, x + n_den, 0.0);
+  const double eps = 0.5 * std::numeric_limits<double>::epsilon();
+  for (int it = 0; it <= kMaxRefinements; ++it) {
+    const double r_norm = rows::max_abs(r.data(), n_den);
+    if (!std::isfinite(r_norm)) return false;
+    if (it > 0 && r_norm <= std::sqrt(static_cast<double>(n_den)) * eps * a_norm * rows::max_abs(x, n_den)) return true;
+    if (r_norm == 0.0) return true;
+    rows::scale_copy(r.data(), 1.0 / r_norm, step.data(), n_den);
+    spotrs_("L", &nn, &one, factor, &nn, step.data(), &nn, &info);
+    for (int64_t i = 0; i < n_den; ++i) x[i] += r_norm * static_cast<double>(step[i]);
+    const bool first = it == 0;
+    auto residual_rows = [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const double* row = kernel + i * n;
+        r[i] = b[i] - (inv_n * rows::dot(row, x, n_den) + lam * x[i]);
+        if (first) row_norm[i] = inv_n * rows::sum(row, n_den) + lam;
+      }
+    };
+    if (parallel) {
+      at::parallel_for(0, n_den, 64, residual_rows);
+    } else {
+      residual_rows(0, n_den);
+    }
+    if (first) a_norm = *std::max_element(row_norm.begin(), row_norm.end());
+  }
+  return false;
+}
+
 // (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num) by Cholesky, from the kernel of the
-// stacked points [denom; numer] (N x N, row-major). alpha gets n_den values.
-void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha, Scratch& scratch) {
+// stacked points [denom; numer] (N x N, row-major; rows [0, n_den) full, the rest upper triangle).
+// alpha gets n_den values.
+void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha, Work& work,
+                     bool parallel) {
   const int64_t n_num = n - n_den;
+  const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
+  for (int64_t i = 0; i < n_den; ++i) alpha[i] = rhs_scale * rows::sum(kernel + i * n + n_den, n_num);
   const bool own = n_den <= kOwnCholeskyMaxRows;
+  const bool lapack = dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas;
+  if (!own && lapack && spotrf_ != nullptr && spotrs_ != nullptr) {
+    std::vector<double> rhs(alpha, alpha + n_den);
+    if (solve_refined(kernel, n, n_den, lam, rhs.data(), alpha, work.system, parallel)) return;
+    std::copy(rhs.begin(), rhs.end(), alpha);
+  }
   // our Cholesky wants padded rows (see rows::cholesky_upper); LAPACK and ATen a contiguous matrix
   const int64_t ld = own ? rows::cholesky_ld(n_den) : n_den;
   const int64_t rows_alloc = own ? rows::cholesky_rows(n_den) : n_den;
-  double* const system = scratch.get(rows_alloc * ld);
+  double* const system = work.system.get(rows_alloc * ld);
   const double inv_n = 1.0 / static_cast<double>(n_den);
-  const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
   // Only the upper triangle (row-major) is filled: what both Cholesky paths read (LAPACK's "L" of the
   // column-major view is the same triangle). The padding, and the three entries left of the diagonal
   // that our Cholesky's diagonal blocks update, are zeroed: stale bits there could be denormals.
@@ -600,7 +672,6 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
     double* a = system + i * ld;
     rows::scale_copy(row + i, inv_n, a + i, n_den - i);
     a[i] += lam;
-    alpha[i] = rhs_scale * rows::sum(row + n_den, n_num);
     if (own) {
       std::fill(a + std::max<int64_t>(0, i - 3), a + i, 0.0);
       std::fill(a + n_den, a + ld, 0.0);
@@ -611,8 +682,7 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   if (own) {
     info = rows::cholesky_upper(system, n_den, ld) ? 0 : 1;
     if (info == 0) rows::cholesky_solve_upper(system, n_den, ld, alpha);
-  } else if (dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas) {
-    // The row-major upper triangle is the column-major lower one.
+  } else if (lapack) {
     const int nn = static_cast<int>(n_den), one = 1;
     dpotrf_("L", &nn, system, &nn, &info);
     if (info == 0) dpotrs_("L", &nn, &one, system, &nn, alpha, &nn, &info);
@@ -673,7 +743,7 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, do
   check_finite(norms, n_den, n, names);
   const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
   kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel);
-  solve_alpha_one(sq, n, n_den, lam, coef, work.system);
+  solve_alpha_one(sq, n, n_den, lam, coef, work, parallel);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
 }

@@ -234,6 +234,10 @@ KIVI_FAST_ISA_CLONES void scale_copy(const double* x, double s, double* out, int
   for (int64_t j = 0; j < n; ++j) out[j] = s * x[j];
 }
 
+KIVI_FAST_ISA_CLONES void scale_copy(const double* x, double s, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(s * x[j]);
+}
+
 // Sums with four vector partials (16 products in flight): one accumulator would make each vector
 // add wait for the previous one.
 KIVI_FAST_ISA_CLONES double dot(const double* a, const double* b, int64_t n) {
@@ -256,6 +260,16 @@ KIVI_FAST_ISA_CLONES double sum(const double* x, int64_t n) {
   double total = (v[0] + v[1]) + (v[2] + v[3]);
   for (; j < n; ++j) total += x[j];
   return total;
+}
+
+double max_abs(const double* x, int64_t n) {
+  double m = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double a = std::fabs(x[j]);
+    if (std::isnan(a)) return a;
+    m = std::max(m, a);
+  }
+  return m;
 }
 
 KIVI_FAST_ISA_CLONES void mul_scale(const double* c, const double* k, double s, double* w, int64_t n) {

@@ -51,9 +51,13 @@ void cholesky_solve_upper(const double* u, int64_t n, int64_t ld, double* b);
 void scaled_exp(double* x, double s, int64_t n);
 // out[j] = s x[j]
 void scale_copy(const double* x, double s, double* out, int64_t n);
+// out[j] = s x[j], rounded to float32
+void scale_copy(const double* x, double s, float* out, int64_t n);
 // sum_j a[j] b[j], and sum_j x[j]
 double dot(const double* a, const double* b, int64_t n);
 double sum(const double* x, int64_t n);
+// max_j |x[j]| (NaN if any x[j] is NaN)
+double max_abs(const double* x, int64_t n);
 // w[j] = (c[j] k[j]) s
 void mul_scale(const double* c, const double* k, double s, double* w, int64_t n);
 // out[j] = s (g[j] - t z[j]), converted to the output type

@@ -238,8 +238,8 @@ def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads
 def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
     """Our Cholesky (systems up to 256 rows) works in panels of 8 rows and 4 x 8 register blocks over
     padded rows: sizes on and around those multiples, and the largest it takes, against the oracle.
-    The reverse ratio trick fits q_z / prior_z: the system is n_p x n_p."""
-    pr = dict(n_p=n_den, n_q=40, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=n_den)
+    The reverse ratio trick fits prior_z / q_z: the system is n_q x n_q."""
+    pr = dict(n_p=40, n_q=n_den, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=n_den)
     p, q = make_samples(pr)
     ours = value_and_grad(kivi_fast.kl, p, q, reverse=True)
     ref = value_and_grad(reference.kl, p, q, reverse=True)
@@ -259,6 +259,45 @@ def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_b
     # the Gram by GEMMs (tiles off), as on AVX-512 CPUs
     with switched({torch.ops.kivi_fast._set_external_blas: external_blas, torch.ops.kivi_fast._set_gram_tiles: False}):
         assert_kl_equals_reference(p, q, 1e-8)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lam", [1e-2, 1e-6])
+def test_float32_factor_refined_in_float64_equals_reference(compiled, lam, threads):
+    """Systems above 256 rows are factored by LAPACK in float32 and refined in float64 (solve_refined in
+    cpu.cpp) to float64's backward error: the answer is float64's, at lam = 1e-6 too, where the
+    system's condition number (up to 1e6) makes each refinement step gain fewer digits."""
+    pr = dict(n_p=300, n_q=280, d=4, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
+    p, q = make_samples(pr)
+    with switched({}, threads):
+        for reverse in (True, False):
+            ours = value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=reverse)
+            ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=reverse)
+            for a, b in zip(ours, ref):
+                assert_close_rel(a, b, 1e-8)
+
+
+@pytest.mark.parametrize("lam", [1e-7, 1e-8])
+def test_system_float32_cannot_solve_is_solved_in_float64(lam):
+    """Nearly coincident prior samples: K_pp / n_p + lam I has a condition number of ~6e6 (lam = 1e-7:
+    float32 factors it, and the refinement gains a few bits a step) or ~6e7 (lam = 1e-8: float32
+    cannot factor it, and the float64 Cholesky takes over). Either way, the reference's answer, within
+    what a condition number of 6e7 leaves of float64's 1e-16 (a float64 Cholesky of the same system
+    here, before the float32 path existed, was 5e-6 off in the gradient). CPU kernels only: the
+    device-generic path takes distances from a GEMM, whose cancellation (squared norms ~1, squared
+    distances ~1e-8) this condition number amplifies to ~1e-5."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(1, 3, generator=g, dtype=torch.float64)
+    p = base + 1e-4 * torch.randn(300, 3, generator=g, dtype=torch.float64)
+    q = base + 1e-4 * (0.8 * torch.randn(40, 3, generator=g, dtype=torch.float64) + 0.3)
+    sigma = reference.median_bandwidth(torch.cat([q, p]))
+    system = reference.rbf_gram(p, p, sigma) / 300 + lam * torch.eye(300, dtype=torch.float64)
+    assert (torch.linalg.cholesky_ex(system.float()).info.item() != 0) == (lam == 1e-8)
+    with implementation("cpu"):
+        ours = value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=False)  # reverse=False: the system is n_p x n_p
+    ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=False)
+    for a, b in zip(ours, ref):
+        assert_close_rel(a, b, 1e-5)
 
 
 @pytest.mark.parametrize("reverse", [True, False])
