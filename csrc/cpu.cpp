@@ -585,20 +585,26 @@ void for_each_element(const Stack& s, Fn fn) {
 // MKL's dpotrf on this machine's AMD EPYC core, which loses to MKL's blocked code from ~300 rows.
 constexpr int64_t kOwnCholeskyMaxRows = 256;
 
-// Refinement steps before the float32 factor is given up for a float64 one. Each step multiplies the
-// error by about cond(A) eps_float32, cond(A) <= (1 + lam) / lam (the kernel's eigenvalues lie in
-// [0, n_den]): 3 solves at lam = 1e-3 ((2000, 32)), 5 at 1e-6 (400 rows), 8 at a condition number of 6e6.
+// Refinement steps after the first float32 solve before the float32 factor is given up for a float64
+// one. Each step multiplies the error by about cond(A) eps_float32, cond(A) <= (1 + lam) / lam (the
+// kernel's eigenvalues lie in [0, n_den]): 3 solves in all at lam = 1e-3 ((2000, 32)), 5 at 1e-6 (400
+// rows), 8 at a condition number of 6e6. A step that does not halve the residual ends it sooner.
 constexpr int kMaxRefinements = 30;
+
+// How solve_refined's calls ended since the library was loaded: converged, float32 could not factor,
+// the steps stalled (what the tests read through _refined_solve_counts).
+std::atomic<int64_t> refined_converged{0}, refined_factor_failed{0}, refined_stalled{0};
 
 // A x = b for A = K_dd / n_den + lam I (K_dd: the first n_den rows and columns of the N x N kernel,
 // row-major, full rows) by LAPACK's float32 Cholesky and refinement in float64, as LAPACK's dsposv
-// (which torch does not export): x = solve32(b), then x += solve32(b - A x) until the float64 residual
-// passes dsposv's test, ||r|| <= sqrt(n_den) eps ||A|| ||x|| (infinity norms, eps = 2^-53), a backward
-// error as small as float64 Cholesky's. The float32 factor costs half the float64 one (2000 rows:
+// (which torch does not export): x = solve32(b), then x += solve32(b - A x) while that halves the
+// float64 residual, until ||r|| <= eps ||A|| ||x|| (infinity norms, eps = 2^-53: float64's rounding of
+// A x) or, where the steps stop halving it, dsposv's test ||r|| <= sqrt(n_den) eps ||A|| ||x||: a
+// backward error as small as float64 Cholesky's. The float32 factor costs half the float64 one (2000 rows:
 // 50 against 110 ms, 1 thread) and each step two passes over n_den^2 values. Each right-hand side is
 // scaled to a largest entry of 1 before it is rounded, so float32's range never limits it. Returns
-// false, with x undefined, where float32 cannot factor A (lam below its resolution of the diagonal)
-// or the steps do not converge: the caller then factors in float64.
+// false, with x undefined, where float32 cannot factor A (cond(A) beyond about 1 / eps_float32) or
+// the steps stall: the caller then factors in float64.
 bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, const double* b, double* x,
                    Scratch& scratch, bool parallel) {
   const double inv_n = 1.0 / static_cast<double>(n_den);
@@ -611,18 +617,21 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
   const int nn = static_cast<int>(n_den), one = 1;
   int info = 0;
   spotrf_("L", &nn, factor, &nn, &info);
-  if (info != 0) return false;
-  std::vector<double> r(b, b + n_den);
+  if (info != 0) {
+    ++refined_factor_failed;
+    return false;
+  }
+  std::vector<double> r(b, b + n_den), row_norm(n_den);
   std::vector<float> step(n_den);
-  double a_norm = 0.0;  // ||A||_inf, summed in the first residual pass (the kernel is >= 0)
-  std::vector<double> row_norm(n_den);
   std::fill(x, x + n_den, 0.0);
-  const double eps = 0.5 * std::numeric_limits<double>::epsilon();
-  for (int it = 0; it <= kMaxRefinements; ++it) {
-    const double r_norm = rows::max_abs(r.data(), n_den);
-    if (!std::isfinite(r_norm)) return false;
-    if (it > 0 && r_norm <= std::sqrt(static_cast<double>(n_den)) * eps * a_norm * rows::max_abs(x, n_den)) return true;
-    if (r_norm == 0.0) return true;
+  double r_norm = rows::max_abs(r.data(), n_den);
+  double a_norm = 0.0;  // ||A||_inf, summed in the first residual pass (the kernel is >= 0)
+  const double eps = 0.5 * std::numeric_limits<double>::epsilon(), dsposv_factor = std::sqrt(static_cast<double>(n_den));
+  for (int it = 0; it <= kMaxRefinements && std::isfinite(r_norm); ++it) {
+    if (r_norm == 0.0) {  // b = 0 (every kernel value between the two samples underflowed), or exact
+      ++refined_converged;
+      return true;
+    }
     rows::scale_copy(r.data(), 1.0 / r_norm, step.data(), n_den);
     spotrs_("L", &nn, &one, factor, &nn, step.data(), &nn, &info);
     for (int64_t i = 0; i < n_den; ++i) x[i] += r_norm * static_cast<double>(step[i]);
@@ -640,7 +649,19 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
       residual_rows(0, n_den);
     }
     if (first) a_norm = *std::max_element(row_norm.begin(), row_norm.end());
+    const double previous = r_norm;
+    r_norm = rows::max_abs(r.data(), n_den);
+    // Steps go on while they halve the residual, down to float64's rounding of A x; where they stop
+    // halving, dsposv's test decides.
+    const double rounding = eps * a_norm * rows::max_abs(x, n_den);
+    const bool last = it == kMaxRefinements || (!first && !(r_norm <= 0.5 * previous));
+    if (r_norm <= rounding || (last && r_norm <= dsposv_factor * rounding)) {
+      ++refined_converged;
+      return true;
+    }
+    if (last) break;
   }
+  ++refined_stalled;
   return false;
 }
 
@@ -735,6 +756,7 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
 // all), and returns the bandwidth.
 double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, double lam, const double* sigma_given,
                Names names, bool parallel, Work& work) {
+  TORCH_INTERNAL_ASSERT(kernel_rows >= n_den, "the solve reads the denominator's full kernel rows");
   const int64_t n = s.rows;
   double* sq = work.sq.get(n * n);
   double* norms = work.norms.get(n);
@@ -987,6 +1009,10 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 }
 
 bool set_external_blas(bool flag) { return use_external_blas.exchange(flag); }
+
+std::vector<int64_t> refined_solve_counts() {
+  return {refined_converged.load(), refined_factor_failed.load(), refined_stalled.load()};
+}
 
 }  // namespace cpu
 }  // namespace kivi_fast

@@ -5,6 +5,8 @@
 // values and the ratio are computed in float64 whatever the input dtype: evaluating the fitted
 // ratio cancels terms of size ~1/lam (its two parts have opposite signs), so float32 arithmetic
 // there loses up to ~1e-1 relative accuracy at lam = 1e-3. Only the results go back to the input dtype.
+// (The CPU kernels factor systems above 256 rows in float32, but refine the solve in float64 to
+// float64's backward error: csrc/cpu.cpp, solve_refined.)
 //
 // A fit of numer/denom works on the stacked points [denom; numer] ([B, N, d], N = n_den + n_num), so
 // one Gram matrix serves the median bandwidth, the linear system and the evaluation at the samples:
@@ -15,6 +17,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 namespace kivi_fast {
 
@@ -105,6 +108,9 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 // Whether the CPU kernels call torch's exported dgemm_/dpotrf_ (default) or the ATen equivalents that
 // builds without those symbols get; returns the old value (a test switch).
 bool set_external_blas(bool flag);
+// How the float32-factor-and-refine solves (systems above 256 rows) ended: converged, float32 could not
+// factor, stalled (the last two fall back to float64's factor). For tests.
+std::vector<int64_t> refined_solve_counts();
 }  // namespace cpu
 
 // ATen-only helpers of the generic path (stack_points also serves the ratio op on every device).

@@ -51,7 +51,7 @@ void cholesky_solve_upper(const double* u, int64_t n, int64_t ld, double* b);
 void scaled_exp(double* x, double s, int64_t n);
 // out[j] = s x[j]
 void scale_copy(const double* x, double s, double* out, int64_t n);
-// out[j] = s x[j], rounded to float32
+// out[j] = s x[j], rounded to float32 (0 below float32's smallest normal number)
 void scale_copy(const double* x, double s, float* out, int64_t n);
 // sum_j a[j] b[j], and sum_j x[j]
 double dot(const double* a, const double* b, int64_t n);

@@ -251,7 +251,7 @@ def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
 @pytest.mark.parametrize("n_p,n_q,d", [
     (80, 90, 51),   # the Gram by GEMMs of the split upper triangle, the projection by one GEMM
     (80, 90, 400),  # two column blocks: the second accumulates into the Gram (beta = 1)
-    (20, 300, 3),   # a 300-row system: LAPACK's Cholesky (ours stops at 256 rows)
+    (20, 300, 3),   # a 300-row system: LAPACK's float32 Cholesky refined in float64 (ours stops at 256 rows)
 ])
 def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_blas):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=d)
@@ -261,40 +261,50 @@ def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_b
         assert_kl_equals_reference(p, q, 1e-8)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+def refined_solves(fn):
+    """fn()'s solves of systems above 256 rows by the CPU kernels: [converged, float32 could not
+    factor, stalled] (the last two fall back to a float64 Cholesky)."""
+    before = torch.ops.kivi_fast._refined_solve_counts()
+    result = fn()
+    return [b - a for a, b in zip(before, torch.ops.kivi_fast._refined_solve_counts())], result
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # 2: N^2 d is large enough to split the element over threads
 @pytest.mark.parametrize("lam", [1e-2, 1e-6])
-def test_float32_factor_refined_in_float64_equals_reference(compiled, lam, threads):
+def test_float32_factor_refined_in_float64_equals_reference(lam, threads):
     """Systems above 256 rows are factored by LAPACK in float32 and refined in float64 (solve_refined in
     cpu.cpp) to float64's backward error: the answer is float64's, at lam = 1e-6 too, where the
-    system's condition number (up to 1e6) makes each refinement step gain fewer digits."""
-    pr = dict(n_p=300, n_q=280, d=4, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
+    system's condition number (up to 1e6) makes each refinement step gain fewer digits and leaves
+    float64 itself fewer: there ours and the reference differ by 1e-8 in the gradient at reverse=True,
+    and so do the reference and our float64 Cholesky path (3e-9; _set_external_blas(False))."""
+    pr = dict(n_p=300, n_q=280, d=64, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
     p, q = make_samples(pr)
-    with switched({}, threads):
-        for reverse in (True, False):
-            ours = value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=reverse)
+    with implementation("cpu"), switched({}, threads):
+        for reverse in (True, False):  # a 280-row system, then a 300-row one
+            counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=reverse))
+            assert counts == [1, 0, 0]
             ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=reverse)
             for a, b in zip(ours, ref):
-                assert_close_rel(a, b, 1e-8)
+                assert_close_rel(a, b, 1e-8 if lam == 1e-2 else 1e-7)
 
 
-@pytest.mark.parametrize("lam", [1e-7, 1e-8])
-def test_system_float32_cannot_solve_is_solved_in_float64(lam):
-    """Nearly coincident prior samples: K_pp / n_p + lam I has a condition number of ~6e6 (lam = 1e-7:
-    float32 factors it, and the refinement gains a few bits a step) or ~6e7 (lam = 1e-8: float32
-    cannot factor it, and the float64 Cholesky takes over). Either way, the reference's answer, within
-    what a condition number of 6e7 leaves of float64's 1e-16 (a float64 Cholesky of the same system
-    here, before the float32 path existed, was 5e-6 off in the gradient). CPU kernels only: the
-    device-generic path takes distances from a GEMM, whose cancellation (squared norms ~1, squared
-    distances ~1e-8) this condition number amplifies to ~1e-5."""
+@pytest.mark.parametrize("lam,outcome", [(1e-7, [1, 0, 0]), (2e-8, [0, 0, 1]), (1e-8, [0, 1, 0])])
+def test_system_float32_cannot_solve_is_solved_in_float64(lam, outcome):
+    """Nearly coincident prior samples make K_pp / n_p + lam I ill-conditioned: ~6e6 at lam = 1e-7
+    (float32 factors it, and the refinement gains a few bits a step), ~3e7 at 2e-8 (float32 factors it,
+    but a step no longer halves the residual), ~6e7 at 1e-8 (float32 cannot factor it). In the last
+    two the float64 Cholesky takes over. Each time, the reference's answer, within what a condition
+    number of 6e7 leaves of float64's 1e-16 (the float64 Cholesky alone, before the float32 path
+    existed, was 5e-6 off in the gradient here). CPU kernels only: the device-generic path takes
+    distances from a GEMM, whose cancellation (squared norms ~1, squared distances ~1e-8) this
+    condition number amplifies to ~1e-5."""
     g = torch.Generator().manual_seed(11)
     base = torch.randn(1, 3, generator=g, dtype=torch.float64)
     p = base + 1e-4 * torch.randn(300, 3, generator=g, dtype=torch.float64)
     q = base + 1e-4 * (0.8 * torch.randn(40, 3, generator=g, dtype=torch.float64) + 0.3)
-    sigma = reference.median_bandwidth(torch.cat([q, p]))
-    system = reference.rbf_gram(p, p, sigma) / 300 + lam * torch.eye(300, dtype=torch.float64)
-    assert (torch.linalg.cholesky_ex(system.float()).info.item() != 0) == (lam == 1e-8)
-    with implementation("cpu"):
-        ours = value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=False)  # reverse=False: the system is n_p x n_p
+    with implementation("cpu"):  # reverse=False: the system is n_p x n_p
+        counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=False))
+    assert counts == outcome
     ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=False)
     for a, b in zip(ours, ref):
         assert_close_rel(a, b, 1e-5)
