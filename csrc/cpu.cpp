@@ -59,7 +59,7 @@ namespace cpu {
 namespace {
 
 // Whether to call the BLAS/LAPACK symbols above where torch exports them; off, the ATen calls that
-// builds without them use (a test switch: _set_external_blas).
+// builds without them use, and no float32 factor of large systems (a test switch: _set_external_blas).
 std::atomic<bool> use_external_blas{true};
 
 // A [N, w] float64 block of about 512 KB, half of this machine's L2 per core: as fast here as the
@@ -582,18 +582,21 @@ void for_each_element(const Stack& s, Fn fn) {
 }
 
 // Systems up to this size are factored by rows::cholesky_upper: at 100 x 100, 18-25 us against 48 us for
-// MKL's dpotrf on this machine's AMD EPYC core, which loses to MKL's blocked code from ~300 rows.
+// MKL's dpotrf on this machine's AMD EPYC core, which loses to MKL's blocked code from ~300 rows. Against
+// the float32 factor refined in float64 that larger systems get (solve_refined) the crossover is also
+// near 300-350 rows (bench/README.md, session 10).
 constexpr int64_t kOwnCholeskyMaxRows = 256;
 
 // Refinement steps after the first float32 solve before the float32 factor is given up for a float64
 // one. Each step multiplies the error by about cond(A) eps_float32, cond(A) <= (1 + lam) / lam (the
-// kernel's eigenvalues lie in [0, n_den]): 3 solves in all at lam = 1e-3 ((2000, 32)), 5 at 1e-6 (400
-// rows), 8 at a condition number of 6e6. A step that does not halve the residual ends it sooner.
+// kernel's eigenvalues lie in [0, n_den]). Measured (_refined_solve_counts): 3 solves in all at
+// lam = 1e-3 ((1000, 32), (2000, 32)), 4 at 1e-2 (300 rows), 9 at a condition number of 6e6. A step
+// that does not halve the residual ends it sooner.
 constexpr int kMaxRefinements = 30;
 
 // How solve_refined's calls ended since the library was loaded: converged, float32 could not factor,
-// the steps stalled (what the tests read through _refined_solve_counts).
-std::atomic<int64_t> refined_converged{0}, refined_factor_failed{0}, refined_stalled{0};
+// the steps stalled; and the float32 solves they made (what the tests read through _refined_solve_counts).
+std::atomic<int64_t> refined_converged{0}, refined_factor_failed{0}, refined_stalled{0}, refined_solves{0};
 
 // A x = b for A = K_dd / n_den + lam I (K_dd: the first n_den rows and columns of the N x N kernel,
 // row-major, full rows) by LAPACK's float32 Cholesky and refinement in float64, as LAPACK's dsposv
@@ -625,15 +628,16 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
   std::vector<float> step(n_den);
   std::fill(x, x + n_den, 0.0);
   double r_norm = rows::max_abs(r.data(), n_den);
+  if (r_norm == 0.0) {  // b = 0: every kernel value between the two samples underflowed; x = 0
+    ++refined_converged;
+    return true;
+  }
   double a_norm = 0.0;  // ||A||_inf, summed in the first residual pass (the kernel is >= 0)
   const double eps = 0.5 * std::numeric_limits<double>::epsilon(), dsposv_factor = std::sqrt(static_cast<double>(n_den));
   for (int it = 0; it <= kMaxRefinements && std::isfinite(r_norm); ++it) {
-    if (r_norm == 0.0) {  // b = 0 (every kernel value between the two samples underflowed), or exact
-      ++refined_converged;
-      return true;
-    }
     rows::scale_copy(r.data(), 1.0 / r_norm, step.data(), n_den);
     spotrs_("L", &nn, &one, factor, &nn, step.data(), &nn, &info);
+    ++refined_solves;
     for (int64_t i = 0; i < n_den; ++i) x[i] += r_norm * static_cast<double>(step[i]);
     const bool first = it == 0;
     auto residual_rows = [&](int64_t i0, int64_t i1) {
@@ -661,7 +665,7 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
     }
     if (last) break;
   }
-  ++refined_stalled;
+  ++refined_stalled;  // or a residual that is not finite (b is finite: it cannot come from there)
   return false;
 }
 
@@ -1011,7 +1015,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 bool set_external_blas(bool flag) { return use_external_blas.exchange(flag); }
 
 std::vector<int64_t> refined_solve_counts() {
-  return {refined_converged.load(), refined_factor_failed.load(), refined_stalled.load()};
+  return {refined_converged.load(), refined_factor_failed.load(), refined_stalled.load(), refined_solves.load()};
 }
 
 }  // namespace cpu

@@ -105,11 +105,11 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
-// Whether the CPU kernels call torch's exported dgemm_/dpotrf_ (default) or the ATen equivalents that
-// builds without those symbols get; returns the old value (a test switch).
+// Whether the CPU kernels call torch's exported dgemm_/dpotrf_/spotrf_ (default) or the ATen equivalents
+// that builds without those symbols get (float64 Cholesky only); returns the old value (a test switch).
 bool set_external_blas(bool flag);
 // How the float32-factor-and-refine solves (systems above 256 rows) ended: converged, float32 could not
-// factor, stalled (the last two fall back to float64's factor). For tests.
+// factor, stalled (the last two fall back to float64's factor); then the float32 solves made. For tests.
 std::vector<int64_t> refined_solve_counts();
 }  // namespace cpu
 

@@ -221,7 +221,7 @@ TORCH_LIBRARY(kivi_fast, m) {
   // Nor this: the ATen calls in place of torch's exported BLAS/LAPACK symbols (for tests).
   m.def("_set_external_blas(bool flag) -> bool", &cpu::set_external_blas);
   // Nor this: how the solves of systems above 256 rows ended, [converged, float32 could not factor,
-  // stalled] since load (for tests).
+  // stalled, float32 solves made] since load (for tests).
   m.def("_refined_solve_counts() -> int[]", &cpu::refined_solve_counts);
 }
 
