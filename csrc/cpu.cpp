@@ -598,6 +598,17 @@ constexpr int kMaxRefinements = 30;
 // the steps stalled; and the float32 solves they made (what the tests read through _refined_solve_counts).
 std::atomic<int64_t> refined_converged{0}, refined_factor_failed{0}, refined_stalled{0}, refined_solves{0};
 
+// The upper triangle (row-major; LAPACK's column-major lower one) of A = K_dd / n_den + lam I into a
+// (leading dimension ld), from the first n_den rows of the N x N kernel (row-major, stride n).
+template <class T>
+void fill_system_upper(const double* kernel, int64_t n, int64_t n_den, double lam, T* a, int64_t ld) {
+  const double inv_n = 1.0 / static_cast<double>(n_den);
+  for (int64_t i = 0; i < n_den; ++i) {
+    rows::scale_copy(kernel + i * n + i, inv_n, a + i * ld + i, n_den - i);
+    a[i * ld + i] = static_cast<T>(kernel[i * n + i] * inv_n + lam);
+  }
+}
+
 // A x = b for A = K_dd / n_den + lam I (K_dd: the first n_den rows and columns of the N x N kernel,
 // row-major, full rows) by LAPACK's float32 Cholesky and refinement in float64, as LAPACK's dsposv
 // (which torch does not export): x = solve32(b), then x += solve32(b - A x) while that halves the
@@ -605,18 +616,14 @@ std::atomic<int64_t> refined_converged{0}, refined_factor_failed{0}, refined_sta
 // A x) or, where the steps stop halving it, dsposv's test ||r|| <= sqrt(n_den) eps ||A|| ||x||: a
 // backward error as small as float64 Cholesky's. The float32 factor costs half the float64 one (2000 rows:
 // 50 against 110 ms, 1 thread) and each step two passes over n_den^2 values. Each right-hand side is
-// scaled to a largest entry of 1 before it is rounded, so float32's range never limits it. Returns
-// false, with x undefined, where float32 cannot factor A (cond(A) beyond about 1 / eps_float32) or
-// the steps stall: the caller then factors in float64.
-bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, const double* b, double* x,
-                   Scratch& scratch, bool parallel) {
+// scaled to a largest entry of 1 before it is rounded, so float32's range never limits it. b is
+// overwritten with x where this returns true; it is left as it was where float32 cannot factor A
+// (cond(A) beyond about 1 / eps_float32) or the steps stall, and the caller then factors in float64.
+bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, double* b, Scratch& scratch,
+                   bool parallel) {
   const double inv_n = 1.0 / static_cast<double>(n_den);
-  // the row-major upper triangle is LAPACK's column-major lower one
   auto* const factor = reinterpret_cast<float*>(scratch.get((n_den * n_den + 1) / 2));
-  for (int64_t i = 0; i < n_den; ++i) {
-    rows::scale_copy(kernel + i * n + i, inv_n, factor + i * n_den + i, n_den - i);
-    factor[i * n_den + i] = static_cast<float>(kernel[i * n + i] * inv_n + lam);
-  }
+  fill_system_upper(kernel, n, n_den, lam, factor, n_den);
   const int nn = static_cast<int>(n_den), one = 1;
   int info = 0;
   spotrf_("L", &nn, factor, &nn, &info);
@@ -624,11 +631,10 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
     ++refined_factor_failed;
     return false;
   }
-  std::vector<double> r(b, b + n_den), row_norm(n_den);
+  std::vector<double> x(n_den, 0.0), r(b, b + n_den), row_norm(n_den);
   std::vector<float> step(n_den);
-  std::fill(x, x + n_den, 0.0);
   double r_norm = rows::max_abs(r.data(), n_den);
-  if (r_norm == 0.0) {  // b = 0: every kernel value between the two samples underflowed; x = 0
+  if (r_norm == 0.0) {  // b = 0: every kernel value between the two samples underflowed; x = 0 = b
     ++refined_converged;
     return true;
   }
@@ -643,7 +649,7 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
     auto residual_rows = [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const double* row = kernel + i * n;
-        r[i] = b[i] - (inv_n * rows::dot(row, x, n_den) + lam * x[i]);
+        r[i] = b[i] - (inv_n * rows::dot(row, x.data(), n_den) + lam * x[i]);
         if (first) row_norm[i] = inv_n * rows::sum(row, n_den) + lam;
       }
     };
@@ -657,10 +663,11 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, c
     r_norm = rows::max_abs(r.data(), n_den);
     // Steps go on while they halve the residual, down to float64's rounding of A x; where they stop
     // halving, dsposv's test decides.
-    const double rounding = eps * a_norm * rows::max_abs(x, n_den);
+    const double rounding = eps * a_norm * rows::max_abs(x.data(), n_den);
     const bool last = it == kMaxRefinements || (!first && !(r_norm <= 0.5 * previous));
     if (r_norm <= rounding || (last && r_norm <= dsposv_factor * rounding)) {
       ++refined_converged;
+      std::copy(x.begin(), x.end(), b);
       return true;
     }
     if (last) break;
@@ -679,25 +686,21 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   for (int64_t i = 0; i < n_den; ++i) alpha[i] = rhs_scale * rows::sum(kernel + i * n + n_den, n_num);
   const bool own = n_den <= kOwnCholeskyMaxRows;
   const bool lapack = dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas;
-  if (!own && lapack && spotrf_ != nullptr && spotrs_ != nullptr) {
-    std::vector<double> rhs(alpha, alpha + n_den);
-    if (solve_refined(kernel, n, n_den, lam, rhs.data(), alpha, work.system, parallel)) return;
-    std::copy(rhs.begin(), rhs.end(), alpha);
+  if (!own && lapack && spotrf_ != nullptr && spotrs_ != nullptr &&
+      solve_refined(kernel, n, n_den, lam, alpha, work.system, parallel)) {
+    return;
   }
   // our Cholesky wants padded rows (see rows::cholesky_upper); LAPACK and ATen a contiguous matrix
   const int64_t ld = own ? rows::cholesky_ld(n_den) : n_den;
   const int64_t rows_alloc = own ? rows::cholesky_rows(n_den) : n_den;
   double* const system = work.system.get(rows_alloc * ld);
-  const double inv_n = 1.0 / static_cast<double>(n_den);
-  // Only the upper triangle (row-major) is filled: what both Cholesky paths read (LAPACK's "L" of the
-  // column-major view is the same triangle). The padding, and the three entries left of the diagonal
-  // that our Cholesky's diagonal blocks update, are zeroed: stale bits there could be denormals.
-  for (int64_t i = 0; i < n_den; ++i) {
-    const double* row = kernel + i * n;
-    double* a = system + i * ld;
-    rows::scale_copy(row + i, inv_n, a + i, n_den - i);
-    a[i] += lam;
-    if (own) {
+  // Only the upper triangle is filled: what every Cholesky path here reads. The padding, and the three
+  // entries left of the diagonal that our Cholesky's diagonal blocks update, are zeroed: stale bits
+  // there could be denormals.
+  fill_system_upper(kernel, n, n_den, lam, system, ld);
+  if (own) {
+    for (int64_t i = 0; i < n_den; ++i) {
+      double* a = system + i * ld;
       std::fill(a + std::max<int64_t>(0, i - 3), a + i, 0.0);
       std::fill(a + n_den, a + ld, 0.0);
     }
