@@ -7,7 +7,7 @@ Separate processes, or runs minutes apart, differ by tens of percent on this VM 
 here the two builds are called alternately, A B then B A, on the same inputs, and the result is the
 median over the pairs of the ratio A time / B time (> 1: B is faster) with its interquartile range.
 The pass is the kl op's forward keeping the gradient state (fwd) or that plus torch.autograd.grad
-(fwd+bwd, the default), float32, 1 thread, the inputs of bench/run.py's shapes (n_p = n_q = n).
+(fwd+bwd, the default), float32, 1 thread (--threads), the inputs of bench/run.py's shapes (n_p = n_q = n).
 """
 import argparse
 import os
@@ -29,8 +29,9 @@ def main():
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pass", dest="which", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     names = []
     for lib in (args.lib_a, args.lib_b):
         torch.ops.load_library(lib)
@@ -66,7 +67,7 @@ def main():
             tb.append(b_)
             ratio.append(a / b_)
     q1, _, q3 = statistics.quantiles(ratio, n=4)
-    print(f"{args.shape} {args.dtype} {args.which}: A {statistics.median(ta) * 1e6:.0f} us, "
+    print(f"{args.shape} {args.dtype} {args.which} {args.threads} thr: A {statistics.median(ta) * 1e6:.0f} us, "
           f"B {statistics.median(tb) * 1e6:.0f} us, A/B {statistics.median(ratio):.3f} "
           f"(IQR {q1:.3f}-{q3:.3f}, {len(ratio)} pairs); max |A - B| of the result {diff:.2g}")
 

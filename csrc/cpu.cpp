@@ -81,8 +81,16 @@ struct Stack {
     batch = parts[0].size(0);
     d = parts[0].size(2);
   }
-  int64_t block_width() const { return std::min(d, std::max<int64_t>(64, kBlockDoubles / rows)); }
-  int64_t n_blocks() const { return (d + block_width() - 1) / block_width(); }
+  // Columns per block. Split over `workers` threads, more than one block becomes a multiple of workers
+  // blocks of equal width: d = 700 at N = 200 made 3 blocks, and 2 threads split them 654 : 46 columns.
+  int64_t block_width(int64_t workers = 1) const {
+    const int64_t cap = std::min(d, std::max<int64_t>(64, kBlockDoubles / rows));
+    const int64_t blocks = (d + cap - 1) / cap;
+    if (workers <= 1 || blocks == 1) return cap;
+    const int64_t even = (blocks + workers - 1) / workers * workers;
+    return std::min(cap, ((d + even - 1) / even + 7) / 8 * 8);  // whole vectors of 8
+  }
+  int64_t n_blocks(int64_t workers = 1) const { return (d + block_width(workers) - 1) / block_width(workers); }
 
   // Rows [0, rows) x columns [c0, c0 + w) of batch element b, as float64 into dst ([rows, w]).
   void load(int64_t b, int64_t c0, int64_t w, double* dst) const {
@@ -200,7 +208,8 @@ Work& thread_work() {
 // threads (one element per task), else over the column blocks.
 template <class Fn>
 void for_each_block(const Stack& s, bool by_batch, Fn fn) {
-  const int64_t width = s.block_width(), blocks = s.n_blocks();
+  const int64_t workers = by_batch ? 1 : at::get_num_threads();
+  const int64_t width = s.block_width(workers), blocks = s.n_blocks(workers);
   auto run = [&](int64_t b, int64_t k, double* buf) {
     const int64_t c0 = k * width, w = std::min(width, s.d - c0);
     s.load(b, c0, w, buf);
@@ -492,7 +501,8 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
     few_points_gram(s, b, out, parallel);
     return;
   }
-  const int64_t n = s.rows, width = s.block_width(), blocks = s.n_blocks();
+  const int64_t workers = parallel ? at::get_num_threads() : 1;
+  const int64_t n = s.rows, width = s.block_width(workers), blocks = s.n_blocks(workers);
   const bool tiles = gram_tiles::enabled() && width <= gram_tiles::kMaxPackColumns;
   const int64_t row_tiles = gram_tiles::row_tiles(n);
   if (tiles && parallel && blocks == 1) {
@@ -557,10 +567,17 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
   return sigma;
 }
 
-// Below this much work per element (N^2 max(d, 8) multiply-adds, ~2 ms at 1 thread), splitting one
-// element over threads costs more in parallel-region overhead than it saves: (100, 8) and (100, 51)
-// ran slower at 2 threads than at 1.
-constexpr int64_t kMinSplitWork = int64_t{1} << 24;
+// Below this much work per element (N^2 max(d, 8) multiply-adds, ~0.2 ms at 1 thread), splitting one
+// element's distances and products over threads costs more in parallel-region overhead than it saves.
+// Measured with bench/ab.py at 2 threads, forward+backward, against 2^24 (sessions 4-10): (100, 200)
+// 1.12x, (100, 327) 1.17x, (300, 32) 1.21x faster, (100, 100) and (100, 150) even; 2^20 made (100, 32)
+// and (100, 51) 4% slower.
+constexpr int64_t kMinSplitWork = int64_t{1} << 21;
+// A split element splits its O(N^2) passes (the median's, the exponentials, the evaluation's rows)
+// only from this many pairs N^2 on: below, each pass takes tens of microseconds, less than the
+// parallel regions cost. (100, 700) at 2 threads was as slow as at 1 with every pass split.
+constexpr int64_t kMinSplitPairs = int64_t{1} << 18;
+bool split_pairs(bool parallel, int64_t n) { return parallel && n * n >= kMinSplitPairs; }
 
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
 // occupy the threads, otherwise one element after another, each using the threads inside when it is
@@ -770,9 +787,10 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, do
   double* coef = work.coef.get(n);
   distances_one(s, b, sq, norms, parallel, work);
   check_finite(norms, n_den, n, names);
-  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
-  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel);
-  solve_alpha_one(sq, n, n_den, lam, coef, work, parallel);
+  const bool pairs_parallel = split_pairs(parallel, n);
+  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, pairs_parallel);
+  kernel_rows_from_upper(sq, n, kernel_rows, sigma, pairs_parallel);
+  solve_alpha_one(sq, n, n_den, lam, coef, work, pairs_parallel);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
 }
@@ -807,7 +825,7 @@ Tensor median_bandwidth(const Tensor& x) {
     double* norms = work.norms.get(n);
     distances_one(s, b, sq, norms, parallel, work);
     check_finite(norms, n, n, {"x", "x"});
-    sigma.data_ptr<double>()[b] = checked_median(sq, n, parallel);
+    sigma.data_ptr<double>()[b] = checked_median(sq, n, split_pairs(parallel, n));
   });
   return sigma;
 }
@@ -892,7 +910,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
         }
       }
     };
-    if (parallel) {
+    if (split_pairs(parallel, n)) {
       at::parallel_for(0, m, 16, rows_body);
     } else {
       rows_body(0, m);
