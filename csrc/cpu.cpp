@@ -81,8 +81,9 @@ struct Stack {
     batch = parts[0].size(0);
     d = parts[0].size(2);
   }
-  // Columns per block. Split over `workers` threads, more than one block becomes a multiple of workers
-  // blocks of equal width: d = 700 at N = 200 made 3 blocks, and 2 threads split them 654 : 46 columns.
+  // Columns per block. Split over `workers` threads, more than one block becomes about a multiple of
+  // workers blocks of about equal width (whole vectors of 8 columns): d = 700 at N = 200 made 3 blocks,
+  // and 2 threads split them 654 : 46 columns.
   int64_t block_width(int64_t workers = 1) const {
     const int64_t cap = std::min(d, std::max<int64_t>(64, kBlockDoubles / rows));
     const int64_t blocks = (d + cap - 1) / cap;
@@ -568,16 +569,12 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
 }
 
 // Below this much work per element (N^2 max(d, 8) multiply-adds, ~0.2 ms at 1 thread), splitting one
-// element's distances and products over threads costs more in parallel-region overhead than it saves.
-// Measured with bench/ab.py at 2 threads, forward+backward, against 2^24 (sessions 4-10): (100, 200)
-// 1.12x, (100, 327) 1.17x, (300, 32) 1.21x faster, (100, 100) and (100, 150) even; 2^20 made (100, 32)
-// and (100, 51) 4% slower.
+// element over threads costs more in parallel-region overhead than it saves. Measured with bench/ab.py
+// at 2 threads, forward+backward, against session 10's code (2^24, and the uneven column blocks that
+// Stack::block_width now avoids, which these shapes do not have): (100, 200) 1.16x, (100, 327) 1.22x,
+// (300, 32) 1.24x faster, (100, 100) 1.03x, (100, 150) 1.06x; 2^20 made (100, 32) and (100, 51) 4%
+// slower than 2^21.
 constexpr int64_t kMinSplitWork = int64_t{1} << 21;
-// A split element splits its O(N^2) passes (the median's, the exponentials, the evaluation's rows)
-// only from this many pairs N^2 on: below, each pass takes tens of microseconds, less than the
-// parallel regions cost. (100, 700) at 2 threads was as slow as at 1 with every pass split.
-constexpr int64_t kMinSplitPairs = int64_t{1} << 18;
-bool split_pairs(bool parallel, int64_t n) { return parallel && n * n >= kMinSplitPairs; }
 
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
 // occupy the threads, otherwise one element after another, each using the threads inside when it is
@@ -787,10 +784,9 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, do
   double* coef = work.coef.get(n);
   distances_one(s, b, sq, norms, parallel, work);
   check_finite(norms, n_den, n, names);
-  const bool pairs_parallel = split_pairs(parallel, n);
-  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, pairs_parallel);
-  kernel_rows_from_upper(sq, n, kernel_rows, sigma, pairs_parallel);
-  solve_alpha_one(sq, n, n_den, lam, coef, work, pairs_parallel);
+  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
+  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel);
+  solve_alpha_one(sq, n, n_den, lam, coef, work, parallel);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
 }
@@ -825,7 +821,7 @@ Tensor median_bandwidth(const Tensor& x) {
     double* norms = work.norms.get(n);
     distances_one(s, b, sq, norms, parallel, work);
     check_finite(norms, n, n, {"x", "x"});
-    sigma.data_ptr<double>()[b] = checked_median(sq, n, split_pairs(parallel, n));
+    sigma.data_ptr<double>()[b] = checked_median(sq, n, parallel);
   });
   return sigma;
 }
@@ -910,13 +906,14 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
         }
       }
     };
-    if (split_pairs(parallel, n)) {
+    if (parallel) {
       at::parallel_for(0, m, 16, rows_body);
     } else {
       rows_body(0, m);
     }
     if (tiles) {
-      // one thread: with N <= 256 points and d < N - 1 an element is never split (N^2 d < kMinSplitWork)
+      // on one thread even when the element is split: N <= 256 points and d < N - 1 make it at most
+      // ~16 M multiply-adds ((100, 100): 2 M, ~50 us)
       gram_tiles::rows_times_panels(kernel_rows, m, n, y, d, n, out, width);
       for (int64_t j = 0; j < m; ++j) rows::scale(out + j * width, row_scale[j], d);
     } else if (projection && !direct) {

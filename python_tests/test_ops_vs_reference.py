@@ -207,9 +207,8 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 # tiles over panels of 8 packed rows (csrc/gram_tiles.h), and above 32 dimensions elsewhere, by BLAS
 # GEMMs of the split triangle (below: coordinate differences). The cases sit on the tiles' edges
 # (points past a multiple of 4 or 8, columns past a multiple of 4), on both loop orders (256 points)
-# and on each way of sharing the work between threads (an element's distances and products are split
-# from N^2 max(d, 8) >= 2^21, its O(N^2) passes from N^2 >= 2^18). Hypothesis draws up to MAX_WORK, past
-# the first threshold too, but seldom on these edges. The gradient's projection
+# and on each way of sharing the work between threads (an element is split from N^2 max(d, 8) >= 2^21).
+# Hypothesis draws up to MAX_WORK, past that threshold too, but seldom on these edges. The gradient's projection
 # (d + 1 < N above 8 dimensions) runs on the same tiles up to 256 points (the first five cases: rows
 # past a multiple of 4, columns past or on a multiple of 8) and on a GEMM above (281 points) or without tiles.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
@@ -221,8 +220,8 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
     (150, 131, 40, None, torch.float32, 1),   # 281 points: row tiles first (past 256 points)
     (37, 40, 2101, None, torch.float32, 1),   # three column blocks: the later ones accumulate
     (65, 65, 1003, None, torch.float64, 2),   # two blocks over two threads: partial sums, 3 tail columns
-    (100, 100, 700, None, torch.float32, 2),  # 3 blocks of 327 columns become 4 of 176 (the last 172) for 2
-                                              # threads; the O(N^2) passes on one (N^2 < 2^18)
+    (100, 100, 700, None, torch.float32, 2),  # 3 blocks of 327 columns become 4 of 176 (the last 172)
+                                              # for 2 threads
     (128, 128, 256, None, torch.float64, 2),  # one block whose tiles two threads share, panels first
     (550, 550, 16, None, torch.float64, 2),   # the same, row tiles first
 ])
@@ -373,9 +372,8 @@ def test_kl_grad_rejects_a_state_of_the_wrong_shape(compiled):
 
 @pytest.mark.parametrize("reverse", [True, False])
 def test_one_large_element_split_over_threads(compiled, reverse):
-    """One element, 2 threads, N^2 max(d, 8) >= 2^21 and N^2 >= 2^18: distances, median, kernel,
-    evaluation and projection each split over the threads (smaller elements only their distances and
-    products, or nothing)."""
+    """N^2 max(d, 8) >= 2^21 with one element and 2 threads: distances, median, kernel, evaluation and
+    projection each split over the threads (smaller elements never are)."""
     pr = dict(n_p=750, n_q=750, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=7)
     p, q = make_samples(pr)
     old = torch.get_num_threads()
