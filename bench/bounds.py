@@ -13,7 +13,9 @@ run (with N = n_p + n_q, all times B):
 plus the n x n part (Cholesky and solves) at the float32 rate and the bytes at the read bandwidth, as
 bench/roofline.py charges them. The "float64 floor" is that time (the max of the compute and the
 memory time); the "f32 backward" column lets the backward product run at the float32 rate (the one
-float32 step that bench/precision.py finds inside the contract: 8.7e-6), the Gram still in float64.
+float32 step that bench/precision.py finds inside the contract: 8.7e-6), the Gram still in float64
+(float32 inputs only). The rates are the best of five large GEMMs in the same run, so a call can beat
+the floor by a few percent on this VM; it is a count, not a proof.
 
 Per shape, from each run's own rates and medians (the median over the runs, with the range):
   - ours / floor: the floor time over ours, how close ours is to it (100%: at the floor);
@@ -51,13 +53,15 @@ def floor_s(row: dict, rates: dict, backward_rate_key: str = "gemm_gflops_float6
 
 def bounds(run: dict, dtype: str, threads: int) -> dict[tuple[str, str], dict]:
     """Per (shape, pass): ours / floor, the ratio ceilings and the roofline ceiling of one run."""
+    if "roofline_rates" not in run:
+        raise SystemExit("a run without roofline_rates: written by a bench/run.py older than session 10?")
     out = {}
     for row in run["results"]:
         if row["dtype"] != dtype or row["threads"] != threads or row.get("ours_s") is None:
             continue
         rates = run["roofline_rates"][str(threads)]
         f64 = floor_s(row, rates)
-        f32_bwd = floor_s(row, rates, "gemm_gflops_float32")
+        f32_bwd = floor_s(row, rates, "gemm_gflops_float32") if dtype == "float32" else float("nan")
         out[(row["shape"], row["pass"])] = {
             "ours_over_floor": f64 / row["ours_s"],
             "max_ratio": row["pure_s"] / f64,
@@ -88,6 +92,8 @@ def main(argv=None) -> int:
         with open(path) as f:
             per_run.append(bounds(json.load(f), args.dtype, args.threads))
     keys = [k for k in per_run[0] if all(k in r for r in per_run)]
+    if not keys:
+        raise SystemExit(f"no {args.dtype} rows at {args.threads} thread(s) common to all the runs given")
     print(f"{args.dtype}, {args.threads} thread(s), {len(per_run)} run(s): median (range)\n")
     print("| shape | pass | pure/ours | max pure/ours, float64 | max, f32 backward | ours ms | floor ms | "
           "ours / floor | ours % roofline | max % roofline, float64 |")
