@@ -571,9 +571,9 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
 // Below this much work per element (N^2 max(d, 8) multiply-adds, ~0.2 ms at 1 thread), splitting one
 // element over threads costs more in parallel-region overhead than it saves. Measured with bench/ab.py
 // at 2 threads, forward+backward, against session 10's code (2^24, and the uneven column blocks that
-// Stack::block_width now avoids, which these shapes do not have): (100, 200) 1.16x, (100, 327) 1.22x,
-// (300, 32) 1.24x faster, (100, 100) 1.03x, (100, 150) 1.06x; 2^20 made (100, 32) and (100, 51) 4%
-// slower than 2^21.
+// Stack::block_width now avoids, which these shapes do not have): (100, 327) 1.19x, (300, 32) 1.19x,
+// and before the loops were aligned (CMakeLists.txt) (100, 200) 1.16x, (100, 150) 1.06x, (100, 100)
+// 1.03x faster; 2^20 made (100, 32) and (100, 51) 4% slower than 2^21.
 constexpr int64_t kMinSplitWork = int64_t{1} << 21;
 
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
