@@ -81,17 +81,22 @@ struct Stack {
     batch = parts[0].size(0);
     d = parts[0].size(2);
   }
-  // Columns per block. Split over `workers` threads, more than one block becomes about a multiple of
+  // The column blocks' width and count, taken together so that no caller pairs a width with another
+  // split's count. Split over `workers` threads, more than one block becomes about a multiple of
   // workers blocks of about equal width (whole vectors of 8 columns): d = 700 at N = 200 made 3 blocks,
   // and 2 threads split them 654 : 46 columns.
-  int64_t block_width(int64_t workers = 1) const {
-    const int64_t cap = std::min(d, std::max<int64_t>(64, kBlockDoubles / rows));
-    const int64_t blocks = (d + cap - 1) / cap;
-    if (workers <= 1 || blocks == 1) return cap;
-    const int64_t even = (blocks + workers - 1) / workers * workers;
-    return std::min(cap, ((d + even - 1) / even + 7) / 8 * 8);  // whole vectors of 8
+  struct Blocks {
+    int64_t width, count;
+  };
+  Blocks column_blocks(int64_t workers = 1) const {
+    int64_t width = std::min(d, std::max<int64_t>(64, kBlockDoubles / rows));
+    const int64_t count = (d + width - 1) / width;
+    if (workers > 1 && count > 1) {
+      const int64_t even = (count + workers - 1) / workers * workers;
+      width = std::min(width, ((d + even - 1) / even + 7) / 8 * 8);
+    }
+    return {width, (d + width - 1) / width};
   }
-  int64_t n_blocks(int64_t workers = 1) const { return (d + block_width(workers) - 1) / block_width(workers); }
 
   // Rows [0, rows) x columns [c0, c0 + w) of batch element b, as float64 into dst ([rows, w]).
   void load(int64_t b, int64_t c0, int64_t w, double* dst) const {
@@ -210,7 +215,8 @@ Work& thread_work() {
 template <class Fn>
 void for_each_block(const Stack& s, bool by_batch, Fn fn) {
   const int64_t workers = by_batch ? 1 : at::get_num_threads();
-  const int64_t width = s.block_width(workers), blocks = s.n_blocks(workers);
+  const Stack::Blocks split = s.column_blocks(workers);  // not a structured binding: lambdas capture these
+  const int64_t width = split.width, blocks = split.count;
   auto run = [&](int64_t b, int64_t k, double* buf) {
     const int64_t c0 = k * width, w = std::min(width, s.d - c0);
     s.load(b, c0, w, buf);
@@ -231,7 +237,7 @@ void for_each_block(const Stack& s, bool by_batch, Fn fn) {
   }
 }
 
-bool parallel_over_batch(const Stack& s) { return s.batch >= at::get_num_threads() || s.n_blocks() == 1; }
+bool parallel_over_batch(const Stack& s) { return s.batch >= at::get_num_threads() || s.column_blocks().count == 1; }
 
 // Squared distances from inner products, in place on the upper triangle: g_ii + g_jj - 2 g_ij (>= 0,
 // exact 0 diagonal).
@@ -503,7 +509,9 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
     return;
   }
   const int64_t workers = parallel ? at::get_num_threads() : 1;
-  const int64_t n = s.rows, width = s.block_width(workers), blocks = s.n_blocks(workers);
+  const int64_t n = s.rows;
+  const Stack::Blocks split = s.column_blocks(workers);  // not a structured binding: lambdas capture these
+  const int64_t width = split.width, blocks = split.count;
   const bool tiles = gram_tiles::enabled() && width <= gram_tiles::kMaxPackColumns;
   const int64_t row_tiles = gram_tiles::row_tiles(n);
   if (tiles && parallel && blocks == 1) {
@@ -571,7 +579,7 @@ double checked_median(const double* sq, int64_t n, bool parallel) {
 // Below this much work per element (N^2 max(d, 8) multiply-adds, ~0.2 ms at 1 thread), splitting one
 // element over threads costs more in parallel-region overhead than it saves. Measured with bench/ab.py
 // at 2 threads, forward+backward, against session 10's code (2^24, and the uneven column blocks that
-// Stack::block_width now avoids, which these shapes do not have): (100, 327) 1.19x, (300, 32) 1.19x,
+// Stack::column_blocks now avoids, which these shapes do not have): (100, 327) 1.19x, (300, 32) 1.19x,
 // and before the loops were aligned (CMakeLists.txt) (100, 200) 1.16x, (100, 150) 1.06x, (100, 100)
 // 1.03x faster; 2^20 made (100, 32) and (100, 51) 4% slower than 2^21.
 constexpr int64_t kMinSplitWork = int64_t{1} << 21;
