@@ -11,7 +11,8 @@
 //    kernel rows the fit and the evaluation read are mirrored from it;
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
 //    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
-//  - the median is an exact selection over binned values (see select_two), not a sort;
+//  - the median is an exact selection, not a sort: over binned values (select_two), and above 2^20
+//    pairs over the pairs inside a bracket that a sample of them sets (select_two_sampled);
 //  - systems up to 256 x 256 are factored by our own Cholesky (rows::cholesky_upper), larger ones by
 //    LAPACK's float32 Cholesky refined in float64 to float64's backward error (solve_refined);
 //  - with few dimensions (d + 1 < N) the forward leaves the backward the projection of its weights on
@@ -29,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #if defined(__linux__)
@@ -288,11 +290,113 @@ void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
 // in call overhead and loop tails as in the vector loops).
 constexpr int64_t kPackedPairs = int64_t{1} << 20;
 
+// Above kPackedPairs, a sample of the pairs brackets the middle ranks first (8 M pairs at (2000, 32)):
+// one pass counts the pairs below the bracket and gathers those inside it, and nth_element runs on
+// those alone (~3% of the pairs), where the bins take three passes, one of them a histogram at ~2
+// cycles a value. The sample is the same pseudo-random pairs at every call. The result is exact
+// whatever the sample: a bracket that misses a rank (odds ~1e-6 at 5 standard deviations each side)
+// sends the call to the bins instead. The sample size (0: the bins only) and the bracket's half-width
+// in standard deviations are settable, and both outcomes counted, for tests.
+std::atomic<int64_t> median_sample_size{int64_t{1} << 15};
+std::atomic<double> median_bracket_sds{5.0};
+std::atomic<int64_t> median_bracket_held{0}, median_bracket_missed{0};
+
+// A growable buffer of doubles, kept by each thread between calls like Work's (no page faults).
+struct Found {
+  std::unique_ptr<double[]> data;
+  int64_t size = 0, capacity = 0;
+  double* room(int64_t m) {
+    if (size + m > capacity) {
+      const int64_t grown = std::max(size + m, 2 * capacity);
+      std::unique_ptr<double[]> bigger(new double[grown]);
+      std::copy(data.get(), data.get() + size, bigger.get());
+      data = std::move(bigger);
+      capacity = grown;
+    }
+    return data.get() + size;
+  }
+};
+
+std::optional<std::pair<double, double>> select_two_sampled(const double* sq, int64_t n, int64_t k, bool parallel) {
+  const int64_t pairs = n * (n - 1) / 2, s = median_sample_size.load();
+  if (s < 2) return std::nullopt;
+  thread_local std::vector<double> sample;
+  sample.resize(s);
+  uint64_t state = 0x9E3779B97F4A7C15ull;  // splitmix64: i != j uniform, so {i, j} uniform over the pairs
+  for (double& v : sample) {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const auto i = static_cast<int64_t>((z >> 32) % static_cast<uint64_t>(n));
+    auto j = static_cast<int64_t>((z & 0xffffffffu) % static_cast<uint64_t>(n - 1));
+    j += j >= i;
+    v = sq[std::min(i, j) * n + std::max(i, j)];
+  }
+  // ranks k and k + 1 sit at ~f s in the sample, with a binomial spread
+  const double f = (static_cast<double>(k) + 1.0) / static_cast<double>(pairs);
+  const double mid = f * static_cast<double>(s);
+  const double spread = median_bracket_sds.load() * std::sqrt(static_cast<double>(s) * f * (1.0 - f)) + 2.0;
+  const auto r_lo = static_cast<int64_t>(std::floor(mid - spread)), r_hi = static_cast<int64_t>(std::ceil(mid + spread));
+  double lo = -std::numeric_limits<double>::infinity(), hi = std::numeric_limits<double>::infinity();
+  auto first = sample.begin();
+  if (r_lo >= 0) {
+    std::nth_element(sample.begin(), sample.begin() + r_lo, sample.end());
+    lo = sample[r_lo];
+    first = sample.begin() + r_lo + 1;
+  }
+  if (r_hi < s) {
+    std::nth_element(first, sample.begin() + r_hi, sample.end());
+    hi = sample[r_hi];
+  }
+  const int threads = parallel ? at::get_num_threads() : 1;
+  std::vector<Found*> found(threads, nullptr);
+  std::vector<int64_t> below(threads, 0);
+  for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+    const int t = parallel ? at::get_thread_num() : 0;
+    if (found[t] == nullptr) {
+      thread_local Found mine;
+      mine.size = 0;
+      found[t] = &mine;
+    }
+    Found& f_t = *found[t];
+    f_t.size += rows::count_below_gather(row, count, lo, hi, f_t.room(count), below[t]);
+  });
+  int64_t under = 0, inside = 0;
+  for (int t = 0; t < threads; ++t) {
+    under += below[t];
+    inside += found[t] != nullptr ? found[t]->size : 0;
+  }
+  if (under > k || under + inside <= std::min(k + 1, pairs - 1)) {
+    ++median_bracket_missed;
+    return std::nullopt;
+  }
+  ++median_bracket_held;
+  thread_local std::vector<double> cand;
+  cand.clear();
+  for (const Found* f_t : found)
+    if (f_t != nullptr) cand.insert(cand.end(), f_t->data.get(), f_t->data.get() + f_t->size);
+  // like Work's buffers, none kept above 32 MB (many tied distances put most pairs in the bracket)
+  constexpr int64_t kKeep = int64_t{1} << 22;
+  for (Found* f_t : found)
+    if (f_t != nullptr && f_t->capacity > kKeep) *f_t = Found();
+  const int64_t r = k - under;
+  std::nth_element(cand.begin(), cand.begin() + r, cand.end());
+  const double value = cand[r];
+  const double next =
+      r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : value;
+  if (static_cast<int64_t>(cand.capacity()) > kKeep) std::vector<double>().swap(cand);
+  return std::make_pair(value, next);
+}
+
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
 // entries of sq.
 std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel) {
   const int64_t pairs = n * (n - 1) / 2;
   TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
+  if (pairs > kPackedPairs) {
+    if (auto found = select_two_sampled(sq, n, k, parallel)) return *found;
+  }
   thread_local std::vector<double> packed;
   const bool pack = !parallel && pairs <= kPackedPairs;
   const int threads = parallel ? at::get_num_threads() : 1;
@@ -1039,6 +1143,12 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 }
 
 bool set_external_blas(bool flag) { return use_external_blas.exchange(flag); }
+
+std::vector<int64_t> median_counts() { return {median_bracket_held.load(), median_bracket_missed.load()}; }
+
+std::vector<double> set_median_bracket(int64_t sample_size, double sds) {
+  return {static_cast<double>(median_sample_size.exchange(sample_size)), median_bracket_sds.exchange(sds)};
+}
 
 std::vector<int64_t> refined_solve_counts() {
   return {refined_converged.load(), refined_factor_failed.load(), refined_stalled.load(), refined_solves.load()};

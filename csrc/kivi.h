@@ -111,6 +111,11 @@ bool set_external_blas(bool flag);
 // How the float32-factor-and-refine solves (systems above 256 rows) ended: converged, float32 could not
 // factor, stalled (the last two fall back to float64's factor); then the float32 solves made. For tests.
 std::vector<int64_t> refined_solve_counts();
+// How the selections of the median above 2^20 pairs ended: [the sample's bracket held, it missed (the
+// bins took over)]; and the sample's size (0: the bins only) and the bracket's half-width in standard
+// deviations, returning the old pair. For tests.
+std::vector<int64_t> median_counts();
+std::vector<double> set_median_bracket(int64_t sample_size, double sds);
 }  // namespace cpu
 
 // ATen-only helpers of the generic path (stack_points also serves the ratio op on every device).

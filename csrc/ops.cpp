@@ -223,6 +223,11 @@ TORCH_LIBRARY(kivi_fast, m) {
   // Nor this: how the solves of systems above 256 rows ended, [converged, float32 could not factor,
   // stalled, float32 solves made] since load (for tests).
   m.def("_refined_solve_counts() -> int[]", &cpu::refined_solve_counts);
+  // Nor these: how the median's selections above 2^20 pairs ended, [bracket held, missed], and the
+  // sample that brackets the middle ranks: its size (0: the bins only) and the bracket's half-width in
+  // standard deviations (returns the old [size, sds]).
+  m.def("_median_counts() -> int[]", &cpu::median_counts);
+  m.def("_set_median_bracket(int sample_size, float sds) -> float[]", &cpu::set_median_bracket);
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from

@@ -79,6 +79,9 @@ inline int32_t bin_of(double v, double lo, double inv_width, int32_t bins) {
 void histogram(const double* x, int64_t n, double lo, double inv_width, int32_t bins, int32_t* hist);
 int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int32_t bins, int32_t first,
                     int32_t last, double* out);
+// Adds to below how many of x[0, n) are < lo, writes those in [lo, hi] to out (room for n values) and
+// returns how many it wrote: the one pass of a selection whose ranks a sample bracketed.
+int64_t count_below_gather(const double* x, int64_t n, double lo, double hi, double* out, int64_t& below);
 
 }  // namespace rows
 }  // namespace kivi_fast

@@ -164,8 +164,8 @@ def test_cpu_and_generic_kernels_agree():
 @pytest.mark.parametrize("n,d,ties", [(2, 3, False), (3, 1, False), (400, 3, False), (700, 2, True), (1200, 70, False)])
 def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     """Small and large pair counts (the CPU kernel selects among all pairs below 512 and in equal-width
-    bins above, packing the pairs first below 2^20 on one thread), odd and even counts, and many tied
-    distances."""
+    bins above, packing the pairs first below 2^20 on one thread; above 2^20, below), odd and even
+    counts, and many tied distances."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, d, generator=g, dtype=torch.float64)
     if ties:
@@ -385,6 +385,39 @@ def test_one_large_element_split_over_threads(compiled, reverse):
     ref = value_and_grad(reference.kl, p, q, reverse=reverse)
     assert_close_rel(ours[0], ref[0], 1e-8)
     assert_close_rel(ours[1], ref[1], 1e-7)
+
+
+@pytest.mark.parametrize("n,ties", [(1449, False), (1451, False), (1500, True)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, threads):
+    """Above 2^20 pairs the CPU kernel brackets the two middle ranks by a sample of the pairs and selects
+    among the pairs inside the bracket (csrc/cpu.cpp, select_two_sampled); a bracket that misses a rank
+    hands the call to the bins. Exact on every path: the bracket as shipped (it holds), one too narrow
+    to hold (0 standard deviations: it misses, unless tied distances fill it), and no sample (the bins
+    alone). Even and odd pair counts (1449 and 1500 points; 1451), one or two threads."""
+    ops = torch.ops.kivi_fast
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    if ties:
+        x = torch.round(x * 2) / 2
+    expected = np.median(pdist(x.numpy()))
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with implementation("cpu"):
+            for size, sds, outcome in [(1 << 15, 5.0, [1, 0]), (1 << 15, 0.0, [1, 0] if ties else [0, 1]),
+                                       (0, 5.0, [0, 0])]:
+                old = ops._set_median_bracket(size, sds)
+                try:
+                    before = ops._median_counts()
+                    got = kivi_fast.median_bandwidth(x).item()
+                    after = ops._median_counts()
+                finally:
+                    ops._set_median_bracket(int(old[0]), old[1])
+                assert got == pytest.approx(expected, rel=1e-12), (size, sds)
+                assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
+    finally:
+        torch.set_num_threads(old_threads)
 
 
 def test_median_of_distances_at_the_ends_of_float64(impl):
