@@ -161,23 +161,31 @@ class Scratch {
     }
     return data_.get();
   }
-  void release_if_above(int64_t n) {
-    if (capacity_ > n) {
-      data_.reset();
-      capacity_ = 0;
-    }
+  // Above keep doubles the buffer is handed back: up to lazy_keep, lazily (MADV_FREE: still mapped,
+  // its pages the kernel's to take under memory pressure; until it does, the next call finds them
+  // without page faults or zeroing; the allocation is 2 MB aligned), above that, freed.
+  void release_if_above(int64_t keep, int64_t lazy_keep) {
+    if (capacity_ <= keep) return;
+#ifdef MADV_FREE
+    if (capacity_ <= lazy_keep && madvise(data_.get(), rounded_bytes(capacity_), MADV_FREE) == 0) return;
+#endif
+    data_.reset();
+    capacity_ = 0;
   }
 
  private:
   struct Free {
     void operator()(double* p) const { std::free(p); }
   };
+  static constexpr size_t kHugePage = size_t{1} << 21;
+  static size_t rounded_bytes(int64_t n) {
+    return (static_cast<size_t>(n) * sizeof(double) + kHugePage - 1) / kHugePage * kHugePage;
+  }
   static double* allocate(int64_t n) {
-    constexpr size_t kHugePage = size_t{1} << 21;
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
     void* p = nullptr;
     if (bytes >= 2 * kHugePage) {
-      const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+      const size_t rounded = rounded_bytes(n);
       p = std::aligned_alloc(kHugePage, rounded);
 #ifdef MADV_HUGEPAGE
       if (p != nullptr) madvise(p, rounded, MADV_HUGEPAGE);
@@ -193,7 +201,10 @@ class Scratch {
 };
 
 // Per-thread buffers of one batch element, kept between calls (training calls the op with the same
-// shapes at every step: no allocation, no page faults). Buffers above 32 MB are freed after a call.
+// shapes at every step: no allocation, no page faults). Buffers above 32 MB are handed back after a
+// call, lazily up to 256 MB: the 128 MB kernel matrix of (2000, 32) was faulted in and zeroed again
+// at every call (~10 ms of ~115: bench/ab.py 1.10x in session 12), and 256 MB bounds what a process
+// keeps mapped (RSS) between calls until the kernel needs the memory.
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block ([N, w], or gram_tiles' packed panels)
@@ -201,8 +212,8 @@ struct Work {
                     // (kl's projection: scaled, or in gram_tiles' panels)
   Scratch product;  // the backward's weights times a column block
   void trim() {
-    constexpr int64_t kKeep = int64_t{1} << 22;
-    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points, &product}) b->release_if_above(kKeep);
+    constexpr int64_t kKeep = int64_t{1} << 22, kLazyKeep = int64_t{1} << 25;
+    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points, &product}) b->release_if_above(kKeep, kLazyKeep);
   }
 };
 
