@@ -152,6 +152,9 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const dou
 // matrix ((2000, 32)) otherwise takes ~32k page faults, measured at a quarter of the call.
 class Scratch {
  public:
+  // buffers of at least this many bytes are 2 MB aligned (huge pages; release_if_above's madvise)
+  static constexpr size_t kHugePage = size_t{1} << 21, kAlignedFrom = 2 * kHugePage;
+
   double* get(int64_t n) {
     if (n > capacity_) {
       data_.reset();  // the old buffer goes first: the new one may be large
@@ -177,14 +180,13 @@ class Scratch {
   struct Free {
     void operator()(double* p) const { std::free(p); }
   };
-  static constexpr size_t kHugePage = size_t{1} << 21;
   static size_t rounded_bytes(int64_t n) {
     return (static_cast<size_t>(n) * sizeof(double) + kHugePage - 1) / kHugePage * kHugePage;
   }
   static double* allocate(int64_t n) {
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
     void* p = nullptr;
-    if (bytes >= 2 * kHugePage) {
+    if (bytes >= kAlignedFrom) {
       const size_t rounded = rounded_bytes(n);
       p = std::aligned_alloc(kHugePage, rounded);
 #ifdef MADV_HUGEPAGE
@@ -202,9 +204,10 @@ class Scratch {
 
 // Per-thread buffers of one batch element, kept between calls (training calls the op with the same
 // shapes at every step: no allocation, no page faults). Buffers above 32 MB are handed back after a
-// call, lazily up to 256 MB: the 128 MB kernel matrix of (2000, 32) was faulted in and zeroed again
-// at every call (~10 ms of ~115: bench/ab.py 1.10x in session 12), and 256 MB bounds what a process
-// keeps mapped (RSS) between calls until the kernel needs the memory.
+// call, lazily up to 256 MB each: the 128 MB kernel matrix of (2000, 32) was faulted in and zeroed
+// again at every call (~10 ms of ~115: bench/ab.py 1.10x in session 12); the 256 MB bound is per
+// buffer (a thread's Work has seven), on what stays mapped (RSS) between calls until the kernel needs
+// the memory.
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block ([N, w], or gram_tiles' packed panels)
@@ -213,6 +216,7 @@ struct Work {
   Scratch product;  // the backward's weights times a column block
   void trim() {
     constexpr int64_t kKeep = int64_t{1} << 22, kLazyKeep = int64_t{1} << 25;
+    static_assert(kKeep * sizeof(double) >= Scratch::kAlignedFrom, "lazily released buffers must be 2 MB aligned");
     for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points, &product}) b->release_if_above(kKeep, kLazyKeep);
   }
 };
@@ -360,44 +364,44 @@ std::optional<std::pair<double, double>> select_two_sampled(const double* sq, in
     std::nth_element(first, sample.begin() + r_hi, sample.end());
     hi = sample[r_hi];
   }
+  // one buffer per task of the parallel loop, owned by the calling thread: a task id is not an OS
+  // thread (ATen's native pool may run two tasks of one loop on one thread)
   const int threads = parallel ? at::get_num_threads() : 1;
-  std::vector<Found*> found(threads, nullptr);
+  thread_local std::vector<Found> mine;
+  std::vector<Found>& found = mine;  // a name the tasks' lambda captures (in it, `mine` is the task thread's)
+  if (static_cast<int>(found.size()) < threads) found.resize(threads);
+  for (int t = 0; t < threads; ++t) found[t].size = 0;
   std::vector<int64_t> below(threads, 0);
   for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
     const int t = parallel ? at::get_thread_num() : 0;
-    if (found[t] == nullptr) {
-      thread_local Found mine;
-      mine.size = 0;
-      found[t] = &mine;
-    }
-    Found& f_t = *found[t];
+    Found& f_t = found[t];
     f_t.size += rows::count_below_gather(row, count, lo, hi, f_t.room(count), below[t]);
   });
   int64_t under = 0, inside = 0;
   for (int t = 0; t < threads; ++t) {
     under += below[t];
-    inside += found[t] != nullptr ? found[t]->size : 0;
+    inside += found[t].size;
   }
-  if (under > k || under + inside <= std::min(k + 1, pairs - 1)) {
-    ++median_bracket_missed;
-    return std::nullopt;
+  const bool held = under <= k && under + inside > std::min(k + 1, pairs - 1);
+  std::optional<std::pair<double, double>> result;
+  if (held) {
+    Found& all = found[0];  // the other tasks' values appended to the first's
+    for (int t = 1; t < threads; ++t) {
+      std::copy(found[t].data.get(), found[t].data.get() + found[t].size, all.room(found[t].size));
+      all.size += found[t].size;
+    }
+    double* const cand = all.data.get();
+    const int64_t r = k - under;
+    std::nth_element(cand, cand + r, cand + all.size);
+    const double value = cand[r];
+    result = std::make_pair(value, r + 1 < all.size ? *std::min_element(cand + r + 1, cand + all.size) : value);
   }
-  ++median_bracket_held;
-  thread_local std::vector<double> cand;
-  cand.clear();
-  for (const Found* f_t : found)
-    if (f_t != nullptr) cand.insert(cand.end(), f_t->data.get(), f_t->data.get() + f_t->size);
+  ++(held ? median_bracket_held : median_bracket_missed);
   // like Work's buffers, none kept above 32 MB (many tied distances put most pairs in the bracket)
   constexpr int64_t kKeep = int64_t{1} << 22;
-  for (Found* f_t : found)
-    if (f_t != nullptr && f_t->capacity > kKeep) *f_t = Found();
-  const int64_t r = k - under;
-  std::nth_element(cand.begin(), cand.begin() + r, cand.end());
-  const double value = cand[r];
-  const double next =
-      r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : value;
-  if (static_cast<int64_t>(cand.capacity()) > kKeep) std::vector<double>().swap(cand);
-  return std::make_pair(value, next);
+  for (Found& f_t : found)
+    if (f_t.capacity > kKeep) f_t = Found();
+  return result;
 }
 
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
@@ -1158,6 +1162,9 @@ bool set_external_blas(bool flag) { return use_external_blas.exchange(flag); }
 std::vector<int64_t> median_counts() { return {median_bracket_held.load(), median_bracket_missed.load()}; }
 
 std::vector<double> set_median_bracket(int64_t sample_size, double sds) {
+  TORCH_CHECK(sample_size >= 0 && sample_size <= (int64_t{1} << 24),
+              "kivi_fast::_set_median_bracket: sample_size must be in [0, 2^24], got ", sample_size);
+  TORCH_CHECK(std::isfinite(sds) && sds >= 0, "kivi_fast::_set_median_bracket: sds must be finite and >= 0, got ", sds);
   return {static_cast<double>(median_sample_size.exchange(sample_size)), median_bracket_sds.exchange(sds)};
 }
 

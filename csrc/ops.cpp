@@ -9,6 +9,7 @@
 #include "few_points.h"
 #include "gram_tiles.h"
 #include "kivi.h"
+#include "simd_rows.h"
 
 namespace kivi_fast {
 namespace {
@@ -228,6 +229,8 @@ TORCH_LIBRARY(kivi_fast, m) {
   // standard deviations (returns the old [size, sds]).
   m.def("_median_counts() -> int[]", &cpu::median_counts);
   m.def("_set_median_bracket(int sample_size, float sds) -> float[]", &cpu::set_median_bracket);
+  // Nor this: the bracket's counting pass in portable C++ even on an AVX2 CPU (returns the old value).
+  m.def("_set_portable_gather(bool flag) -> bool", &rows::set_portable_gather);
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from

@@ -1,6 +1,7 @@
 #include "simd_rows.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -448,13 +449,18 @@ __attribute__((target("avx2,popcnt"))) int64_t count_below_gather_avx2(const dou
 
 }  // namespace
 
+std::atomic<bool> force_portable_gather{false};
+
 int64_t count_below_gather(const double* x, int64_t n, double lo, double hi, double* out, int64_t& below) {
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
   static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return count_below_gather_avx2(x, n, lo, hi, out, below);
+  if (avx2 && !force_portable_gather.load(std::memory_order_relaxed))
+    return count_below_gather_avx2(x, n, lo, hi, out, below);
 #endif
   return count_below_gather_any(x, n, lo, hi, out, below);
 }
+
+bool set_portable_gather(bool flag) { return force_portable_gather.exchange(flag); }
 
 }  // namespace rows
 }  // namespace kivi_fast

@@ -82,6 +82,8 @@ int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int
 // Adds to below how many of x[0, n) are < lo, writes those in [lo, hi] to out (room for n values) and
 // returns how many it wrote: the one pass of a selection whose ranks a sample bracketed.
 int64_t count_below_gather(const double* x, int64_t n, double lo, double hi, double* out, int64_t& below);
+// Tests: count_below_gather's portable version even where the AVX2 one runs; returns the old setting.
+bool set_portable_gather(bool flag);
 
 }  // namespace rows
 }  // namespace kivi_fast

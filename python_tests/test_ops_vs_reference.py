@@ -389,12 +389,15 @@ def test_one_large_element_split_over_threads(compiled, reverse):
 
 @pytest.mark.parametrize("n,ties", [(1449, False), (1451, False), (1500, True)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, threads):
+@pytest.mark.parametrize("portable", [False, True])
+def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, threads, portable):
     """Above 2^20 pairs the CPU kernel brackets the two middle ranks by a sample of the pairs and selects
     among the pairs inside the bracket (csrc/cpu.cpp, select_two_sampled); a bracket that misses a rank
     hands the call to the bins. Exact on every path: the bracket as shipped (it holds), one too narrow
     to hold (0 standard deviations: it misses, unless tied distances fill it), and no sample (the bins
-    alone). Even and odd pair counts (1449 and 1500 points; 1451), one or two threads."""
+    alone). Even and odd pair counts (1449 and 1500 points; 1451), one or two threads, the counting pass
+    in AVX2 (where the CPU has it) and in portable C++. The held/missed outcomes are those of this data
+    and the kernel's fixed sample."""
     ops = torch.ops.kivi_fast
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 5, generator=g, dtype=torch.float64)
@@ -403,6 +406,8 @@ def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, thread
     expected = np.median(pdist(x.numpy()))
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    with implementation("cpu"):
+        old_portable = ops._set_portable_gather(portable)
     try:
         with implementation("cpu"):
             for size, sds, outcome in [(1 << 15, 5.0, [1, 0]), (1 << 15, 0.0, [1, 0] if ties else [0, 1]),
@@ -417,16 +422,28 @@ def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, thread
                 assert got == pytest.approx(expected, rel=1e-12), (size, sds)
                 assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
     finally:
+        ops._set_portable_gather(old_portable)
         torch.set_num_threads(old_threads)
 
 
+def test_median_bracket_switch_rejects_bad_settings(compiled):
+    with pytest.raises(RuntimeError, match="sds must be finite and >= 0"):
+        torch.ops.kivi_fast._set_median_bracket(1 << 15, -1.0)
+    with pytest.raises(RuntimeError, match="sample_size must be in"):
+        torch.ops.kivi_fast._set_median_bracket(-1, 5.0)
+
+
 def test_kernel_matrix_above_32_mb_reused_between_calls():
-    """A kernel matrix above 32 MB (2200 points: 39 MB) is handed back lazily after a call (MADV_FREE,
-    csrc/cpu.cpp: Work::trim) and found again by the next call, with whatever its pages then hold: the
-    old values or zeros. Both calls equal the reference, and each other bit for bit."""
+    """A kernel matrix above 32 MB is handed back lazily after a call (MADV_FREE, csrc/cpu.cpp:
+    Work::trim) and found again by the next call, with whatever its pages then hold: the old values or
+    zeros. A larger problem first (2400 points, 46 MB), then a smaller one (2200 points, 39 MB) on the
+    same buffers, twice: equal to the reference, and to each other bit for bit."""
+    big = make_samples(dict(n_p=1200, n_q=1200, d=2, batch=None, dtype=torch.float64, scale=1.0, shift=0.1,
+                            seed=12))
     pr = dict(n_p=1100, n_q=1100, d=2, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=11)
     p, q = make_samples(pr)
     with implementation("cpu"):
+        assert torch.isfinite(kivi_fast.kl(*big))
         first = value_and_grad(kivi_fast.kl, p, q)
         second = value_and_grad(kivi_fast.kl, p, q)
     ref = value_and_grad(reference.kl, p, q)
