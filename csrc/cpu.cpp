@@ -621,11 +621,18 @@ void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
 
 // Inner products of the stacked points of batch element b into the upper triangle of out ([N, N]).
 // Parallel over column blocks (thread-local partial sums) when asked and there is more than one block;
-// one block's tiles are shared by the threads.
-void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
+// one block's tiles are shared by the threads. Where norms is given and the Gram is one block of tiles
+// on one thread, of a matrix larger than this machine's L3, out gets the squared distances instead
+// (what gram_to_sqdist makes of it, bit for bit) and norms the squared norms, and the call returns
+// true: the row tiles run from the last, so that each tile's rows turn into distances while they are
+// in cache, every norm they need (g_jj, j >= i) already computed. At (2000, 32) the separate pass
+// read and wrote the 64 MB triangle again (bench/ab.py 1.022-1.025); at (1000, 32) (32 MB) it was
+// even, at (100, 51) (320 KB, in L2) ~1.5% slower, hence the size gate.
+constexpr int64_t kFusedSqdistBytes = int64_t{32} << 20;
+bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* norms = nullptr) {
   if (use_few_points(s.rows)) {
     few_points_gram(s, b, out, parallel);
-    return;
+    return false;
   }
   const int64_t workers = parallel ? at::get_num_threads() : 1;
   const int64_t n = s.rows;
@@ -644,7 +651,24 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
         if (u != t) gram_tiles::gram_upper(buf, n, s.d, out, n, false, u, u + 1);
       }
     });
-    return;
+    return false;
+  }
+  if (tiles && !parallel && blocks == 1 && norms != nullptr &&
+      n * n * static_cast<int64_t>(sizeof(double)) > kFusedSqdistBytes) {
+    double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
+    pack_block(s, b, 0, s.d, buf);
+    constexpr int64_t R = gram_tiles::kTileRows;
+    for (int64_t t = row_tiles - 1; t >= 0; --t) {
+      gram_tiles::gram_upper(buf, n, s.d, out, n, false, t, t + 1);
+      const int64_t i0 = t * R, i1 = std::min(n, i0 + R);
+      for (int64_t i = i0; i < i1; ++i) norms[i] = out[i * n + i];
+      for (int64_t i = i0; i < i1; ++i) {
+        double* row = out + i * n;
+        rows::gram_row_to_sqdist(row + i + 1, norms + i + 1, norms[i], n - i - 1);
+        row[i] = 0.0;
+      }
+    }
+    return true;
   }
   auto add_blocks = [&](int64_t k0, int64_t k1, double* target, bool first_assigns) {
     double* buf = thread_work().block.get(tiles ? gram_tiles::packed_size(n, width) : n * width);
@@ -667,6 +691,7 @@ void gram_one(const Stack& s, int64_t b, double* out, bool parallel) {
       add_blocks(k0, k1, part.data_ptr<double>(), false);
     });
   }
+  return false;
 }
 
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
@@ -676,7 +701,7 @@ void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool pa
     direct_sqdist(s, b, sq, norms, parallel, work);
     return;
   }
-  gram_one(s, b, sq, parallel);
+  if (gram_one(s, b, sq, parallel, norms)) return;
   const int64_t n = s.rows;
   for (int64_t i = 0; i < n; ++i) norms[i] = sq[i * n + i];
   gram_to_sqdist(sq, n);

@@ -453,6 +453,29 @@ def test_kernel_matrix_above_32_mb_reused_between_calls():
     assert_close_rel(first[1], ref[1], 1e-7)
 
 
+def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles():
+    """Above 32 MB (2100 points) on one thread the Gram's row tiles turn into squared distances as they
+    are computed, from the last tile up (csrc/cpu.cpp, gram_one): the median equals numpy's, and the
+    KL's value and gradient equal the device-generic kernels' (full ATen matrices) at 2100 points in
+    33 dimensions (the tiles' regime)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2100, 33, generator=g, dtype=torch.float64)
+    p, q = x[:1050], 0.7 * x[1050:] + 0.2
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with implementation("cpu"):
+            sigma = kivi_fast.median_bandwidth(x).item()
+            ours = value_and_grad(kivi_fast.kl, p, q)
+        with implementation("generic"):
+            theirs = value_and_grad(kivi_fast.kl, p, q)
+    finally:
+        torch.set_num_threads(old_threads)
+    assert sigma == pytest.approx(np.median(pdist(x.numpy())), rel=1e-12)
+    assert_close_rel(ours[0], theirs[0], 1e-8)
+    assert_close_rel(ours[1], theirs[1], 1e-7)
+
+
 def test_median_of_distances_at_the_ends_of_float64(impl):
     """Squared distances that are subnormal (1e-312): too narrow a range for bins; the selection over
     all pairs still gives numpy's median."""
