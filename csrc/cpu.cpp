@@ -208,6 +208,7 @@ class Scratch {
 // again at every call (~10 ms of ~115: bench/ab.py 1.10x in session 12); the 256 MB bound is per
 // buffer (a thread's Work has seven), on what stays mapped (RSS) between calls until the kernel needs
 // the memory.
+constexpr int64_t kKeptDoubles = int64_t{1} << 22;  // 32 MB: per-thread buffers up to this size are kept
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block ([N, w], or gram_tiles' packed panels)
@@ -215,9 +216,10 @@ struct Work {
                     // (kl's projection: scaled, or in gram_tiles' panels)
   Scratch product;  // the backward's weights times a column block
   void trim() {
-    constexpr int64_t kKeep = int64_t{1} << 22, kLazyKeep = int64_t{1} << 25;
-    static_assert(kKeep * sizeof(double) >= Scratch::kAlignedFrom, "lazily released buffers must be 2 MB aligned");
-    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points, &product}) b->release_if_above(kKeep, kLazyKeep);
+    constexpr int64_t kLazyKeep = int64_t{1} << 25;
+    static_assert(kKeptDoubles * sizeof(double) >= Scratch::kAlignedFrom, "lazily released buffers must be 2 MB aligned");
+    for (Scratch* b : {&sq, &norms, &system, &coef, &block, &points, &product})
+      b->release_if_above(kKeptDoubles, kLazyKeep);
   }
 };
 
@@ -256,14 +258,12 @@ void for_each_block(const Stack& s, bool by_batch, Fn fn) {
 
 bool parallel_over_batch(const Stack& s) { return s.batch >= at::get_num_threads() || s.column_blocks().count == 1; }
 
-// Squared distances from inner products, in place on the upper triangle: g_ii + g_jj - 2 g_ij (>= 0,
-// exact 0 diagonal).
-void gram_to_sqdist(double* g, int64_t n) {
-  std::vector<double> norms(n);
-  for (int64_t i = 0; i < n; ++i) norms[i] = g[i * n + i];
-  for (int64_t i = 0; i < n; ++i) {
+// Rows [i0, i1) of the upper triangle from inner products to squared distances, in place:
+// g_ii + g_jj - 2 g_ij (>= 0, exact 0 diagonal), with norms[j] = g_jj (j >= i0) taken before.
+void gram_rows_to_sqdist(double* g, int64_t n, const double* norms, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
     double* row = g + i * n;
-    rows::gram_row_to_sqdist(row + i + 1, norms.data() + i + 1, norms[i], n - i - 1);
+    rows::gram_row_to_sqdist(row + i + 1, norms + i + 1, norms[i], n - i - 1);
     row[i] = 0.0;
   }
 }
@@ -398,9 +398,8 @@ std::optional<std::pair<double, double>> select_two_sampled(const double* sq, in
   }
   ++(held ? median_bracket_held : median_bracket_missed);
   // like Work's buffers, none kept above 32 MB (many tied distances put most pairs in the bracket)
-  constexpr int64_t kKeep = int64_t{1} << 22;
   for (Found& f_t : found)
-    if (f_t.capacity > kKeep) f_t = Found();
+    if (f_t.capacity > kKeptDoubles) f_t = Found();
   return result;
 }
 
@@ -623,7 +622,7 @@ void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
 // Parallel over column blocks (thread-local partial sums) when asked and there is more than one block;
 // one block's tiles are shared by the threads. Where norms is given and the Gram is one block of tiles
 // on one thread, of a matrix larger than this machine's L3, out gets the squared distances instead
-// (what gram_to_sqdist makes of it, bit for bit) and norms the squared norms, and the call returns
+// (what the whole-matrix pass makes of it, bit for bit) and norms the squared norms, and the call returns
 // true: the row tiles run from the last, so that each tile's rows turn into distances while they are
 // in cache, every norm they need (g_jj, j >= i) already computed. At (2000, 32) the separate pass
 // read and wrote the 64 MB triangle again (bench/ab.py 1.022-1.025); at (1000, 32) (32 MB) it was
@@ -662,11 +661,7 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
       gram_tiles::gram_upper(buf, n, s.d, out, n, false, t, t + 1);
       const int64_t i0 = t * R, i1 = std::min(n, i0 + R);
       for (int64_t i = i0; i < i1; ++i) norms[i] = out[i * n + i];
-      for (int64_t i = i0; i < i1; ++i) {
-        double* row = out + i * n;
-        rows::gram_row_to_sqdist(row + i + 1, norms + i + 1, norms[i], n - i - 1);
-        row[i] = 0.0;
-      }
+      gram_rows_to_sqdist(out, n, norms, i0, i1);
     }
     return true;
   }
@@ -704,7 +699,7 @@ void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool pa
   if (gram_one(s, b, sq, parallel, norms)) return;
   const int64_t n = s.rows;
   for (int64_t i = 0; i < n; ++i) norms[i] = sq[i * n + i];
-  gram_to_sqdist(sq, n);
+  gram_rows_to_sqdist(sq, n, norms, 0, n);
 }
 
 // NaN/Inf in a sample makes its squared norm NaN/Inf: rows [0, n_den) are denom, then numer.
