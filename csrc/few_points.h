@@ -1,11 +1,12 @@
 // Kernels for few points in many dimensions (an MNIST BNN layer: n_p = n_q = 10, d = 314000): the Gram
 // matrix and the backward's weighted sums read the float32 (or float64) samples from the input rows
-// once and accumulate in float64 registers (the Gram converts float32 in 128-column blocks that stay
+// once and accumulate in float64 registers (the Gram converts float32 in blocks of columns that stay
 // in L1). The GEMM path copies the samples into a float64 buffer first, and a GEMM with a 20 x 20
 // output and a long inner dimension runs far below peak.
 //
-// Written for AVX-512 (4 x 4 register tiles of 8 doubles) and for AVX2 + FMA (3 x 3 tiles of 4
-// doubles); available() says whether this CPU has either, and callers keep the GEMM path otherwise.
+// Written for AVX-512 (4 x 4 register tiles of 8 doubles) and for AVX2 + FMA (the Gram's triangle
+// in 4 x 4 triangles and 4 x 3 and 4 x 2 rectangles of 4 doubles, the weighted sums in 5 x 2 tiles);
+// available() says whether this CPU has either, and callers keep the GEMM path otherwise.
 #pragma once
 
 #include <cstdint>

@@ -186,6 +186,10 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
     (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
     (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (padded rows in the tiles)
+    (16, 16, 1000, None, torch.float32, 1),   # 32 points over 15 blocks (more tiles than rows), 16
+                                              # evaluation points (groups of 5, 5, 5 and 1)
+    (7, 13, 777, 2, torch.float32, 1),        # 20 points, 13 evaluation points (5, 5, 3), 9 tail columns
+    (2, 2, 300, None, torch.float64, 1),      # 4 points: one tile, three rows converted on their own
 ])
 @pytest.mark.parametrize("avx2", [False, True])  # True: the AVX2 kernels even on an AVX-512 CPU
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
