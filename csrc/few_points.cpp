@@ -354,20 +354,21 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
     double* const next_buf = bufs[cur ^ 1];
     const int64_t next = c0 + kBlock;
     const bool has_next = next < w_main;
-    if (has_next)
-      for (int64_t i = tile_count; i < n; ++i) convert_row(rows[i] + next, next_buf + i * kBlock);
-    // The block after next starts coming from memory while this one is multiplied, its cache lines
-    // requested a few before each tile: all at once (20 rows x 8 lines) left the loads waiting on
-    // memory (spread, the forward at (10, 314000) was 1.10x faster: bench/ab.py).
+    // The block after next starts coming from memory while this one is multiplied: each row's lines
+    // requested by the tile that will convert it (all at once, 20 rows x 4 lines, left the conversions
+    // waiting on memory).
     const int64_t ahead = next + kBlock;
-    const int64_t lines = ahead + kBlock <= w_main ? n * kLinesPerBlock : 0;
-    const int64_t per_tile = (lines + tile_count - 1) / tile_count;
-    int64_t line = 0;
+    const bool fetch = ahead + kBlock <= w_main;
+    auto prefetch_row = [&](int64_t i) {
+      for (int64_t line = 0; line < kLinesPerBlock; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[i] + ahead + line * kLineElements), _MM_HINT_T0);
+    };
+    for (int64_t i = tile_count; i < n; ++i) {
+      if (fetch) prefetch_row(i);
+      if (has_next) convert_row(rows[i] + next, next_buf + i * kBlock);
+    }
     for (int64_t t = 0; t < tile_count; ++t) {
-      for (const int64_t end = std::min(lines, line + per_tile); line < end; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[line / kLinesPerBlock] + ahead +
-                                                   (line % kLinesPerBlock) * kLineElements),
-                     _MM_HINT_T0);
+      if (fetch && t < n) prefetch_row(t);
       const bool converts = has_next && t < n;
       const T* const src = converts ? rows[t] + next : x86::zero_row(rows[0]);
       double* const dst = converts ? next_buf + t * kBlock : spare;
