@@ -1014,12 +1014,12 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     // The projection: sum_c W_jc c = row_scale_j sum_c k(c, z_j) (coef_c c), so the kernel rows times
     // the points scaled by their coefficients, Y = coef * X (no W needed). Up to kRowDotsMaxDim
     // dimensions Y is kept transposed ([d, N], from the points direct_sqdist left) for row-wise dot
-    // products (d sums in registers). Above, up to gram_tiles::kPanelOrderMaxRows points, Y goes in
-    // gram_tiles' panels for its register tiles (against MKL's GEMM, forward+backward 1.07x faster at
-    // (100, 51), 1.11x at (100, 32), 1.05x at (100, 16): bench/ab.py, float32, 1 thread); with more
-    // points, [N, d] for one GEMM.
+    // products (d sums in registers). Above, Y goes in gram_tiles' panels for its register tiles
+    // (against MKL's GEMM, forward+backward 1.07x faster at (100, 51), 1.11x at (100, 32), 1.05x at
+    // (100, 16), 1.04-1.06x at (1000, 32) and (2000, 32): bench/ab.py, float32); where the tiles are
+    // off (AVX-512, no AVX2), [N, d] for one GEMM.
     const bool direct = d <= kRowDotsMaxDim;
-    const bool tiles = projection && !direct && gram_tiles::enabled() && n <= gram_tiles::kPanelOrderMaxRows;
+    const bool tiles = projection && !direct && gram_tiles::enabled();
     double* const y = !projection ? nullptr
                       : tiles     ? work.points.get(gram_tiles::panels(d) * gram_tiles::kPanel * n)
                                   : work.points.get(n * d);
@@ -1059,9 +1059,16 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
       rows_body(0, m);
     }
     if (tiles) {
-      // on one thread even when the element is split: N <= 256 points and d < N - 1 make it at most
-      // ~16 M multiply-adds ((100, 100): 2 M, ~50 us)
-      gram_tiles::rows_times_panels(kernel_rows, m, n, y, d, n, out, width);
+      // Up to kPanelOrderMaxRows points on one thread even when the element is split: d < N - 1 makes
+      // it at most ~16 M multiply-adds ((100, 100): 2 M, ~50 us). Above, rows of the kernel per thread.
+      auto kernel_times_y = [&](int64_t j0, int64_t j1) {
+        gram_tiles::rows_times_panels(kernel_rows + j0 * n, j1 - j0, n, y, d, n, out + j0 * width, width);
+      };
+      if (parallel && n > gram_tiles::kPanelOrderMaxRows) {
+        at::parallel_for(0, m, 64, kernel_times_y);
+      } else {
+        kernel_times_y(0, m);
+      }
       for (int64_t j = 0; j < m; ++j) rows::scale(out + j * width, row_scale[j], d);
     } else if (projection && !direct) {
       // as P^T = Y^T K^T: MKL runs this orientation of the thin product ~1.8x faster than K Y

@@ -213,8 +213,10 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 # (points past a multiple of 4 or 8, columns past a multiple of 4), on both loop orders (256 points)
 # and on each way of sharing the work between threads (an element is split from N^2 max(d, 8) >= 2^21).
 # Hypothesis draws up to MAX_WORK, past that threshold too, but seldom on these edges. The gradient's projection
-# (d + 1 < N above 8 dimensions) runs on the same tiles up to 256 points (the first five cases: rows
-# past a multiple of 4, columns past or on a multiple of 8) and on a GEMM above (281 points) or without tiles.
+# (d + 1 < N above 8 dimensions) runs on the same tiles (the first five cases: rows past a multiple of 4,
+# columns past or on a multiple of 8), above 256 points in chunks of 1024 points (281, 1050 and 1100
+# points: one chunk, two with 26 and 76 points in the second, rows split over two threads), and on a GEMM
+# without tiles.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
     (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), 9 dimensions (tiles; differences without)
     (20, 23, 16, None, torch.float64, 1),     # 43 points, columns a multiple of 8 (the projection's full panels)
@@ -228,6 +230,8 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
                                               # for 2 threads
     (128, 128, 256, None, torch.float64, 2),  # one block whose tiles two threads share, panels first
     (550, 550, 16, None, torch.float64, 2),   # the same, row tiles first
+    (520, 530, 21, None, torch.float32, 1),   # the projection's second chunk of 26 points accumulates
+                                              # onto edge tiles (530 rows, 21 columns)
 ])
 @pytest.mark.parametrize("tiles", [True, False])  # False: as on AVX-512 CPUs (GEMMs above 32 dimensions)
 def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
