@@ -186,10 +186,13 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
     (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
     (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (padded rows in the tiles)
-    (16, 16, 1000, None, torch.float32, 1),   # 32 points over 15 blocks (more tiles than rows), 16
-                                              # evaluation points (groups of 5, 5, 5 and 1)
-    (7, 13, 777, 2, torch.float32, 1),        # 20 points, 13 evaluation points (5, 5, 3), 9 tail columns
+    (16, 16, 1004, None, torch.float32, 1),   # 32 points over 15 blocks (more tiles than rows), 16
+                                              # evaluation points (groups of 5, 5, 5 and 1), a 4-column step
+    (7, 13, 780, 2, torch.float32, 1),        # 20 points, 13 evaluation points (5, 5, 3) and their
+                                              # 4-column step, the Gram's 12 tail columns
     (2, 2, 300, None, torch.float64, 1),      # 4 points: one tile, three rows converted on their own
+    (1, 2, 100, None, torch.float32, 1),      # 3 points (a padding row in the only tile), one block of
+                                              # the Gram (no next block to convert)
 ])
 @pytest.mark.parametrize("avx2", [False, True])  # True: the AVX2 kernels even on an AVX-512 CPU
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
@@ -214,9 +217,9 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 # and on each way of sharing the work between threads (an element is split from N^2 max(d, 8) >= 2^21).
 # Hypothesis draws up to MAX_WORK, past that threshold too, but seldom on these edges. The gradient's projection
 # (d + 1 < N above 8 dimensions) runs on the same tiles (the first five cases: rows past a multiple of 4,
-# columns past or on a multiple of 8), above 256 points in chunks of 1024 points (281, 1050 and 1100
-# points: one chunk, two with 26 and 76 points in the second, rows split over two threads), and on a GEMM
-# without tiles.
+# columns past or on a multiple of 8), above 256 points in chunks of 1024 points (281, 601, 1050 and
+# 1100 points: one chunk, two with 26 and 76 points in the second; rows split over two threads at 601
+# and 1100), and on a GEMM without tiles.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
     (16, 17, 9, None, torch.float64, 1),      # 33 points (edge tiles), 9 dimensions (tiles; differences without)
     (20, 23, 16, None, torch.float64, 1),     # 43 points, columns a multiple of 8 (the projection's full panels)
@@ -232,6 +235,8 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
     (550, 550, 16, None, torch.float64, 2),   # the same, row tiles first
     (520, 530, 21, None, torch.float32, 1),   # the projection's second chunk of 26 points accumulates
                                               # onto edge tiles (530 rows, 21 columns)
+    (300, 301, 21, None, torch.float32, 2),   # the projection's kernel rows split over two threads
+                                              # (edge panels of 5 columns)
 ])
 @pytest.mark.parametrize("tiles", [True, False])  # False: as on AVX-512 CPUs (GEMMs above 32 dimensions)
 def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
