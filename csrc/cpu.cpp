@@ -1086,28 +1086,47 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
 
 namespace {
 
-// weighted_grad for few points: grad_j = scale_j (sum_c W_jc c - w_sum_j z_j) straight from the input
-// rows (the first n stacked rows are the fitted points; z's m rows start at stacked row z_row).
-void few_points_weighted_grad(const Stack& s, int64_t n, int64_t z_row, const Tensor& weights, const Tensor& scale,
-                              const Tensor& w_sum, Tensor& grad) {
+// weighted_grad by few_points' register tiles: grad_j = scale_j (sum_c W_jc c - w_sum_j z_j) straight
+// from the input rows (the first n stacked rows are the fitted points; z's m rows start at stacked row
+// z_row), in float64 registers. Up to kMaxOutRows evaluation points in one pass over the rows; more in
+// chunks of 15 (three tiles of 5 rows) over column blocks whose n input rows stay in L2 for all the
+// chunks. MKL's GEMM on the rows copied to float64 (for_each_block), which packs both operands again,
+// was slower from 200 to 1000 points (bench/ab.py, forward+backward, float32, 1 thread: (100, 700)
+// 1.074x faster with the tiles, (100, 50000) 1.068x, (150, 1000) 1.066x, (300, 2000) 1.075x, (500, 1000)
+// 1.195x); blocks of 64 KB or chunks of 10 rows: 1-2.5% slower at (100, 50000). Where gram_tiles are
+// off (AVX-512, whose 8-wide GEMMs were not measured against these), the GEMM stays.
+constexpr int64_t kTiledGradChunk = 15;
+constexpr int64_t kTiledGradBlockBytes = int64_t{256} << 10;
+void tiled_weighted_grad(const Stack& s, int64_t n, int64_t z_row, const Tensor& weights, const Tensor& scale,
+                         const Tensor& w_sum, Tensor& grad) {
   const int64_t m = grad.size(1), d = s.d;
   auto w = weights.contiguous();
-  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "kivi_fast_few_points_grad", [&] {
+  const bool chunked = m > few_points::kMaxOutRows;
+  const int64_t chunk = chunked ? kTiledGradChunk : m;
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "kivi_fast_tiled_grad", [&] {
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t block = chunked ? std::max<int64_t>(64, kTiledGradBlockBytes / row_bytes / 64 * 64) : d;
     auto columns = [&](int64_t b, int64_t c0, int64_t c1) {
-      const scalar_t* rows[few_points::kMaxRows + few_points::kMaxOutRows];
-      row_pointers(s, b, c0, rows);
-      scalar_t* out[few_points::kMaxOutRows];
-      for (int64_t j = 0; j < m; ++j) out[j] = grad.data_ptr<scalar_t>() + (b * m + j) * d + c0;
-      few_points::weighted_rows(w.data_ptr<double>() + b * m * n, m, n, rows, rows + z_row,
-                                scale.data_ptr<double>() + b * m, w_sum.data_ptr<double>() + b * m, out, c1 - c0);
+      std::vector<const scalar_t*> rows(s.rows);
+      std::vector<scalar_t*> out(m);
+      for (int64_t cb = c0; cb < c1; cb += block) {
+        row_pointers(s, b, cb, rows.data());
+        for (int64_t j = 0; j < m; ++j) out[j] = grad.data_ptr<scalar_t>() + (b * m + j) * d + cb;
+        for (int64_t j0 = 0; j0 < m; j0 += chunk)
+          few_points::weighted_rows(w.data_ptr<double>() + (b * m + j0) * n, std::min(chunk, m - j0), n, rows.data(),
+                                    rows.data() + z_row + j0, scale.data_ptr<double>() + b * m + j0,
+                                    w_sum.data_ptr<double>() + b * m + j0, out.data() + j0, std::min(block, c1 - cb));
+      }
     };
-    if (s.batch >= at::get_num_threads() || d < 2 * kFewPointsGrain) {
+    // an element's columns are split over threads from two blocks (chunked) or 2 x kFewPointsGrain
+    const int64_t grain = chunked ? block : kFewPointsGrain;
+    if (s.batch >= at::get_num_threads() || d < 2 * grain) {
       at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) columns(b, 0, d);
       });
     } else {
       for (int64_t b = 0; b < s.batch; ++b)
-        at::parallel_for(0, d, kFewPointsGrain, [&](int64_t c0, int64_t c1) { columns(b, c0, c1); });
+        at::parallel_for(0, d, grain, [&](int64_t c0, int64_t c1) { columns(b, c0, c1); });
     }
   });
 }
@@ -1131,8 +1150,9 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   auto scale = row_scale.to(at::kDouble).contiguous();
   auto grad = at::empty_like(z, z.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t d = s.d;
-  if (use_few_points(n) && m > 0 && m <= few_points::kMaxOutRows) {
-    few_points_weighted_grad(s, n, z_row, weights, scale, w_sum, grad);
+  const bool few = use_few_points(n) && m <= few_points::kMaxOutRows;  // on AVX-512 too
+  if (m > 0 && few_points::available() && (few || gram_tiles::enabled())) {
+    tiled_weighted_grad(s, n, z_row, weights, scale, w_sum, grad);
     return grad;
   }
   for_each_block(s, parallel_over_batch(s), [&](int64_t b, int64_t c0, int64_t w, const Tensor& block) {

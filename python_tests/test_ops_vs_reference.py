@@ -184,7 +184,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (16, 16, 33, None, torch.float64, 1),     # 32 points, the first dimension past the direct path
     (17, 16, 100, 3, torch.float32, 1),       # 33 points: the Gram's tiles (GEMMs without AVX2)
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
-    (3, 17, 1001, None, torch.float32, 1),    # 17: the backward's GEMM path, the Gram's tiles
+    (3, 17, 1001, None, torch.float32, 1),    # 17: the backward in chunks of 15 and 2, the Gram's tiles
     (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (padded rows in the tiles)
     (16, 16, 1004, None, torch.float32, 1),   # 32 points over 15 blocks (more tiles than rows), 16
                                               # evaluation points (groups of 5, 5, 5 and 1), a 4-column step
@@ -208,6 +208,26 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         r_ref.sum().backward()
         assert_close_rel(r.detach(), r_ref.detach(), 1e-5 if dtype == torch.float32 else 1e-7)
         assert_close_rel(z.grad, z_ref.grad, 1e-5 if dtype == torch.float32 else 1e-7)
+
+
+# The ratio's gradient at many evaluation points of their own (per-row scales, unlike the kl op's one
+# scale per element): above kMaxOutRows points the backward's tiles run in chunks of 15 rows
+# (csrc/cpu.cpp, tiled_weighted_grad), over column blocks and over two threads' columns.
+@pytest.mark.parametrize("n_p,n_q,n_z,d,threads", [(30, 35, 40, 300, 1), (20, 25, 33, 1500, 2), (6, 7, 20, 500, 1)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z, d, threads, tiles):
+    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float32, scale=1.0, shift=0.3, seed=n_z * d)
+    p, q = make_samples(pr)
+    g = torch.Generator().manual_seed(n_z)
+    z = (0.5 * torch.randn(n_z, d, generator=g) + 0.15).requires_grad_(True)
+    z_ref = z.detach().clone().requires_grad_(True)
+    with switched({torch.ops.kivi_fast._set_gram_tiles: tiles}, threads):
+        r = kivi_fast.DensityRatio().fit(p, q).log_ratio(z)
+        r_ref = reference.DensityRatio().fit(p, q).log_ratio(z_ref)
+        (r * torch.linspace(0.5, 2.0, n_z)).sum().backward()
+        (r_ref * torch.linspace(0.5, 2.0, n_z)).sum().backward()
+    assert_close_rel(r.detach(), r_ref.detach(), 1e-5)
+    assert_close_rel(z.grad, z_ref.grad, 1e-5)
 
 
 # More than 32 points take the distances from a Gram above 8 dimensions on AVX2 CPUs, by 4 x 8 register
@@ -237,6 +257,8 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
                                               # onto edge tiles (530 rows, 21 columns)
     (300, 301, 21, None, torch.float32, 2),   # the projection's kernel rows split over two threads
                                               # (edge panels of 5 columns)
+    (40, 10, 60, None, torch.float32, 1),     # the backward's tiles over 50 rows, 10 evaluation points
+                                              # in one pass, a 4-column step
 ])
 @pytest.mark.parametrize("tiles", [True, False])  # False: as on AVX-512 CPUs (GEMMs above 32 dimensions)
 def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
