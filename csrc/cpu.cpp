@@ -332,12 +332,11 @@ struct Found {
   }
 };
 
-std::optional<std::pair<double, double>> select_two_sampled(const double* sq, int64_t n, int64_t k, bool parallel) {
-  const int64_t pairs = n * (n - 1) / 2, s = median_sample_size.load();
-  if (s < 2) return std::nullopt;
-  thread_local std::vector<double> sample;
-  sample.resize(s);
-  uint64_t state = 0x9E3779B97F4A7C15ull;  // splitmix64: i != j uniform, so {i, j} uniform over the pairs
+// The squared distances of the sample's pairs, pair_sq(i, j) for the same pseudo-random pairs i < j at
+// every call (splitmix64: i != j uniform, so {i, j} uniform over the pairs), into sample.
+template <class PairSq>
+void sample_pairs(int64_t n, std::vector<double>& sample, PairSq pair_sq) {
+  uint64_t state = 0x9E3779B97F4A7C15ull;
   for (double& v : sample) {
     uint64_t z = (state += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -346,69 +345,116 @@ std::optional<std::pair<double, double>> select_two_sampled(const double* sq, in
     const auto i = static_cast<int64_t>((z >> 32) % static_cast<uint64_t>(n));
     auto j = static_cast<int64_t>((z & 0xffffffffu) % static_cast<uint64_t>(n - 1));
     j += j >= i;
-    v = sq[std::min(i, j) * n + std::max(i, j)];
+    v = pair_sq(std::min(i, j), std::max(i, j));
   }
-  // ranks k and k + 1 sit at ~f s in the sample, with a binomial spread
-  const double f = (static_cast<double>(k) + 1.0) / static_cast<double>(pairs);
-  const double mid = f * static_cast<double>(s);
-  const double spread = median_bracket_sds.load() * std::sqrt(static_cast<double>(s) * f * (1.0 - f)) + 2.0;
-  const auto r_lo = static_cast<int64_t>(std::floor(mid - spread)), r_hi = static_cast<int64_t>(std::ceil(mid + spread));
-  double lo = -std::numeric_limits<double>::infinity(), hi = std::numeric_limits<double>::infinity();
-  auto first = sample.begin();
-  if (r_lo >= 0) {
-    std::nth_element(sample.begin(), sample.begin() + r_lo, sample.end());
-    lo = sample[r_lo];
-    first = sample.begin() + r_lo + 1;
-  }
-  if (r_hi < s) {
-    std::nth_element(first, sample.begin() + r_hi, sample.end());
-    hi = sample[r_hi];
-  }
-  // one buffer per task of the parallel loop, owned by the calling thread: a task id is not an OS
-  // thread (ATen's native pool may run two tasks of one loop on one thread)
-  const int threads = parallel ? at::get_num_threads() : 1;
-  thread_local std::vector<Found> mine;
-  std::vector<Found>& found = mine;  // a name the tasks' lambda captures (in it, `mine` is the task thread's)
-  if (static_cast<int>(found.size()) < threads) found.resize(threads);
-  for (int t = 0; t < threads; ++t) found[t].size = 0;
-  std::vector<int64_t> below(threads, 0);
-  for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
-    const int t = parallel ? at::get_thread_num() : 0;
-    Found& f_t = found[t];
-    f_t.size += rows::count_below_gather(row, count, lo, hi, f_t.room(count), below[t]);
-  });
-  int64_t under = 0, inside = 0;
-  for (int t = 0; t < threads; ++t) {
-    under += below[t];
-    inside += found[t].size;
-  }
-  const bool held = under <= k && under + inside > std::min(k + 1, pairs - 1);
-  std::optional<std::pair<double, double>> result;
-  if (held) {
-    Found& all = found[0];  // the other tasks' values appended to the first's
-    for (int t = 1; t < threads; ++t) {
-      std::copy(found[t].data.get(), found[t].data.get() + found[t].size, all.room(found[t].size));
-      all.size += found[t].size;
-    }
-    double* const cand = all.data.get();
-    const int64_t r = k - under;
-    std::nth_element(cand, cand + r, cand + all.size);
-    const double value = cand[r];
-    result = std::make_pair(value, r + 1 < all.size ? *std::min_element(cand + r + 1, cand + all.size) : value);
-  }
-  ++(held ? median_bracket_held : median_bracket_missed);
-  // like Work's buffers, none kept above 32 MB (many tied distances put most pairs in the bracket)
-  for (Found& f_t : found)
-    if (f_t.capacity > kKeptDoubles) f_t = Found();
-  return result;
 }
+
+// One pass over the pairs against a bracket [lo, hi] of ranks k and k + 1 that a sample set: how many
+// pairs lie below it, and the pairs inside it, per task (add(t, ...) from task t). finish() selects the
+// two ranks among those inside where the bracket held them, and counts both outcomes.
+class BracketTally {
+ public:
+  // The bracket from the sample's values (reordered), for ranks k, k + 1 of `pairs` values.
+  BracketTally(std::vector<double>& sample, int64_t k, int64_t pairs, int tasks)
+      : k_(k), pairs_(pairs), found_(buffers()), below_(tasks, 0) {
+    // ranks k and k + 1 sit at ~f s in the sample, with a binomial spread
+    const auto s = static_cast<int64_t>(sample.size());
+    const double f = (static_cast<double>(k) + 1.0) / static_cast<double>(pairs);
+    const double mid = f * static_cast<double>(s);
+    const double spread = median_bracket_sds.load() * std::sqrt(static_cast<double>(s) * f * (1.0 - f)) + 2.0;
+    const auto r_lo = static_cast<int64_t>(std::floor(mid - spread)), r_hi = static_cast<int64_t>(std::ceil(mid + spread));
+    auto first = sample.begin();
+    if (r_lo >= 0) {
+      std::nth_element(sample.begin(), sample.begin() + r_lo, sample.end());
+      lo_ = sample[r_lo];
+      first = sample.begin() + r_lo + 1;
+    }
+    if (r_hi < s) {
+      std::nth_element(first, sample.begin() + r_hi, sample.end());
+      hi_ = sample[r_hi];
+    }
+    if (static_cast<int>(found_.size()) < tasks) found_.resize(tasks);
+    for (int t = 0; t < tasks; ++t) found_[t].size = 0;
+  }
+  void add(int t, const double* row, int64_t count) {
+    Found& f_t = found_[t];
+    f_t.size += rows::count_below_gather(row, count, lo_, hi_, f_t.room(count), below_[t]);
+  }
+  std::optional<std::pair<double, double>> finish() {
+    const auto tasks = static_cast<int>(below_.size());
+    int64_t under = 0, inside = 0;
+    for (int t = 0; t < tasks; ++t) {
+      under += below_[t];
+      inside += found_[t].size;
+    }
+    const bool held = under <= k_ && under + inside > std::min(k_ + 1, pairs_ - 1);
+    std::optional<std::pair<double, double>> result;
+    if (held) {
+      Found& all = found_[0];  // the other tasks' values appended to the first's
+      for (int t = 1; t < tasks; ++t) {
+        std::copy(found_[t].data.get(), found_[t].data.get() + found_[t].size, all.room(found_[t].size));
+        all.size += found_[t].size;
+      }
+      double* const cand = all.data.get();
+      const int64_t r = k_ - under;
+      std::nth_element(cand, cand + r, cand + all.size);
+      const double value = cand[r];
+      result = std::make_pair(value, r + 1 < all.size ? *std::min_element(cand + r + 1, cand + all.size) : value);
+    }
+    ++(held ? median_bracket_held : median_bracket_missed);
+    // like Work's buffers, none kept above 32 MB (many tied distances put most pairs in the bracket)
+    for (Found& f_t : found_)
+      if (f_t.capacity > kKeptDoubles) f_t = Found();
+    return result;
+  }
+
+ private:
+  // one buffer per task of a parallel loop, owned by the calling thread: a task id is not an OS
+  // thread (ATen's native pool may run two tasks of one loop on one thread)
+  static std::vector<Found>& buffers() {
+    thread_local std::vector<Found> mine;
+    return mine;
+  }
+  int64_t k_, pairs_;
+  double lo_ = -std::numeric_limits<double>::infinity(), hi_ = std::numeric_limits<double>::infinity();
+  std::vector<Found>& found_;
+  std::vector<int64_t> below_;
+};
+
+// The sample as set for the median (empty: the bins only), from a thread-local buffer.
+std::vector<double>* median_sample() {
+  const int64_t s = median_sample_size.load();
+  if (s < 2) return nullptr;
+  thread_local std::vector<double> sample;
+  sample.resize(s);
+  return &sample;
+}
+
+std::optional<std::pair<double, double>> select_two_sampled(const double* sq, int64_t n, int64_t k, bool parallel) {
+  std::vector<double>* sample = median_sample();
+  if (sample == nullptr) return std::nullopt;
+  sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return sq[i * n + j]; });
+  const int tasks = parallel ? at::get_num_threads() : 1;
+  BracketTally tally(*sample, k, n * (n - 1) / 2, tasks);
+  for_upper_rows(sq, n, parallel,
+                 [&](const double* row, int64_t count) { tally.add(parallel ? at::get_thread_num() : 0, row, count); });
+  return tally.finish();
+}
+
+// What a pass that computed the distances may leave for the median: whether it already counted the
+// pairs against the sampled bracket (select_two_sampled's work), and the two middle values if that held.
+struct Middle {
+  bool counted = false;
+  std::optional<std::pair<double, double>> values;
+};
 
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
 // entries of sq.
-std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel) {
+std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel, const Middle& middle) {
   const int64_t pairs = n * (n - 1) / 2;
   TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
-  if (pairs > kPackedPairs) {
+  if (middle.values) return *middle.values;
+  if (pairs > kPackedPairs && !middle.counted) {
     if (auto found = select_two_sampled(sq, n, k, parallel)) return *found;
   }
   thread_local std::vector<double> packed;
@@ -476,9 +522,11 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
   return {first, second};
 }
 
-double median_of_pairs(const double* sq, int64_t n, bool parallel) {
+int64_t median_rank(int64_t n) { return (n * (n - 1) / 2 - 1) / 2; }
+
+double median_of_pairs(const double* sq, int64_t n, bool parallel, const Middle& middle = {}) {
   const int64_t pairs = n * (n - 1) / 2;
-  const auto [lo, hi] = select_two(sq, n, (pairs - 1) / 2, parallel);
+  const auto [lo, hi] = select_two(sq, n, median_rank(n), parallel, middle);
   if (pairs % 2 == 1) return std::sqrt(lo);
   return 0.5 * (std::sqrt(lo) + std::sqrt(hi));
 }
@@ -628,7 +676,8 @@ void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
 // read and wrote the 64 MB triangle again (bench/ab.py 1.022-1.025); at (1000, 32) (32 MB) it was
 // even, at (100, 51) (320 KB, in L2) ~1.5% slower, hence the size gate.
 constexpr int64_t kFusedSqdistBytes = int64_t{32} << 20;
-bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* norms = nullptr) {
+bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* norms = nullptr,
+              Middle* middle = nullptr) {
   if (use_few_points(s.rows)) {
     few_points_gram(s, b, out, parallel);
     return false;
@@ -656,12 +705,36 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
       n * n * static_cast<int64_t>(sizeof(double)) > kFusedSqdistBytes) {
     double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
     pack_block(s, b, 0, s.d, buf);
+    // The median's counting pass (select_two_sampled) on each tile's distances while they are in cache,
+    // against a bracket from a sample of distances summed from the packed points: at (2000, 32) the
+    // separate pass read the 64 MB triangle once more.
+    const int64_t pairs = n * (n - 1) / 2;
+    std::vector<double>* sample = middle != nullptr && pairs > kPackedPairs ? median_sample() : nullptr;
+    std::optional<BracketTally> tally;
+    if (sample != nullptr) {
+      constexpr int64_t P = gram_tiles::kPanel;
+      const int64_t w = s.d;
+      sample_pairs(n, *sample, [&](int64_t i, int64_t j) {
+        const double* xi = buf + i / P * P * w + i % P;
+        const double* xj = buf + j / P * P * w + j % P;
+        double sum = 0.0;
+        for (int64_t c = 0; c < w; ++c) sum += (xi[c * P] - xj[c * P]) * (xi[c * P] - xj[c * P]);
+        return sum;
+      });
+      tally.emplace(*sample, median_rank(n), pairs, 1);
+    }
     constexpr int64_t R = gram_tiles::kTileRows;
     for (int64_t t = row_tiles - 1; t >= 0; --t) {
       gram_tiles::gram_upper(buf, n, s.d, out, n, false, t, t + 1);
       const int64_t i0 = t * R, i1 = std::min(n, i0 + R);
       for (int64_t i = i0; i < i1; ++i) norms[i] = out[i * n + i];
       gram_rows_to_sqdist(out, n, norms, i0, i1);
+      if (tally)
+        for (int64_t i = i0; i < i1; ++i) tally->add(0, out + i * n + i + 1, n - 1 - i);
+    }
+    if (tally) {
+      middle->counted = true;
+      middle->values = tally->finish();
     }
     return true;
   }
@@ -691,12 +764,13 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
 
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
 // the diagonal: callers read nothing else) and their squared norms into norms ([N]).
-void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work) {
+void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work,
+                   Middle* middle = nullptr) {
   if (use_direct_distances(s.rows, s.d)) {
     direct_sqdist(s, b, sq, norms, parallel, work);
     return;
   }
-  if (gram_one(s, b, sq, parallel, norms)) return;
+  if (gram_one(s, b, sq, parallel, norms, middle)) return;
   const int64_t n = s.rows;
   for (int64_t i = 0; i < n; ++i) norms[i] = sq[i * n + i];
   gram_rows_to_sqdist(sq, n, norms, 0, n);
@@ -709,8 +783,8 @@ void check_finite(const double* norms, int64_t n_den, int64_t n, Names names) {
   }
 }
 
-double checked_median(const double* sq, int64_t n, bool parallel) {
-  const double sigma = median_of_pairs(sq, n, parallel);
+double checked_median(const double* sq, int64_t n, bool parallel, const Middle& middle = {}) {
+  const double sigma = median_of_pairs(sq, n, parallel, middle);
   TORCH_CHECK_VALUE(sigma > 0, kZeroMedianMessage);
   return sigma;
 }
@@ -762,16 +836,84 @@ std::atomic<int64_t> refined_converged{0}, refined_factor_failed{0}, refined_sta
 // The upper triangle (row-major; LAPACK's column-major lower one) of A = K_dd / n_den + lam I into a
 // (leading dimension ld), from the first n_den rows of the N x N kernel (row-major, stride n).
 template <class T>
-void fill_system_upper(const double* kernel, int64_t n, int64_t n_den, double lam, T* a, int64_t ld) {
+void fill_system_row(const double* kernel, int64_t n, int64_t n_den, double lam, T* a, int64_t ld, int64_t i) {
   const double inv_n = 1.0 / static_cast<double>(n_den);
-  for (int64_t i = 0; i < n_den; ++i) {
-    rows::scale_copy(kernel + i * n + i, inv_n, a + i * ld + i, n_den - i);
-    a[i * ld + i] = static_cast<T>(kernel[i * n + i] * inv_n + lam);
+  rows::scale_copy(kernel + i * n + i, inv_n, a + i * ld + i, n_den - i);
+  a[i * ld + i] = static_cast<T>(kernel[i * n + i] * inv_n + lam);
+}
+template <class T>
+void fill_system_upper(const double* kernel, int64_t n, int64_t n_den, double lam, T* a, int64_t ld) {
+  for (int64_t i = 0; i < n_den; ++i) fill_system_row(kernel, n, n_den, lam, a, ld, i);
+}
+
+// Whether systems of n_den rows are solved by solve_refined (the float32 factor).
+bool uses_refined_solve(int64_t n_den) {
+  return n_den > kOwnCholeskyMaxRows && dpotrf_ != nullptr && dpotrs_ != nullptr && spotrf_ != nullptr &&
+         spotrs_ != nullptr && use_external_blas;
+}
+
+// What the kernel's exponentials pass fills of the fit's system while each of the first n_den rows is
+// in cache: the right-hand side's sums over the numer columns, and where solve_refined will run its
+// float32 system (n_den x n_den, upper triangle). At (2000, 32) each was a pass over 16-32 MB of rows.
+struct SystemRows {
+  int64_t n_den;
+  double lam;
+  double* numer_sums;  // [n_den]
+  float* system32;     // or null
+};
+// The float32 system's buffer in scratch (solve_refined's).
+float* system32_buffer(Scratch& scratch, int64_t n_den) {
+  return reinterpret_cast<float*>(scratch.get((n_den * n_den + 1) / 2));
+}
+
+// y = K_dd x, and where sums is given sums = K_dd 1, from the upper triangle of K_dd (the first n_den
+// rows and columns of the N x N kernel, row-major), four rows at a time: their diagonal block, then
+// their rows past it give them their sums over j with k_ij x_j and add k_ij x_i to y_j. Half the bytes
+// of full rows, and the lower triangle need not be mirrored. In parallel, each thread adds into a
+// zeroed partial of its own.
+void symmetric_times(const double* kernel, int64_t n, int64_t n_den, const double* x, double* y, double* sums,
+                     bool parallel) {
+  const int64_t outputs = sums != nullptr ? 2 : 1;
+  const int64_t parts = parallel ? at::get_num_threads() : 1;
+  std::vector<double> partial(parts * outputs * n_den, 0.0);
+  const std::vector<double> ones(n_den, 1.0);
+  auto block = [&](int64_t t) {
+    double* const part = partial.data() + (parallel ? at::get_thread_num() : 0) * outputs * n_den;
+    const int64_t i0 = 4 * t, i1 = std::min(n_den, i0 + 4);
+    for (int64_t o = 0; o < outputs; ++o) {
+      const double* v = o == 0 ? x : ones.data();
+      double* py = part + o * n_den;
+      for (int64_t i = i0; i < i1; ++i) {
+        const double* k = kernel + i * n;
+        py[i] += k[i] * v[i];
+        for (int64_t j = i + 1; j < i1; ++j) {
+          py[i] += k[j] * v[j];
+          py[j] += k[j] * v[i];
+        }
+      }
+      if (i1 - i0 == 4 && i1 < n_den) {
+        double own[4];
+        rows::dots4_axpy(kernel + i0 * n + i1, n, v + i1, v + i0, py + i1, n_den - i1, own);
+        for (int64_t r = 0; r < 4; ++r) py[i0 + r] += own[r];
+      }
+    }
+  };
+  const int64_t blocks = (n_den + 3) / 4;
+  if (parallel) {
+    for_triangle_rows(blocks, parallel, 4, block);
+  } else {
+    for (int64_t t = 0; t < blocks; ++t) block(t);
+  }
+  for (int64_t o = 0; o < outputs; ++o) {
+    double* out = o == 0 ? y : sums;
+    std::copy_n(partial.data() + o * n_den, n_den, out);
+    for (int64_t p = 1; p < parts; ++p)
+      for (int64_t i = 0; i < n_den; ++i) out[i] += partial[(p * outputs + o) * n_den + i];
   }
 }
 
 // A x = b for A = K_dd / n_den + lam I (K_dd: the first n_den rows and columns of the N x N kernel,
-// row-major, full rows) by LAPACK's float32 Cholesky and refinement in float64, as LAPACK's dsposv
+// row-major, upper triangle) by LAPACK's float32 Cholesky and refinement in float64, as LAPACK's dsposv
 // (which torch does not export): x = solve32(b), then x += solve32(b - A x) while that halves the
 // float64 residual, until ||r|| <= eps ||A|| ||x|| (infinity norms, eps = 2^-53: float64's rounding of
 // A x) or, where the steps stop halving it, dsposv's test ||r|| <= sqrt(n_den) eps ||A|| ||x||: a
@@ -781,10 +923,10 @@ void fill_system_upper(const double* kernel, int64_t n, int64_t n_den, double la
 // overwritten with x where this returns true; it is left as it was where float32 cannot factor A
 // (cond(A) beyond about 1 / eps_float32) or the steps stall, and the caller then factors in float64.
 bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, double* b, Scratch& scratch,
-                   bool parallel) {
+                   bool parallel, bool system_filled) {
   const double inv_n = 1.0 / static_cast<double>(n_den);
-  auto* const factor = reinterpret_cast<float*>(scratch.get((n_den * n_den + 1) / 2));
-  fill_system_upper(kernel, n, n_den, lam, factor, n_den);
+  float* const factor = system32_buffer(scratch, n_den);
+  if (!system_filled) fill_system_upper(kernel, n, n_den, lam, factor, n_den);
   const int nn = static_cast<int>(n_den), one = 1;
   int info = 0;
   spotrf_("L", &nn, factor, &nn, &info);
@@ -792,7 +934,7 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, d
     ++refined_factor_failed;
     return false;
   }
-  std::vector<double> x(n_den, 0.0), r(b, b + n_den), row_norm(n_den);
+  std::vector<double> x(n_den, 0.0), r(b, b + n_den), kx(n_den), row_norm(n_den);
   std::vector<float> step(n_den);
   double r_norm = rows::max_abs(r.data(), n_den);
   if (r_norm == 0.0) {  // b = 0: every kernel value between the two samples underflowed; x = 0 = b
@@ -807,19 +949,9 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, d
     ++refined_solves;
     for (int64_t i = 0; i < n_den; ++i) x[i] += r_norm * static_cast<double>(step[i]);
     const bool first = it == 0;
-    auto residual_rows = [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const double* row = kernel + i * n;
-        r[i] = b[i] - (inv_n * rows::dot(row, x.data(), n_den) + lam * x[i]);
-        if (first) row_norm[i] = inv_n * rows::sum(row, n_den) + lam;
-      }
-    };
-    if (parallel) {
-      at::parallel_for(0, n_den, 64, residual_rows);
-    } else {
-      residual_rows(0, n_den);
-    }
-    if (first) a_norm = *std::max_element(row_norm.begin(), row_norm.end());
+    symmetric_times(kernel, n, n_den, x.data(), kx.data(), first ? row_norm.data() : nullptr, parallel);
+    for (int64_t i = 0; i < n_den; ++i) r[i] = b[i] - (inv_n * kx[i] + lam * x[i]);
+    if (first) a_norm = inv_n * *std::max_element(row_norm.begin(), row_norm.end()) + lam;
     const double previous = r_norm;
     r_norm = rows::max_abs(r.data(), n_den);
     // Steps go on while they halve the residual, down to float64's rounding of A x; where they stop
@@ -838,17 +970,17 @@ bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, d
 }
 
 // (K_dd / n_den + lam I) alpha = -K_dn 1 / (lam n_den n_num) by Cholesky, from the kernel of the
-// stacked points [denom; numer] (N x N, row-major; rows [0, n_den) full, the rest upper triangle).
-// alpha gets n_den values.
+// stacked points [denom; numer] (N x N, row-major, upper triangle of rows [0, n_den)) and what the
+// exponentials' pass filled (SystemRows: alpha holds K_dn 1, and where refined, the float32 system
+// for solve_refined). alpha gets n_den values.
 void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam, double* alpha, Work& work,
-                     bool parallel) {
+                     bool parallel, bool refined) {
   const int64_t n_num = n - n_den;
   const double rhs_scale = -1.0 / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
-  for (int64_t i = 0; i < n_den; ++i) alpha[i] = rhs_scale * rows::sum(kernel + i * n + n_den, n_num);
+  for (int64_t i = 0; i < n_den; ++i) alpha[i] *= rhs_scale;
   const bool own = n_den <= kOwnCholeskyMaxRows;
   const bool lapack = dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas;
-  if (!own && lapack && spotrf_ != nullptr && spotrs_ != nullptr &&
-      solve_refined(kernel, n, n_den, lam, alpha, work.system, parallel)) {
+  if (refined && solve_refined(kernel, n, n_den, lam, alpha, work.system, parallel, true)) {
     return;
   }
   // our Cholesky wants padded rows (see rows::cholesky_upper); LAPACK and ATen a contiguous matrix
@@ -887,13 +1019,18 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
 }
 
 // The kernel in the first `rows` rows of sq (n x n) from the squared distances in its upper triangle:
-// exp of the upper part, the diagonal 1, the lower part mirrored (the kernel is symmetric).
-void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel) {
+// exp of the upper part, the diagonal 1, the lower part mirrored (the kernel is symmetric). The fit
+// reads only the upper part, the evaluation whole rows; mirroring only the evaluation's rows made
+// (2000, 32) 1% slower (bench/ab.py), so all are mirrored.
+void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel, const SystemRows& sys) {
   const double scale = -0.5 / (sigma * sigma);
   auto exp_rows = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       rows::scaled_exp(sq + i * n + i + 1, scale, n - i - 1);
       sq[i * n + i] = 1.0;
+      if (i >= sys.n_den) continue;
+      sys.numer_sums[i] = rows::sum(sq + i * n + sys.n_den, n - sys.n_den);
+      if (sys.system32 != nullptr) fill_system_row(sq, n, sys.n_den, sys.lam, sys.system32, sys.n_den, i);
     }
   };
   // in strips of 8 columns: the 8 source rows are read along their length, a cache line of each at a
@@ -924,16 +1061,18 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
 // all), and returns the bandwidth.
 double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, double lam, const double* sigma_given,
                Names names, bool parallel, Work& work) {
-  TORCH_INTERNAL_ASSERT(kernel_rows >= n_den, "the solve reads the denominator's full kernel rows");
+  TORCH_INTERNAL_ASSERT(kernel_rows >= n_den, "the solve reads the denominator's rows");
   const int64_t n = s.rows;
   double* sq = work.sq.get(n * n);
   double* norms = work.norms.get(n);
   double* coef = work.coef.get(n);
-  distances_one(s, b, sq, norms, parallel, work);
+  Middle middle;
+  distances_one(s, b, sq, norms, parallel, work, sigma_given == nullptr ? &middle : nullptr);
   check_finite(norms, n_den, n, names);
-  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel);
-  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel);
-  solve_alpha_one(sq, n, n_den, lam, coef, work, parallel);
+  const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel, middle);
+  float* const system32 = uses_refined_solve(n_den) ? system32_buffer(work.system, n_den) : nullptr;
+  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel, {n_den, lam, coef, system32});
+  solve_alpha_one(sq, n, n_den, lam, coef, work, parallel, system32 != nullptr);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
 }
@@ -966,9 +1105,10 @@ Tensor median_bandwidth(const Tensor& x) {
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     double* sq = work.sq.get(n * n);
     double* norms = work.norms.get(n);
-    distances_one(s, b, sq, norms, parallel, work);
+    Middle middle;
+    distances_one(s, b, sq, norms, parallel, work, &middle);
     check_finite(norms, n, n, {"x", "x"});
-    sigma.data_ptr<double>()[b] = checked_median(sq, n, parallel);
+    sigma.data_ptr<double>()[b] = checked_median(sq, n, parallel, middle);
   });
   return sigma;
 }
@@ -1019,7 +1159,10 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     // (100, 16), 1.04-1.06x at (1000, 32) and (2000, 32): bench/ab.py, float32); where the tiles are
     // off (AVX-512, no AVX2), [N, d] for one GEMM.
     const bool direct = d <= kRowDotsMaxDim;
-    const bool tiles = projection && !direct && gram_tiles::enabled();
+    // Where the projection takes gram_tiles' row tiles, r_j comes from the same pass over the kernel
+    // rows (with grad_state or not, so that the value does not depend on it); elsewhere from rows::dot.
+    const bool tiled_rows = kl_state_is_projection(n, d) && !direct && gram_tiles::enabled();
+    const bool tiles = projection && tiled_rows;
     double* const y = !projection ? nullptr
                       : tiles     ? work.points.get(gram_tiles::panels(d) * gram_tiles::kPanel * n)
                                   : work.points.get(n * d);
@@ -1032,12 +1175,24 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
       s.load(b, 0, d, y);
       for (int64_t c = 0; c < n; ++c) rows::scale(y + c * d, coef[c], d);
     }
-    std::vector<double> log_r(m), row_scale(m);
+    std::vector<double> log_r(m), row_scale(m), ratio(tiled_rows ? m : 0);
+    if (tiled_rows) {
+      // Up to kPanelOrderMaxRows points on one thread even when the element is split: d < N - 1 makes
+      // it at most ~16 M multiply-adds ((100, 100): 2 M, ~50 us). Above, rows of the kernel per thread.
+      auto kernel_times_y = [&](int64_t j0, int64_t j1) {
+        gram_tiles::rows_times_panels(kernel_rows + j0 * n, j1 - j0, n, y, tiles ? d : 0, n, out + j0 * width, width,
+                                      coef, ratio.data() + j0);
+      };
+      if (parallel && n > gram_tiles::kPanelOrderMaxRows) {
+        at::parallel_for(0, m, 64, kernel_times_y);
+      } else {
+        kernel_times_y(0, m);
+      }
+    }
     auto rows_body = [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const double* k = kernel_rows + j * n;
-        // r_j the same way whatever is kept, so that the value does not depend on grad_state
-        const double r = rows::dot(coef, k, n);
+        const double r = tiled_rows ? ratio[j] : rows::dot(coef, k, n);
         log_r[j] = std::log(std::max(r, clip));
         row_scale[j] = r > clip ? 1.0 / (sg * sg * r) : 0.0;
         if (!grad_state) continue;
@@ -1046,7 +1201,9 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
           continue;
         }
         out[j * width + d] = row_scale[j] * r;  // sum_c W_jc
-        if (direct) {
+        if (tiles) {
+          rows::scale(out + j * width, row_scale[j], d);
+        } else if (direct) {
           double* p = out + j * width;
           rows::dots_with_columns(k, y, n, d, p);
           for (int64_t t = 0; t < d; ++t) p[t] *= row_scale[j];
@@ -1058,19 +1215,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     } else {
       rows_body(0, m);
     }
-    if (tiles) {
-      // Up to kPanelOrderMaxRows points on one thread even when the element is split: d < N - 1 makes
-      // it at most ~16 M multiply-adds ((100, 100): 2 M, ~50 us). Above, rows of the kernel per thread.
-      auto kernel_times_y = [&](int64_t j0, int64_t j1) {
-        gram_tiles::rows_times_panels(kernel_rows + j0 * n, j1 - j0, n, y, d, n, out + j0 * width, width);
-      };
-      if (parallel && n > gram_tiles::kPanelOrderMaxRows) {
-        at::parallel_for(0, m, 64, kernel_times_y);
-      } else {
-        kernel_times_y(0, m);
-      }
-      for (int64_t j = 0; j < m; ++j) rows::scale(out + j * width, row_scale[j], d);
-    } else if (projection && !direct) {
+    if (projection && !direct && !tiles) {
       // as P^T = Y^T K^T: MKL runs this orientation of the thin product ~1.8x faster than K Y
       // ([1000, 2000] x [2000, 32]: 4.5 against 7.9 ms on this machine's core)
       double* const ptp = work.product.get(d * m);  // [d, m]

@@ -57,11 +57,14 @@ void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t l
 // kernel rows (this: the kl op 1.04-1.06x faster forward+backward at (1000, 32) and (2000, 32), 1 and
 // 2 threads, bench/ab.py). A of at most kPanelOrderMaxRows x kPanelOrderMaxRows stays in L2 while each
 // panel of B stays in L1; a larger A is read once, in chunks of its columns. The rest of c is not
-// written.
+// written. Where v is given, also av[i] = sum_{k < w} a[i lda + k] v[k] for i < m, summed while the
+// rows are in cache (the kl op's ratio at its evaluation points: at (2000, 32) a separate pass read the
+// 64 MB of kernel rows once more), in an order that depends on w alone: n_b may be 0 (no panels, b
+// unread), and splitting the rows over calls changes nothing.
 inline constexpr int64_t kPanelOrderMaxRows = 256;
 inline int64_t panels(int64_t columns) { return (columns + kPanel - 1) / kPanel; }
 void rows_times_panels(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b, int64_t w, double* c,
-                       int64_t ldc);
+                       int64_t ldc, const double* v = nullptr, double* av = nullptr);
 
 }  // namespace gram_tiles
 }  // namespace kivi_fast

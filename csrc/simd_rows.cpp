@@ -262,6 +262,33 @@ KIVI_FAST_ISA_CLONES double dot(const double* a, const double* b, int64_t n) {
   return sum;
 }
 
+KIVI_FAST_ISA_CLONES void dots4_axpy(const double* k, int64_t ld, const double* x, const double* s, double* y,
+                                     int64_t n, double* out) {
+  const double *k0 = k, *k1 = k + ld, *k2 = k + 2 * ld, *k3 = k + 3 * ld;
+  Vec4 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  const Vec4 s0 = {s[0], s[0], s[0], s[0]}, s1 = {s[1], s[1], s[1], s[1]}, s2 = {s[2], s[2], s[2], s[2]},
+             s3 = {s[3], s[3], s[3], s[3]};
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const Vec4 xv = load4(x + j), v0 = load4(k0 + j), v1 = load4(k1 + j), v2 = load4(k2 + j), v3 = load4(k3 + j);
+    a0 += v0 * xv;
+    a1 += v1 * xv;
+    a2 += v2 * xv;
+    a3 += v3 * xv;
+    store4(y + j, load4(y + j) + ((s0 * v0 + s1 * v1) + (s2 * v2 + s3 * v3)));
+  }
+  double o[4] = {(a0[0] + a0[1]) + (a0[2] + a0[3]), (a1[0] + a1[1]) + (a1[2] + a1[3]),
+                 (a2[0] + a2[1]) + (a2[2] + a2[3]), (a3[0] + a3[1]) + (a3[2] + a3[3])};
+  for (; j < n; ++j) {
+    o[0] += k0[j] * x[j];
+    o[1] += k1[j] * x[j];
+    o[2] += k2[j] * x[j];
+    o[3] += k3[j] * x[j];
+    y[j] += (s[0] * k0[j] + s[1] * k1[j]) + (s[2] * k2[j] + s[3] * k3[j]);
+  }
+  for (int r = 0; r < 4; ++r) out[r] = o[r];
+}
+
 KIVI_FAST_ISA_CLONES double sum(const double* x, int64_t n) {
   Vec4 acc[4] = {};
   int64_t j = 0;

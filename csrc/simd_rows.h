@@ -56,6 +56,11 @@ void scale_copy(const double* x, double s, float* out, int64_t n);
 // sum_j a[j] b[j], and sum_j x[j]
 double dot(const double* a, const double* b, int64_t n);
 double sum(const double* x, int64_t n);
+// out[r] = sum_j k_r[j] x[j] for the four rows k_r = k + r ld, while y[j] += sum_r s[r] k_r[j]: both
+// halves of a symmetric matrix's product with x in one pass over four rows of its upper triangle (from
+// the column past their diagonal block, s = their x values). Four rows a pass: y is loaded and stored
+// once for four multiply-adds of the matrix (one row a pass ran at half the bandwidth of a plain dot).
+void dots4_axpy(const double* k, int64_t ld, const double* x, const double* s, double* y, int64_t n, double* out);
 // max_j |x[j]| (NaN if any x[j] is NaN)
 double max_abs(const double* x, int64_t n);
 // w[j] = (c[j] k[j]) s

@@ -314,10 +314,10 @@ def test_float32_factor_refined_in_float64_equals_reference(lam, threads):
     system's condition number (up to 1e6) makes each refinement step gain fewer digits and leaves
     float64 itself fewer: there ours and the reference differ by 1e-8 in the gradient at reverse=True,
     and so do the reference and our float64 Cholesky path (3e-9; _set_external_blas(False))."""
-    pr = dict(n_p=300, n_q=280, d=64, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
+    pr = dict(n_p=301, n_q=282, d=64, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
     p, q = make_samples(pr)
     with implementation("cpu"), switched({}, threads):
-        for reverse in (True, False):  # a 280-row system, then a 300-row one
+        for reverse in (True, False):  # a 282-row system, then a 301-row one (the residual's 4-row blocks + 2, + 1)
             counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=reverse))
             assert counts[:3] == [1, 0, 0] and 2 <= counts[3] <= 5  # 3-4 solves here
             ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=reverse)
@@ -385,16 +385,20 @@ def test_kernel_values_across_the_range_of_exp(compiled, reverse):
     assert_close_rel(ours_g, ref_g, 1e-11)
 
 
-@pytest.mark.parametrize("n,d", [(30, 3), (30, 40), (5, 60)])  # projection by rows, by GEMM; weights kept
-def test_value_without_a_gradient_is_the_same(compiled, n, d):
-    """Without grad the op skips the backward's state: the value must not change."""
+# projection by rows, by register tiles (by GEMM without AVX2), the same in chunks of 1024 points;
+# weights kept
+@pytest.mark.parametrize("batch,n,d", [(2, 30, 3), (2, 30, 40), (1, 600, 20), (2, 5, 60)])
+def test_value_without_a_gradient_is_the_same(compiled, batch, n, d):
+    """Without grad the op skips the backward's state: the value must not change, to the last bit
+    (where the projection's tiles sum the ratio at q_z along with it, they sum it without the state
+    too)."""
     g = torch.Generator().manual_seed(n + d)
-    p = torch.randn(2, n, d, generator=g, dtype=torch.float64)
-    q = torch.randn(2, n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3
+    p = torch.randn(batch, n, d, generator=g, dtype=torch.float64)
+    q = torch.randn(batch, n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3
     with torch.no_grad():
         plain = kivi_fast.kl(p, q)
     with_grad = kivi_fast.kl(p, q.clone().requires_grad_(True))
-    torch.testing.assert_close(plain, with_grad.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.equal(plain, with_grad.detach())
     torch.testing.assert_close(plain, reference.kl(p, q), rtol=1e-8, atol=0)
 
 
@@ -488,25 +492,42 @@ def test_kernel_matrix_above_32_mb_reused_between_calls():
     assert_close_rel(first[1], ref[1], 1e-7)
 
 
-def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles():
+@pytest.mark.parametrize("ties", [False, True])
+def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
     """Above 32 MB (2100 points) on one thread the Gram's row tiles turn into squared distances as they
-    are computed, from the last tile up (csrc/cpu.cpp, gram_one): the median equals numpy's, and the
-    KL's value and gradient equal the device-generic kernels' (full ATen matrices) at 2100 points in
-    33 dimensions (the tiles' regime)."""
+    are computed, from the last tile up, and the median's counting pass runs on each tile's rows against
+    a bracket from a sample of distances summed from the points (csrc/cpu.cpp, gram_one): the median
+    equals numpy's whether the bracket holds (as shipped), misses (0 standard deviations; tied
+    distances fill it) and hands the call to the bins without a second count, or is off (no sample);
+    the KL's value and gradient equal the device-generic kernels' (full ATen matrices) at 2100 points
+    in 33 dimensions (the tiles' regime)."""
+    ops = torch.ops.kivi_fast
     g = torch.Generator().manual_seed(21)
     x = torch.randn(2100, 33, generator=g, dtype=torch.float64)
+    if ties:
+        x = torch.round(x)
     p, q = x[:1050], 0.7 * x[1050:] + 0.2
+    expected = np.median(pdist(x.numpy()))
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with implementation("cpu"):
-            sigma = kivi_fast.median_bandwidth(x).item()
+            for size, sds, outcome in [(1 << 15, 5.0, [1, 0]), (1 << 15, 0.0, [1, 0] if ties else [0, 1]),
+                                       (0, 5.0, [0, 0])]:
+                old = ops._set_median_bracket(size, sds)
+                try:
+                    before = ops._median_counts()
+                    sigma = kivi_fast.median_bandwidth(x).item()
+                    after = ops._median_counts()
+                finally:
+                    ops._set_median_bracket(int(old[0]), old[1])
+                assert sigma == pytest.approx(expected, rel=1e-12), (size, sds)
+                assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
             ours = value_and_grad(kivi_fast.kl, p, q)
         with implementation("generic"):
             theirs = value_and_grad(kivi_fast.kl, p, q)
     finally:
         torch.set_num_threads(old_threads)
-    assert sigma == pytest.approx(np.median(pdist(x.numpy())), rel=1e-12)
     assert_close_rel(ours[0], theirs[0], 1e-8)
     assert_close_rel(ours[1], theirs[1], 1e-7)
 
