@@ -349,6 +349,8 @@ void sample_pairs(int64_t n, std::vector<double>& sample, PairSq pair_sq) {
   }
 }
 
+std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k);
+
 // One pass over the pairs against a bracket [lo, hi] of ranks k and k + 1 that a sample set: how many
 // pairs lie below it, and the pairs inside it, per task (add(t, ...) from task t). finish() selects the
 // two ranks among those inside where the bracket held them, and counts both outcomes.
@@ -395,11 +397,8 @@ class BracketTally {
         std::copy(found_[t].data.get(), found_[t].data.get() + found_[t].size, all.room(found_[t].size));
         all.size += found_[t].size;
       }
-      double* const cand = all.data.get();
-      const int64_t r = k_ - under;
-      std::nth_element(cand, cand + r, cand + all.size);
-      const double value = cand[r];
-      result = std::make_pair(value, r + 1 < all.size ? *std::min_element(cand + r + 1, cand + all.size) : value);
+      // by bins again (~3% of the pairs: nth_element over them took 2.5% of (2000, 32)'s call)
+      result = select_two_of(all.data.get(), all.size, k_ - under);
     }
     ++(held ? median_bracket_held : median_bracket_missed);
     // like Work's buffers, none kept above 32 MB (many tied distances put most pairs in the bracket)
@@ -450,6 +449,57 @@ struct Middle {
 
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
 // entries of sq.
+// Ranks k and k + 1 (k + 1 clamped to the last) among `total` values in [lo, hi] that
+// for_values(in_parallel, fn) hands to fn(values, count) in pieces: by bins as described above, or a
+// plain selection over all where the range is unfit for bin arithmetic.
+template <class ForValues>
+std::pair<double, double> select_two_binned(ForValues for_values, int64_t total, int64_t k, double lo, double hi,
+                                            bool parallel) {
+  const int threads = parallel ? at::get_num_threads() : 1;
+  auto tid = [&] { return parallel ? at::get_thread_num() : 0; };
+  std::vector<double> cand;
+  int64_t below = 0;
+  // a range too narrow or too wide for finite bin arithmetic (subnormal or overflowing distances):
+  // a plain selection over all values
+  const double inv_width_all = static_cast<double>(total) / (hi - lo);
+  if (total < kMinBinnedPairs || !(hi > lo) || !std::isfinite(hi) || !std::isfinite(inv_width_all)) {
+    cand.reserve(total);
+    for_values(false, [&](const double* v, int64_t count) { cand.insert(cand.end(), v, v + count); });
+  } else {
+    // ~8 values a bin: the counts stay in L1 and the one or two bins selected hold few values
+    const auto bins = static_cast<int32_t>(std::clamp<int64_t>(total / 8, 64, int64_t{1} << 16));
+    const double inv_width = static_cast<double>(bins) / (hi - lo);
+    std::vector<int32_t> hist(threads * bins, 0);
+    for_values(parallel, [&](const double* v, int64_t count) {
+      rows::histogram(v, count, lo, inv_width, bins, hist.data() + tid() * bins);
+    });
+    for (int t = 1; t < threads; ++t)
+      for (int32_t b = 0; b < bins; ++b) hist[b] += hist[t * bins + b];
+    int32_t lo_bin = 0;
+    while (below + hist[lo_bin] <= k) below += hist[lo_bin++];
+    int32_t hi_bin = lo_bin;
+    for (int64_t seen = below + hist[lo_bin]; seen <= k + 1 && hi_bin + 1 < bins;) seen += hist[++hi_bin];
+    cand.resize(static_cast<size_t>(std::accumulate(hist.begin() + lo_bin, hist.begin() + hi_bin + 1, int64_t{0})));
+    int64_t filled = 0;
+    for_values(false, [&](const double* v, int64_t count) {
+      filled += rows::gather_bins(v, count, lo, inv_width, bins, lo_bin, hi_bin, cand.data() + filled);
+    });
+  }
+  const int64_t r = k - below;
+  std::nth_element(cand.begin(), cand.begin() + r, cand.end());
+  const double first = cand[r];
+  const double second =
+      r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : first;
+  return {first, second};
+}
+
+// Ranks k and k + 1 of values[0, count) (one thread).
+std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k) {
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  rows::min_max(values, count, lo, hi);
+  return select_two_binned([&](bool, auto fn) { fn(values, count); }, count, k, lo, hi, false);
+}
+
 std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel, const Middle& middle) {
   const int64_t pairs = n * (n - 1) / 2;
   TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
@@ -468,6 +518,11 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
       rows::copy_min_max(row, packed.data() + at, count, lo_v[0], hi_v[0]);
       at += count;
     });
+  } else {
+    for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
+      const int t = parallel ? at::get_thread_num() : 0;
+      rows::min_max(row, count, lo_v[t], hi_v[t]);
+    });
   }
   // fn(values, count) over all pairs: the packed array at once, or row by row (in parallel if asked)
   auto for_pairs = [&](bool in_parallel, auto fn) {
@@ -477,49 +532,8 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
       for_upper_rows(sq, n, in_parallel, fn);
     }
   };
-  auto tid = [&] { return parallel ? at::get_thread_num() : 0; };
-  std::vector<double> cand;
-  int64_t below = 0;
-  if (!pack) {
-    for_upper_rows(sq, n, parallel, [&](const double* row, int64_t count) {
-      const int t = tid();
-      rows::min_max(row, count, lo_v[t], hi_v[t]);
-    });
-  }
-  const double lo = *std::min_element(lo_v.begin(), lo_v.end());
-  const double hi = *std::max_element(hi_v.begin(), hi_v.end());
-  // a range too narrow or too wide for finite bin arithmetic (subnormal or overflowing distances):
-  // a plain selection over all pairs
-  const double inv_width_all = static_cast<double>(pairs) / (hi - lo);
-  if (pairs < kMinBinnedPairs || !(hi > lo) || !std::isfinite(hi) || !std::isfinite(inv_width_all)) {
-    cand.reserve(pairs);
-    for_pairs(false, [&](const double* row, int64_t count) { cand.insert(cand.end(), row, row + count); });
-  } else {
-    // ~8 values a bin: the counts stay in L1 and the one or two bins selected hold few values
-    const auto bins = static_cast<int32_t>(std::clamp<int64_t>(pairs / 8, 64, int64_t{1} << 16));
-    const double inv_width = static_cast<double>(bins) / (hi - lo);
-    std::vector<int32_t> hist(threads * bins, 0);
-    for_pairs(parallel, [&](const double* row, int64_t count) {
-      rows::histogram(row, count, lo, inv_width, bins, hist.data() + tid() * bins);
-    });
-    for (int t = 1; t < threads; ++t)
-      for (int32_t b = 0; b < bins; ++b) hist[b] += hist[t * bins + b];
-    int32_t lo_bin = 0;
-    while (below + hist[lo_bin] <= k) below += hist[lo_bin++];
-    int32_t hi_bin = lo_bin;
-    for (int64_t seen = below + hist[lo_bin]; seen <= k + 1 && hi_bin + 1 < bins;) seen += hist[++hi_bin];
-    cand.resize(static_cast<size_t>(std::accumulate(hist.begin() + lo_bin, hist.begin() + hi_bin + 1, int64_t{0})));
-    int64_t filled = 0;
-    for_pairs(false, [&](const double* row, int64_t count) {
-      filled += rows::gather_bins(row, count, lo, inv_width, bins, lo_bin, hi_bin, cand.data() + filled);
-    });
-  }
-  const int64_t r = k - below;
-  std::nth_element(cand.begin(), cand.begin() + r, cand.end());
-  const double first = cand[r];
-  const double second =
-      r + 1 < static_cast<int64_t>(cand.size()) ? *std::min_element(cand.begin() + r + 1, cand.end()) : first;
-  return {first, second};
+  return select_two_binned(for_pairs, pairs, k, *std::min_element(lo_v.begin(), lo_v.end()),
+                           *std::max_element(hi_v.begin(), hi_v.end()), parallel);
 }
 
 int64_t median_rank(int64_t n) { return (n * (n - 1) / 2 - 1) / 2; }
@@ -1050,8 +1064,11 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
     at::parallel_for(0, rows, 16, exp_rows);
     at::parallel_for(0, strips, 4, mirror_strips);
   } else {
-    exp_rows(0, rows);
-    mirror_strips(0, strips);
+    // each strip's rows mirrored right after their exponentials, while they are in L2
+    for (int64_t t = 0; t < strips; ++t) {
+      exp_rows(t * kStrip, std::min(rows, (t + 1) * kStrip));
+      mirror_strips(t, t + 1);
+    }
   }
 }
 
