@@ -64,7 +64,7 @@ namespace {
 // builds without them use, and no float32 factor of large systems (a test switch: _set_external_blas).
 std::atomic<bool> use_external_blas{true};
 
-// A [N, w] float64 block of about 512 KB, half of this machine's L2 per core: as fast here as the
+// A [N, w] float64 block of about 512 KB, this machine's L2 per core: as fast here as the
 // 2 MB blocks used before (one block for d = 700 at N = 200), and a smaller buffer to keep.
 constexpr int64_t kBlockDoubles = int64_t{1} << 16;
 
@@ -726,14 +726,16 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
     std::vector<double>* sample = middle != nullptr && pairs > kPackedPairs ? median_sample() : nullptr;
     std::optional<BracketTally> tally;
     if (sample != nullptr) {
-      constexpr int64_t P = gram_tiles::kPanel;
-      const int64_t w = s.d;
-      sample_pairs(n, *sample, [&](int64_t i, int64_t j) {
-        const double* xi = buf + i / P * P * w + i % P;
-        const double* xj = buf + j / P * P * w + j % P;
-        double sum = 0.0;
-        for (int64_t c = 0; c < w; ++c) sum += (xi[c * P] - xj[c * P]) * (xi[c * P] - xj[c * P]);
-        return sum;
+      // from the input rows (contiguous; the packed panels put each coordinate on another line)
+      with_row_pointers(s, b, 0, [&](auto x) {
+        sample_pairs(n, *sample, [&](int64_t i, int64_t j) {
+          double sum = 0.0;
+          for (int64_t c = 0; c < s.d; ++c) {
+            const double diff = static_cast<double>(x[i][c]) - static_cast<double>(x[j][c]);
+            sum += diff * diff;
+          }
+          return sum;
+        });
       });
       tally.emplace(*sample, median_rank(n), pairs, 1);
     }
@@ -1036,6 +1038,7 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
 // exp of the upper part, the diagonal 1, the lower part mirrored (the kernel is symmetric). The fit
 // reads only the upper part, the evaluation whole rows; mirroring only the evaluation's rows made
 // (2000, 32) 1% slower (bench/ab.py), so all are mirrored.
+constexpr int64_t kL2Bytes = int64_t{512} << 10;  // this project's AMD EPYC core's
 void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel, const SystemRows& sys) {
   const double scale = -0.5 / (sigma * sigma);
   auto exp_rows = [&](int64_t i0, int64_t i1) {
@@ -1063,12 +1066,16 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
   if (parallel) {
     at::parallel_for(0, rows, 16, exp_rows);
     at::parallel_for(0, strips, 4, mirror_strips);
-  } else {
-    // each strip's rows mirrored right after their exponentials, while they are in L2
+  } else if (rows * n * static_cast<int64_t>(sizeof(double)) > kL2Bytes) {
+    // each strip's rows mirrored right after their exponentials, while they are in L2 ((2000, 32):
+    // bench/ab.py 1.015x; below L2 nothing to gain, and 128 x (100, 8) 1% slower)
     for (int64_t t = 0; t < strips; ++t) {
       exp_rows(t * kStrip, std::min(rows, (t + 1) * kStrip));
       mirror_strips(t, t + 1);
     }
+  } else {
+    exp_rows(0, rows);
+    mirror_strips(0, strips);
   }
 }
 
