@@ -729,12 +729,19 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
       // from the input rows (contiguous; the packed panels put each coordinate on another line)
       with_row_pointers(s, b, 0, [&](auto x) {
         sample_pairs(n, *sample, [&](int64_t i, int64_t j) {
-          double sum = 0.0;
-          for (int64_t c = 0; c < s.d; ++c) {
+          // four sums: one chain of dependent additions took 1.5% of (2000, 32)'s call
+          double sum[4] = {};
+          int64_t c = 0;
+          for (; c + 4 <= s.d; c += 4)
+            for (int64_t u = 0; u < 4; ++u) {
+              const double diff = static_cast<double>(x[i][c + u]) - static_cast<double>(x[j][c + u]);
+              sum[u] += diff * diff;
+            }
+          for (; c < s.d; ++c) {
             const double diff = static_cast<double>(x[i][c]) - static_cast<double>(x[j][c]);
-            sum += diff * diff;
+            sum[0] += diff * diff;
           }
-          return sum;
+          return (sum[0] + sum[1]) + (sum[2] + sum[3]);
         });
       });
       tally.emplace(*sample, median_rank(n), pairs, 1);
