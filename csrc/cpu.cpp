@@ -7,12 +7,14 @@
 //    inputs never pay for a full float64 copy (d = 314000 for an MNIST layer), and each block's
 //    Gram runs while the block is in cache (register tiles on AVX2 CPUs, gram_tiles.h; GEMMs of
 //    the split triangle elsewhere); with few dimensions, distances come from differences;
-//  - only the upper triangle of the distances is computed (the median reads nothing else), the
-//    kernel rows the fit and the evaluation read are mirrored from it;
+//  - only the upper triangle of the distances is computed (the median reads nothing else), and the
+//    fit reads only the kernel's upper triangle (the refinement's residuals too: symmetric_times);
+//    the evaluation's whole kernel rows are mirrored from it;
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
 //    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
 //  - the median is an exact selection, not a sort: over binned values (select_two), and above 2^20
-//    pairs over the pairs inside a bracket that a sample of them sets (select_two_sampled);
+//    pairs over the pairs inside a bracket that a sample of them sets (select_two_sampled; on one
+//    thread above 32 MB counted inside the Gram's row tiles, gram_one);
 //  - systems up to 256 x 256 are factored by our own Cholesky (rows::cholesky_upper), larger ones by
 //    LAPACK's float32 Cholesky refined in float64 to float64's backward error (solve_refined);
 //  - with few dimensions (d + 1 < N) the forward leaves the backward the projection of its weights on
@@ -306,9 +308,9 @@ void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
 constexpr int64_t kPackedPairs = int64_t{1} << 20;
 
 // Above kPackedPairs, a sample of the pairs brackets the middle ranks first (8 M pairs at (2000, 32)):
-// one pass counts the pairs below the bracket and gathers those inside it, and nth_element runs on
-// those alone (~3% of the pairs), where the bins take three passes, one of them a histogram at ~2
-// cycles a value. The sample is the same pseudo-random pairs at every call. The result is exact
+// one pass counts the pairs below the bracket and gathers those inside it, and the bins select among
+// those alone (~3% of the pairs), where the bins over all pairs take three passes, one of them a
+// histogram at ~2 cycles a value. The sample is the same pseudo-random pairs at every call. The result is exact
 // whatever the sample: a bracket that misses a rank (odds ~1e-6 at 5 standard deviations each side)
 // sends the call to the bins instead. The sample size (0: the bins only) and the bracket's half-width
 // in standard deviations are settable, and both outcomes counted, for tests.
@@ -447,8 +449,6 @@ struct Middle {
   std::optional<std::pair<double, double>> values;
 };
 
-// The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
-// entries of sq.
 // Ranks k and k + 1 (k + 1 clamped to the last) among `total` values in [lo, hi] that
 // for_values(in_parallel, fn) hands to fn(values, count) in pieces: by bins as described above, or a
 // plain selection over all where the range is unfit for bin arithmetic.
@@ -500,6 +500,8 @@ std::pair<double, double> select_two_of(const double* values, int64_t count, int
   return select_two_binned([&](bool, auto fn) { fn(values, count); }, count, k, lo, hi, false);
 }
 
+// The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
+// entries of sq (middle: what the distances' pass already found of them).
 std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel, const Middle& middle) {
   const int64_t pairs = n * (n - 1) / 2;
   TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
@@ -720,7 +722,7 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
     double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
     pack_block(s, b, 0, s.d, buf);
     // The median's counting pass (select_two_sampled) on each tile's distances while they are in cache,
-    // against a bracket from a sample of distances summed from the packed points: at (2000, 32) the
+    // against a bracket from a sample of distances summed from the input rows: at (2000, 32) the
     // separate pass read the 64 MB triangle once more.
     const int64_t pairs = n * (n - 1) / 2;
     std::vector<double>* sample = middle != nullptr && pairs > kPackedPairs ? median_sample() : nullptr;
@@ -892,8 +894,10 @@ float* system32_buffer(Scratch& scratch, int64_t n_den) {
 // y = K_dd x, and where sums is given sums = K_dd 1, from the upper triangle of K_dd (the first n_den
 // rows and columns of the N x N kernel, row-major), four rows at a time: their diagonal block, then
 // their rows past it give them their sums over j with k_ij x_j and add k_ij x_i to y_j. Half the bytes
-// of full rows, and the lower triangle need not be mirrored. In parallel, each thread adds into a
-// zeroed partial of its own.
+// of full rows, and the lower triangle need not be mirrored; one row at a time (a dot and an axpy)
+// ran at half a plain dot's bandwidth, four at a time 2.3x faster than that (the refinement's
+// residuals at (2000, 32): bench/ab.py 1.034x). In parallel, each thread adds into a zeroed partial
+// of its own, so the last bits of y (and of a refined solution) depend on the number of threads.
 void symmetric_times(const double* kernel, int64_t n, int64_t n_den, const double* x, double* y, double* sums,
                      bool parallel) {
   const int64_t outputs = sums != nullptr ? 2 : 1;
@@ -941,15 +945,16 @@ void symmetric_times(const double* kernel, int64_t n, int64_t n_den, const doubl
 // float64 residual, until ||r|| <= eps ||A|| ||x|| (infinity norms, eps = 2^-53: float64's rounding of
 // A x) or, where the steps stop halving it, dsposv's test ||r|| <= sqrt(n_den) eps ||A|| ||x||: a
 // backward error as small as float64 Cholesky's. The float32 factor costs half the float64 one (2000 rows:
-// 50 against 110 ms, 1 thread) and each step two passes over n_den^2 values. Each right-hand side is
-// scaled to a largest entry of 1 before it is rounded, so float32's range never limits it. b is
-// overwritten with x where this returns true; it is left as it was where float32 cannot factor A
-// (cond(A) beyond about 1 / eps_float32) or the steps stall, and the caller then factors in float64.
+// 50 against 110 ms, 1 thread) and each step a float32 solve and one pass over the upper triangle in
+// float64 (symmetric_times). Each right-hand side is scaled to a largest entry of 1 before it is
+// rounded, so float32's range never limits it. The float32 system is in system32_buffer(scratch),
+// filled by the exponentials' pass (SystemRows). b is overwritten with x where this returns true; it is
+// left as it was where float32 cannot factor A (cond(A) beyond about 1 / eps_float32) or the steps
+// stall, and the caller then factors in float64.
 bool solve_refined(const double* kernel, int64_t n, int64_t n_den, double lam, double* b, Scratch& scratch,
-                   bool parallel, bool system_filled) {
+                   bool parallel) {
   const double inv_n = 1.0 / static_cast<double>(n_den);
   float* const factor = system32_buffer(scratch, n_den);
-  if (!system_filled) fill_system_upper(kernel, n, n_den, lam, factor, n_den);
   const int nn = static_cast<int>(n_den), one = 1;
   int info = 0;
   spotrf_("L", &nn, factor, &nn, &info);
@@ -1003,7 +1008,7 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
   for (int64_t i = 0; i < n_den; ++i) alpha[i] *= rhs_scale;
   const bool own = n_den <= kOwnCholeskyMaxRows;
   const bool lapack = dpotrf_ != nullptr && dpotrs_ != nullptr && use_external_blas;
-  if (refined && solve_refined(kernel, n, n_den, lam, alpha, work.system, parallel, true)) {
+  if (refined && solve_refined(kernel, n, n_den, lam, alpha, work.system, parallel)) {
     return;
   }
   // our Cholesky wants padded rows (see rows::cholesky_upper); LAPACK and ATen a contiguous matrix

@@ -308,16 +308,17 @@ def refined_solves(fn):
 
 @pytest.mark.parametrize("threads", [1, 2])  # 2: N^2 d is large enough to split the element over threads
 @pytest.mark.parametrize("lam", [1e-2, 1e-6])
-def test_float32_factor_refined_in_float64_equals_reference(lam, threads):
+@pytest.mark.parametrize("n_p", [301, 302])  # with n_q = 283: the residual's 4-row blocks + 1, 2, 3 rows
+def test_float32_factor_refined_in_float64_equals_reference(lam, threads, n_p):
     """Systems above 256 rows are factored by LAPACK in float32 and refined in float64 (solve_refined in
     cpu.cpp) to float64's backward error: the answer is float64's, at lam = 1e-6 too, where the
     system's condition number (up to 1e6) makes each refinement step gain fewer digits and leaves
     float64 itself fewer: there ours and the reference differ by 1e-8 in the gradient at reverse=True,
     and so do the reference and our float64 Cholesky path (3e-9; _set_external_blas(False))."""
-    pr = dict(n_p=301, n_q=282, d=64, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
+    pr = dict(n_p=n_p, n_q=283, d=64, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=3)
     p, q = make_samples(pr)
     with implementation("cpu"), switched({}, threads):
-        for reverse in (True, False):  # a 282-row system, then a 301-row one (the residual's 4-row blocks + 2, + 1)
+        for reverse in (True, False):  # a 283-row system, then an n_p-row one
             counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=reverse))
             assert counts[:3] == [1, 0, 0] and 2 <= counts[3] <= 5  # 3-4 solves here
             ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=reverse)
@@ -385,21 +386,24 @@ def test_kernel_values_across_the_range_of_exp(compiled, reverse):
     assert_close_rel(ours_g, ref_g, 1e-11)
 
 
-# projection by rows, by register tiles (by GEMM without AVX2), the same in chunks of 1024 points;
-# weights kept
-@pytest.mark.parametrize("batch,n,d", [(2, 30, 3), (2, 30, 40), (1, 600, 20), (2, 5, 60)])
-def test_value_without_a_gradient_is_the_same(compiled, batch, n, d):
+# projection by rows, by register tiles (by GEMM without AVX2), the same in chunks of 1024 points (the
+# second one 178 wide), with its rows split over 2 threads; weights kept
+@pytest.mark.parametrize("batch,n,d", [(2, 30, 3), (2, 30, 40), (1, 601, 20), (2, 5, 60)])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_value_without_a_gradient_is_the_same(compiled, batch, n, d, reverse, threads):
     """Without grad the op skips the backward's state: the value must not change, to the last bit
     (where the projection's tiles sum the ratio at q_z along with it, they sum it without the state
     too)."""
     g = torch.Generator().manual_seed(n + d)
     p = torch.randn(batch, n, d, generator=g, dtype=torch.float64)
     q = torch.randn(batch, n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3
-    with torch.no_grad():
-        plain = kivi_fast.kl(p, q)
-    with_grad = kivi_fast.kl(p, q.clone().requires_grad_(True))
+    with switched({}, threads):
+        with torch.no_grad():
+            plain = kivi_fast.kl(p, q, reverse=reverse)
+        with_grad = kivi_fast.kl(p, q.clone().requires_grad_(True), reverse=reverse)
     assert torch.equal(plain, with_grad.detach())
-    torch.testing.assert_close(plain, reference.kl(p, q), rtol=1e-8, atol=0)
+    torch.testing.assert_close(plain, reference.kl(p, q, reverse=reverse), rtol=1e-8, atol=0)
 
 
 def test_kl_grad_rejects_a_state_of_the_wrong_shape(compiled):
@@ -524,12 +528,19 @@ def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
                 assert sigma == pytest.approx(expected, rel=1e-12), (size, sds)
                 assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
             ours = value_and_grad(kivi_fast.kl, p, q)
+            ours_given = value_and_grad(kivi_fast.kl, p, q, bandwidth=1.7)  # no median: no count
+            x32 = x.float()
+            sigma32 = kivi_fast.median_bandwidth(x32).item()  # the sample from float32 rows
         with implementation("generic"):
             theirs = value_and_grad(kivi_fast.kl, p, q)
+            theirs_given = value_and_grad(kivi_fast.kl, p, q, bandwidth=1.7)
     finally:
         torch.set_num_threads(old_threads)
-    assert_close_rel(ours[0], theirs[0], 1e-8)
-    assert_close_rel(ours[1], theirs[1], 1e-7)
+    # float32 samples give a float32 bandwidth: the exact median, rounded
+    assert sigma32 == float(np.float32(np.median(pdist(x32.double().numpy()))))
+    for a, b in ((ours, theirs), (ours_given, theirs_given)):
+        assert_close_rel(a[0], b[0], 1e-8)
+        assert_close_rel(a[1], b[1], 1e-7)
 
 
 def test_median_of_distances_at_the_ends_of_float64(impl):
