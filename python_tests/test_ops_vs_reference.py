@@ -430,6 +430,24 @@ def test_one_large_element_split_over_threads(compiled, reverse):
     assert_close_rel(ours[1], ref[1], 1e-7)
 
 
+def assert_median_under_bracket_settings(x, expected, ties):
+    """median_bandwidth(x) equals expected with the sampled bracket as shipped (it holds), too narrow to
+    hold (0 standard deviations: it misses, unless tied distances fill it) and off (no sample: the bins
+    alone), each outcome counted once: [held, missed] of _median_counts."""
+    ops = torch.ops.kivi_fast
+    for size, sds, outcome in [(1 << 15, 5.0, [1, 0]), (1 << 15, 0.0, [1, 0] if ties else [0, 1]),
+                               (0, 5.0, [0, 0])]:
+        old = ops._set_median_bracket(size, sds)
+        try:
+            before = ops._median_counts()
+            got = kivi_fast.median_bandwidth(x).item()
+            after = ops._median_counts()
+        finally:
+            ops._set_median_bracket(int(old[0]), old[1])
+        assert got == pytest.approx(expected, rel=1e-12), (size, sds)
+        assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
+
+
 @pytest.mark.parametrize("n,ties", [(1449, False), (1451, False), (1500, True)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("portable", [False, True])
@@ -453,17 +471,7 @@ def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, thread
         old_portable = ops._set_portable_gather(portable)
     try:
         with implementation("cpu"):
-            for size, sds, outcome in [(1 << 15, 5.0, [1, 0]), (1 << 15, 0.0, [1, 0] if ties else [0, 1]),
-                                       (0, 5.0, [0, 0])]:
-                old = ops._set_median_bracket(size, sds)
-                try:
-                    before = ops._median_counts()
-                    got = kivi_fast.median_bandwidth(x).item()
-                    after = ops._median_counts()
-                finally:
-                    ops._set_median_bracket(int(old[0]), old[1])
-                assert got == pytest.approx(expected, rel=1e-12), (size, sds)
-                assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
+            assert_median_under_bracket_settings(x, expected, ties)
     finally:
         ops._set_portable_gather(old_portable)
         torch.set_num_threads(old_threads)
@@ -500,12 +508,12 @@ def test_kernel_matrix_above_32_mb_reused_between_calls():
 def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
     """Above 32 MB (2100 points) on one thread the Gram's row tiles turn into squared distances as they
     are computed, from the last tile up, and the median's counting pass runs on each tile's rows against
-    a bracket from a sample of distances summed from the points (csrc/cpu.cpp, gram_one): the median
+    a bracket from a sample of distances summed from the input rows (csrc/cpu.cpp, gram_one): the median
     equals numpy's whether the bracket holds (as shipped), misses (0 standard deviations; tied
     distances fill it) and hands the call to the bins without a second count, or is off (no sample);
     the KL's value and gradient equal the device-generic kernels' (full ATen matrices) at 2100 points
-    in 33 dimensions (the tiles' regime)."""
-    ops = torch.ops.kivi_fast
+    in 33 dimensions (the tiles' regime), with the median or a given bandwidth (no count), and the
+    median of float32 rows is numpy's rounded to float32."""
     g = torch.Generator().manual_seed(21)
     x = torch.randn(2100, 33, generator=g, dtype=torch.float64)
     if ties:
@@ -516,17 +524,7 @@ def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
     torch.set_num_threads(1)
     try:
         with implementation("cpu"):
-            for size, sds, outcome in [(1 << 15, 5.0, [1, 0]), (1 << 15, 0.0, [1, 0] if ties else [0, 1]),
-                                       (0, 5.0, [0, 0])]:
-                old = ops._set_median_bracket(size, sds)
-                try:
-                    before = ops._median_counts()
-                    sigma = kivi_fast.median_bandwidth(x).item()
-                    after = ops._median_counts()
-                finally:
-                    ops._set_median_bracket(int(old[0]), old[1])
-                assert sigma == pytest.approx(expected, rel=1e-12), (size, sds)
-                assert [b - a for a, b in zip(before, after)] == outcome, (size, sds)
+            assert_median_under_bracket_settings(x, expected, ties)
             ours = value_and_grad(kivi_fast.kl, p, q)
             ours_given = value_and_grad(kivi_fast.kl, p, q, bandwidth=1.7)  # no median: no count
             x32 = x.float()
