@@ -903,7 +903,7 @@ void symmetric_times(const double* kernel, int64_t n, int64_t n_den, const doubl
   const int64_t outputs = sums != nullptr ? 2 : 1;
   const int64_t parts = parallel ? at::get_num_threads() : 1;
   std::vector<double> partial(parts * outputs * n_den, 0.0);
-  const std::vector<double> ones(n_den, 1.0);
+  const std::vector<double> ones(sums != nullptr ? n_den : 0, 1.0);
   auto block = [&](int64_t t) {
     double* const part = partial.data() + (parallel ? at::get_thread_num() : 0) * outputs * n_den;
     const int64_t i0 = 4 * t, i1 = std::min(n_den, i0 + 4);
@@ -1048,8 +1048,8 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
 
 // The kernel in the first `rows` rows of sq (n x n) from the squared distances in its upper triangle:
 // exp of the upper part, the diagonal 1, the lower part mirrored (the kernel is symmetric). The fit
-// reads only the upper part, the evaluation whole rows; mirroring only the evaluation's rows made
-// (2000, 32) 1% slower (bench/ab.py), so all are mirrored.
+// reads only the upper part, the evaluation whole rows; mirroring only the evaluation's rows was no
+// faster at (2000, 32) (bench/ab.py 0.993 and 1.011 in two runs), so all are mirrored.
 constexpr int64_t kL2Bytes = int64_t{512} << 10;  // this project's AMD EPYC core's
 void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel, const SystemRows& sys) {
   const double scale = -0.5 / (sigma * sigma);

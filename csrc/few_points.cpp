@@ -186,12 +186,9 @@ namespace avx2 {
 constexpr int64_t kBlock = 64;
 
 using x86::load4;
+using x86::reduce_add;
 KIVI_AVX2 inline void store4(float* p, __m256d v) { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
 KIVI_AVX2 inline void store4(double* p, __m256d v) { _mm256_storeu_pd(p, v); }
-KIVI_AVX2 inline double reduce_add(__m256d v) {
-  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
 
 // The lower triangle is covered without padded products: the rows go in groups of four (the last
 // group padded with zero rows); each group's own 4 x 4 triangle is one tile of ten accumulators, and

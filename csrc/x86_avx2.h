@@ -23,5 +23,11 @@ inline const double* zero_row(const double*) { return kZeroDoubles; }
 KIVI_AVX2 inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
 KIVI_AVX2 inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
 
+// The sum of a register's four values, (v0 + v2) + (v1 + v3).
+KIVI_AVX2 inline double reduce_add(__m256d v) {
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
 }  // namespace x86
 }  // namespace kivi_fast
