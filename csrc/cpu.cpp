@@ -1269,50 +1269,63 @@ namespace {
 
 // weighted_grad by few_points' register tiles: grad_j = scale_j (sum_c W_jc c - w_sum_j z_j) straight
 // from the input rows (the first n stacked rows are the fitted points; z's m rows start at stacked row
-// z_row), in float64 registers, as one weighted sum of rows: grad_j = sum_c V_jc c over the rows c < n_v
-// (z's rows included), V_jc = scale_j (W_jc - [c = z_row + j] w_sum_j), folded per element first
-// ([m, n_v] doubles, in L2). Folding took the z rows' loads and the scaling out of every column:
-// bench/ab.py, forward+backward, float32: (10, 314000) 1.056x faster at 1 thread, 1.053x at 2 (float64
-// 1.013x); the other shapes even (0.990-1.008, where two identical builds differ by up to 1.1%). Up to
-// kMaxOutRows evaluation points in one pass over the rows; more in chunks of 15 (three tiles of 5
-// rows) over column blocks whose n_v input rows stay in L2 for all the chunks. MKL's GEMM on the rows
-// copied to float64 (for_each_block), which packs both operands again, was slower from 200 to 1000
-// points (bench/ab.py, forward+backward, float32, 1 thread: (100, 700) 1.074x faster with the tiles,
-// (100, 50000) 1.068x, (150, 1000) 1.066x, (300, 2000) 1.075x, (500, 1000) 1.195x); blocks of 64 KB or
-// chunks of 10 rows: 1-2.5% slower at (100, 50000). Where gram_tiles are off (AVX-512, whose 8-wide
-// GEMMs were not measured against these), the GEMM stays.
+// z_row), in float64 registers, with the weights V = scale W folded per chunk of outputs: where z's rows
+// are among the fitted ones (the kl op's q_z), V_jc = scale_j (W_jc - [c = z_row + j] w_sum_j) and the
+// tiles store their sums as they are, with no pass over z's rows and no scaling per column
+// (bench/ab.py, forward+backward, float32: (10, 314000) 1.049x faster at 1 thread, 1.048x at 2, float64
+// 1.009x; the other shapes even, 0.991-1.015, where two identical builds differ by up to 1.1%); other
+// z (the ratio at new points) keeps its own term, scale_j w_sum_j z_j, per column. Up to kMaxOutRows
+// evaluation points in one pass over the rows; more in chunks of 15 (three tiles of 5 rows) over
+// column blocks whose n input rows stay in L2 for all the chunks (each chunk's V, 15 n doubles, is
+// folded again per block: 1/64 of the block's multiply-adds at most). MKL's GEMM on the rows copied to
+// float64 (for_each_block), which packs both operands again, was slower from 200 to 1000 points
+// (bench/ab.py, forward+backward, float32, 1 thread: (100, 700) 1.074x faster with the tiles, (100,
+// 50000) 1.068x, (150, 1000) 1.066x, (300, 2000) 1.075x, (500, 1000) 1.195x); blocks of 64 KB or chunks
+// of 10 rows: 1-2.5% slower at (100, 50000). Where gram_tiles are off (AVX-512, whose 8-wide GEMMs were
+// not measured against these), the GEMM stays.
 constexpr int64_t kTiledGradChunk = 15;
 constexpr int64_t kTiledGradBlockBytes = int64_t{256} << 10;
 void tiled_weighted_grad(const Stack& s, int64_t n, int64_t z_row, const Tensor& weights, const Tensor& scale,
                          const Tensor& w_sum, Tensor& grad) {
-  const int64_t m = grad.size(1), d = s.d, n_v = std::max(n, z_row + m);
+  const int64_t m = grad.size(1), d = s.d;
+  const bool z_folded = z_row + m <= n;
   auto w = weights.contiguous();
   const bool chunked = m > few_points::kMaxOutRows;
   const int64_t chunk = chunked ? kTiledGradChunk : m;
   AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "kivi_fast_tiled_grad", [&] {
-    const int64_t row_bytes = n_v * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(scalar_t));
     const int64_t block = chunked ? std::max<int64_t>(64, kTiledGradBlockBytes / row_bytes / 64 * 64) : d;
     auto columns = [&](int64_t b, int64_t c0, int64_t c1) {
       std::vector<const scalar_t*> rows(s.rows);
       std::vector<scalar_t*> out(m);
-      double* const v = thread_work().product.get(m * n_v);
-      const double* const w_b = w.data_ptr<double>() + b * m * n;
       const double* const scale_b = scale.data_ptr<double>() + b * m;
       const double* const w_sum_b = w_sum.data_ptr<double>() + b * m;
-      for (int64_t j = 0; j < m; ++j) {
-        const double* w_j = w_b + j * n;
-        double* v_j = v + j * n_v;
-        for (int64_t c = 0; c < n; ++c) v_j[c] = scale_b[j] * w_j[c];
-        std::fill(v_j + n, v_j + n_v, 0.0);
-        const int64_t zc = z_row + j;
-        v_j[zc] = scale_b[j] * ((zc < n ? w_j[zc] : 0.0) - w_sum_b[j]);
-      }
+      double* const v = thread_work().product.get(chunk * n);
+      double t[few_points::kMaxOutRows];  // scale_j w_sum_j of the chunk, where z keeps its own term
+      // V of outputs [j0, j0 + mj)
+      auto fold = [&](int64_t j0, int64_t mj) {
+        for (int64_t j = 0; j < mj; ++j) {
+          const double* w_j = w.data_ptr<double>() + (b * m + j0 + j) * n;
+          const double scale_j = scale_b[j0 + j];
+          double* v_j = v + j * n;
+          for (int64_t c = 0; c < n; ++c) v_j[c] = scale_j * w_j[c];
+          if (z_folded) {
+            const int64_t zc = z_row + j0 + j;
+            v_j[zc] = scale_j * (w_j[zc] - w_sum_b[j0 + j]);
+          } else {
+            t[j] = scale_j * w_sum_b[j0 + j];
+          }
+        }
+      };
       for (int64_t cb = c0; cb < c1; cb += block) {
         row_pointers(s, b, cb, rows.data());
         for (int64_t j = 0; j < m; ++j) out[j] = grad.data_ptr<scalar_t>() + (b * m + j) * d + cb;
-        for (int64_t j0 = 0; j0 < m; j0 += chunk)
-          few_points::weighted_rows(v + j0 * n_v, std::min(chunk, m - j0), n_v, rows.data(), out.data() + j0,
-                                    std::min(block, c1 - cb));
+        for (int64_t j0 = 0; j0 < m; j0 += chunk) {
+          const int64_t mj = std::min(chunk, m - j0);
+          fold(j0, mj);
+          few_points::weighted_rows(v, mj, n, rows.data(), z_folded ? nullptr : rows.data() + z_row + j0, t,
+                                    out.data() + j0, std::min(block, c1 - cb));
+        }
       }
     };
     // an element's columns are split over threads from two blocks (chunked) or 2 x kFewPointsGrain

@@ -24,12 +24,13 @@ namespace {
 
 // The columns past the last full register of weighted_rows, [c0, w), one at a time.
 template <class T>
-void weighted_rows_tail(const double* weights, int m, int64_t n, const T* const* rows, T* const* out, int64_t c0,
-                        int64_t w) {
+void weighted_rows_tail(const double* weights, int m, int64_t n, const T* const* rows, const T* const* z,
+                        const double* t, T* const* out, int64_t c0, int64_t w) {
   for (int j = 0; j < m; ++j)
     for (int64_t c = c0; c < w; ++c) {
       double g = 0;
       for (int64_t i = 0; i < n; ++i) g += weights[j * n + i] * static_cast<double>(rows[i][c]);
+      if (z != nullptr) g -= t[j] * static_cast<double>(z[j][c]);
       out[j][c] = static_cast<T>(g);
     }
 }
@@ -159,7 +160,8 @@ KIVI_AVX512 void add_gram_lower_blocked(const float* const* rows, int64_t n, int
 
 // One accumulator register per output row: M is a template argument so that they stay in registers.
 template <int M, class T>
-KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, T* const* out, int64_t w) {
+KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                                    const double* t, T* const* out, int64_t w) {
   const int64_t w8 = w & ~int64_t{7};
   for (int64_t c = 0; c < w8; c += 8) {
     __m512d acc[M];
@@ -168,9 +170,11 @@ KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* c
       const __m512d x = load8(rows[i] + c);
       for (int j = 0; j < M; ++j) acc[j] = _mm512_fmadd_pd(_mm512_set1_pd(weights[j * n + i]), x, acc[j]);
     }
+    if (z != nullptr)
+      for (int j = 0; j < M; ++j) acc[j] = _mm512_fnmadd_pd(_mm512_set1_pd(t[j]), load8(z[j] + c), acc[j]);
     for (int j = 0; j < M; ++j) store8(out[j] + c, acc[j]);
   }
-  weighted_rows_tail(weights, M, n, rows, out, w8, w);
+  weighted_rows_tail(weights, M, n, rows, z, t, out, w8, w);
 }
 
 // The same kernels for AVX2 + FMA (4 doubles a register, 16 registers).
@@ -397,7 +401,8 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
 // store per multiply-add).
 template <int G, class T>
 KIVI_AVX2 __attribute__((always_inline)) inline void weighted_eight_rows(const double* weights, int64_t n,
-                                                                         const T* const* rows, int64_t j0, int64_t c,
+                                                                         const T* const* rows, const T* const* z,
+                                                                         const double* t, int64_t j0, int64_t c,
                                                                          T* const* out) {
   __m256d lo[G], hi[G];
 #pragma GCC unroll 8
@@ -413,6 +418,11 @@ KIVI_AVX2 __attribute__((always_inline)) inline void weighted_eight_rows(const d
   }
 #pragma GCC unroll 8
   for (int j = 0; j < G; ++j) {
+    if (z != nullptr) {
+      const __m256d tj = _mm256_set1_pd(t[j0 + j]);
+      lo[j] = _mm256_fnmadd_pd(tj, load4(z[j0 + j] + c), lo[j]);
+      hi[j] = _mm256_fnmadd_pd(tj, load4(z[j0 + j] + c + 4), hi[j]);
+    }
     store4(out[j0 + j] + c, lo[j]);
     store4(out[j0 + j] + c + 4, hi[j]);
   }
@@ -420,15 +430,18 @@ KIVI_AVX2 __attribute__((always_inline)) inline void weighted_eight_rows(const d
 
 // Columns c to c + 3 of every output row j < M.
 template <int M, class T>
-KIVI_AVX2 inline void weighted_four(const double* weights, int64_t n, const T* const* rows, int64_t c,
-                                    T* const* out) {
+KIVI_AVX2 inline void weighted_four(const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                                    const double* t, int64_t c, T* const* out) {
   __m256d acc[M];
   for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_pd();
   for (int64_t i = 0; i < n; ++i) {
     const __m256d x = load4(rows[i] + c);
     for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_pd(_mm256_broadcast_sd(weights + j * n + i), x, acc[j]);
   }
-  for (int j = 0; j < M; ++j) store4(out[j] + c, acc[j]);
+  for (int j = 0; j < M; ++j) {
+    if (z != nullptr) acc[j] = _mm256_fnmadd_pd(_mm256_set1_pd(t[j]), load4(z[j] + c), acc[j]);
+    store4(out[j] + c, acc[j]);
+  }
 }
 
 // Columns c to c + 7 of output rows J0 to M - 1, in tiles of five rows by two registers: ten
@@ -438,16 +451,18 @@ KIVI_AVX2 inline void weighted_four(const double* weights, int64_t n, const T* c
 // (14.2 ns), as session 12's first try of this tiling measured.
 template <int M, int J0, class T>
 KIVI_AVX2 __attribute__((always_inline)) inline void weighted_eight(const double* weights, int64_t n,
-                                                                    const T* const* rows, int64_t c, T* const* out) {
+                                                                    const T* const* rows, const T* const* z,
+                                                                    const double* t, int64_t c, T* const* out) {
   if constexpr (J0 < M) {
     constexpr int G = M - J0 < 5 ? M - J0 : 5;
-    weighted_eight_rows<G>(weights, n, rows, J0, c, out);
-    weighted_eight<M, J0 + G>(weights, n, rows, c, out);
+    weighted_eight_rows<G>(weights, n, rows, z, t, J0, c, out);
+    weighted_eight<M, J0 + G>(weights, n, rows, z, t, c, out);
   }
 }
 
 template <int M, class T>
-KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, T* const* out, int64_t w) {
+KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* const* rows, const T* const* z,
+                                  const double* t, T* const* out, int64_t w) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));  // elements per cache line
   const int64_t w8 = w & ~int64_t{7}, w4 = w & ~int64_t{3};
   for (int64_t c = 0; c < w8; c += 8) {
@@ -456,10 +471,10 @@ KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* con
     if (c % kLine == 0 && c + 8 * kLine < w8) {
       for (int64_t i = 0; i < n; ++i) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c + 8 * kLine), _MM_HINT_T0);
     }
-    weighted_eight<M, 0>(weights, n, rows, c, out);
+    weighted_eight<M, 0>(weights, n, rows, z, t, c, out);
   }
-  if (w8 < w4) weighted_four<M>(weights, n, rows, w8, out);
-  weighted_rows_tail(weights, M, n, rows, out, w4, w);
+  if (w8 < w4) weighted_four<M>(weights, n, rows, z, t, w8, out);
+  weighted_rows_tail(weights, M, n, rows, z, t, out, w4, w);
 }
 
 }  // namespace avx2
@@ -492,26 +507,27 @@ void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc
 namespace {
 
 template <class T>
-void weighted_rows_any(const double* weights, int64_t m, int64_t n, const T* const* rows, T* const* out, int64_t w) {
+void weighted_rows_any(const double* weights, int64_t m, int64_t n, const T* const* rows, const T* const* z,
+                       const double* t, T* const* out, int64_t w) {
   with_out_rows<kMaxOutRows>(m, [&](auto rows_count) {
     constexpr int M = decltype(rows_count)::value;
     if (has_avx512()) {
-      weighted_rows_impl<M>(weights, n, rows, out, w);
+      weighted_rows_impl<M>(weights, n, rows, z, t, out, w);
     } else {
-      avx2::weighted_rows_impl<M>(weights, n, rows, out, w);
+      avx2::weighted_rows_impl<M>(weights, n, rows, z, t, out, w);
     }
   });
 }
 
 }  // namespace
 
-void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, float* const* out,
-                   int64_t w) {
-  weighted_rows_any(weights, m, n, rows, out, w);
+void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, const float* const* z,
+                   const double* t, float* const* out, int64_t w) {
+  weighted_rows_any(weights, m, n, rows, z, t, out, w);
 }
-void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, double* const* out,
-                   int64_t w) {
-  weighted_rows_any(weights, m, n, rows, out, w);
+void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, const double* const* z,
+                   const double* t, double* const* out, int64_t w) {
+  weighted_rows_any(weights, m, n, rows, z, t, out, w);
 }
 
 #else  // not an x86-64 GCC/Clang build: the callers keep the GEMM path
@@ -520,10 +536,12 @@ bool available() { return false; }
 bool set_force_avx2(bool flag) { return false; }
 void add_gram_lower(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
 void add_gram_lower(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
-void weighted_rows(const double*, int64_t, int64_t, const float* const*, float* const*, int64_t) {
+void weighted_rows(const double*, int64_t, int64_t, const float* const*, const float* const*, const double*,
+                   float* const*, int64_t) {
   TORCH_CHECK(false, "few_points unavailable");
 }
-void weighted_rows(const double*, int64_t, int64_t, const double* const*, double* const*, int64_t) {
+void weighted_rows(const double*, int64_t, int64_t, const double* const*, const double* const*, const double*,
+                   double* const*, int64_t) {
   TORCH_CHECK(false, "few_points unavailable");
 }
 

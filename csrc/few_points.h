@@ -28,12 +28,13 @@ bool set_force_avx2(bool flag);
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc);
 void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc);
 
-// out_j[c] = sum_i weights[j * n + i] x_i[c] for j < m <= kMaxOutRows, c < w, rows[i] = x_i (i < n),
-// computed in float64 and rounded once to the output type.
-void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, float* const* out,
-                   int64_t w);
-void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, double* const* out,
-                   int64_t w);
+// out_j[c] = sum_i weights[j * n + i] x_i[c] - t[j] z_j[c] for j < m <= kMaxOutRows, c < w, rows[i] =
+// x_i (i < n), z[j] = z_j, computed in float64 and rounded once to the output type. z may be null (no
+// second term: callers whose z rows are among the x_i fold t into the weights).
+void weighted_rows(const double* weights, int64_t m, int64_t n, const float* const* rows, const float* const* z,
+                   const double* t, float* const* out, int64_t w);
+void weighted_rows(const double* weights, int64_t m, int64_t n, const double* const* rows, const double* const* z,
+                   const double* t, double* const* out, int64_t w);
 
 }  // namespace few_points
 }  // namespace kivi_fast

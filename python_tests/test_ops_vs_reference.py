@@ -184,7 +184,8 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (16, 16, 33, None, torch.float64, 1),     # 32 points, the first dimension past the direct path
     (17, 16, 100, 3, torch.float32, 1),       # 33 points: the Gram's tiles (GEMMs without AVX2)
     (3, 16, 1001, 2, torch.float64, 2),       # 16 evaluation points in the backward
-    (3, 17, 1001, None, torch.float32, 1),    # 17: the backward in chunks of 15 and 2, the Gram's tiles
+    (3, 17, 1001, 2, torch.float32, 1),       # 17: the backward in chunks of 15 and 2 (each element's
+                                              # weights folded per chunk), the Gram's tiles
     (5, 6, 1023, 2, torch.float32, 1),        # 7 tail columns, 11 points (padded rows in the tiles)
     (16, 16, 1004, None, torch.float32, 1),   # 32 points over 15 blocks (more tiles than rows), 16
                                               # evaluation points (groups of 5, 5, 5 and 1), a 4-column step
@@ -211,15 +212,18 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 
 
 # The ratio's gradient at many evaluation points of their own (per-row scales, unlike the kl op's one
-# scale per element): above kMaxOutRows points the backward's tiles run in chunks of 15 rows
-# (csrc/cpu.cpp, tiled_weighted_grad), over column blocks and over two threads' columns.
-@pytest.mark.parametrize("n_p,n_q,n_z,d,threads", [(30, 35, 40, 300, 1), (20, 25, 33, 1500, 2), (6, 7, 20, 500, 1)])
+# scale per element; z's term kept apart from the folded weights, csrc/cpu.cpp, tiled_weighted_grad):
+# above kMaxOutRows points the backward's tiles run in chunks of 15 rows, over column blocks (1408
+# columns for 45 float32 rows), over two threads' columns (3000 >= 2 blocks) and over a batch.
+@pytest.mark.parametrize("n_p,n_q,n_z,d,batch,threads", [
+    (30, 35, 40, 300, None, 1), (20, 25, 33, 3000, None, 2), (6, 7, 20, 500, None, 1), (6, 7, 20, 500, 3, 2)])
 @pytest.mark.parametrize("tiles", [True, False])
-def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z, d, threads, tiles):
-    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float32, scale=1.0, shift=0.3, seed=n_z * d)
+def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z, d, batch, threads, tiles):
+    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=torch.float32, scale=1.0, shift=0.3, seed=n_z * d)
     p, q = make_samples(pr)
     g = torch.Generator().manual_seed(n_z)
-    z = (0.5 * torch.randn(n_z, d, generator=g) + 0.15).requires_grad_(True)
+    lead = () if batch is None else (batch,)
+    z = (0.5 * torch.randn(*lead, n_z, d, generator=g) + 0.15).requires_grad_(True)
     z_ref = z.detach().clone().requires_grad_(True)
     with switched({torch.ops.kivi_fast._set_gram_tiles: tiles}, threads):
         r = kivi_fast.DensityRatio().fit(p, q).log_ratio(z)
