@@ -41,6 +41,7 @@
 
 #include "few_points.h"
 #include "gram_tiles.h"
+#include "kept_outputs.h"
 #include "kivi.h"
 #include "simd_rows.h"
 
@@ -1358,7 +1359,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
   TORCH_INTERNAL_ASSERT(weights.is_contiguous(), "kivi_fast: weighted_grad reads weights as [B, m, N] rows");
   auto w_sum = weights.sum(-1).contiguous();
   auto scale = row_scale.to(at::kDouble).contiguous();
-  auto grad = at::empty_like(z, z.options().memory_format(at::MemoryFormat::Contiguous));
+  auto grad = kept_outputs::empty_like(z);
   const int64_t d = s.d;
   const bool few = use_few_points(n) && m <= few_points::kMaxOutRows;  // on AVX-512 too
   if (m > 0 && few_points::available() && (few || gram_tiles::enabled())) {
@@ -1398,7 +1399,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
   });
   auto z = q_z.contiguous();
   auto p = state.contiguous();
-  auto grad = at::empty_like(z);
+  auto grad = kept_outputs::empty_like(z);
   AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_kl_grad", [&] {
     const scalar_t* zp = z.data_ptr<scalar_t>();
     const double* pp = p.data_ptr<double>();

@@ -14,7 +14,7 @@
 namespace kivi_fast {
 namespace few_points {
 
-// The largest number of stacked points (rows) these kernels take.
+// The largest number of stacked points (rows) add_gram_lower takes (weighted_rows takes any number).
 inline constexpr int64_t kMaxRows = 32;
 // The largest number of output rows of weighted_rows in one pass (one accumulator register each).
 inline constexpr int64_t kMaxOutRows = 16;

@@ -139,6 +139,41 @@ def test_prior_samples_get_no_gradient(impl):
     assert p.grad is None and q.grad is not None
 
 
+# Gradients of 2 MB and more come from buffers kept between calls (csrc/kept_outputs.h): while held,
+# each is its own memory; freed, the next call of that size takes it again (no page faults); and
+# autograd accumulates into one as into any tensor. 10 x 60000: the backward's weighted sums (a 2.4 MB
+# gradient in float32, 4.8 in float64); 1000 x 600: the projection's (d + 1 < N).
+@pytest.mark.parametrize("n,d", [(10, 60000), (1000, 600)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
+    g = torch.Generator().manual_seed(3)
+    p = torch.randn(n, d, generator=g, dtype=dtype)
+    q = torch.randn(n, d, generator=g, dtype=dtype) * 0.8 + 0.1
+
+    def grad_of(qs, fn=kivi_fast.kl):
+        qs = qs.clone().requires_grad_(True)
+        return torch.autograd.grad(fn(p, qs), qs)[0]
+
+    g1 = grad_of(q)
+    g1_copy = g1.clone()
+    g2 = grad_of(q * 1.01)
+    assert g1.data_ptr() != g2.data_ptr()
+    assert torch.equal(g1, g1_copy)  # the second call wrote elsewhere
+    if n * n * d < 10**7:  # the oracle holds [n, 2 n, d] differences
+        assert rel_err(g2, grad_of(q * 1.01, reference.kl)) < (1e-5 if dtype == torch.float32 else 1e-8)
+    freed = g2.data_ptr()
+    del g2
+    g3 = grad_of(q * 1.01)
+    if compiled == "cpu":  # the CPU kernels' outputs (the device-generic path's come from torch's allocator)
+        assert g3.data_ptr() == freed
+    g4 = grad_of(q * 1.01)  # a reused buffer is handed out once
+    assert g4.data_ptr() != g3.data_ptr() and torch.equal(g3, g4)
+    qs = q.clone().requires_grad_(True)
+    kivi_fast.kl(p, qs).backward()
+    kivi_fast.kl(p, qs).backward()
+    assert torch.equal(qs.grad, 2 * g1_copy)
+
+
 def op_samples(requires_grad=False):
     g = torch.Generator().manual_seed(10)
     p = torch.randn(2, 9, 3, generator=g, dtype=torch.float64)
@@ -155,6 +190,9 @@ def op_cases():
     _, weights = ops.ratio(q, p, q, alpha, 3.0, sig)
     _, state, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # d + 1 < N: the projection of the weights
     _, state_w, _ = ops.kl(p[..., :2, :], q[..., :2, :], 1e-3, 1e-8, None, True)  # N <= d + 1: the weights
+    g = torch.Generator().manual_seed(11)
+    p_big, q_big = (torch.randn(1, 10, 60000, generator=g) for _ in range(2))
+    _, state_big, _ = ops.kl(p_big, q_big, 1e-3, 1e-8, None, True)
     return [
         ("sqdist", ops.sqdist.default, (p, q)),
         ("rbf_gram", ops.rbf_gram.default, (p, q, sigma)),
@@ -175,10 +213,13 @@ def op_cases():
         ("kl_unbatched_no_state", ops.kl.default, (p[0], q[0], 1e-3, 1e-8, None, True, False)),
         ("kl_grad_unbatched_weights", ops.kl_grad.default,
          (torch.tensor(1.0, dtype=torch.float64), state_w[0], q[0, :2, :], p[0, :2, :], True)),
+        # a 2.4 MB gradient: on a kept buffer (csrc/kept_outputs.h)
+        ("kl_grad_kept_buffer", ops.kl_grad.default, (torch.tensor([-1.0], dtype=torch.float64), state_big, q_big,
+                                                     p_big, True)),
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("case", range(17))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]
     torch.library.opcheck(op, args)
