@@ -4,9 +4,11 @@
 
 Calls torch.autograd.grad(kivi_fast.kl(p, q), q) (float32, 1 thread) `calls` times on the inputs of
 bench/run.py's shape and times the backward alone, with the process's minor page faults around it.
-Prints the median and quartiles of the backward's time, and how many calls faulted. With --lib, the
-ops of that build (bench/build_renamed.sh) instead of the installed package's, through
-torch.autograd.grad of torch.ops.NS.kl's value (the op's autograd formula, no Python wrapper).
+Prints the median and quartiles of the backward's time, how many calls faulted (more than 16 faults:
+a gradient on fresh 4 KB pages takes thousands, on huge pages a few) and the faults per call. With
+--lib, the ops of that build (bench/build_renamed.sh; NS from the file name, NS.so) instead of the
+installed package's: torch.autograd.grad of torch.ops.NS.kl's value on [1, n, d] samples (the op's
+autograd formula, no Python wrapper); without, kivi_fast.kl on the [n, d] samples.
 Session 15 kept the gradients' buffers between calls (csrc/kept_outputs.h) after this showed a third
 of (10, 314000)'s backward calls faulting in the 12.5 MB gradient page by page.
 """
@@ -41,7 +43,7 @@ def main():
         import kivi_fast
         kl = lambda qs: kivi_fast.kl(p, qs).sum()  # noqa: E731
     qs = q.clone().requires_grad_(True)
-    times, faulted = [], 0
+    times, faulted, total = [], 0, 0
     for _ in range(args.calls):
         value = kl(qs)
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -51,11 +53,12 @@ def main():
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         times.append((t1 - t0) * 1e3)
         faulted += faults > 16
+        total += faults
     times.sort()
     k = len(times)
     print(f"{args.shape} float32 1 thread, backward of {k} calls: median {times[k // 2]:.2f} ms "
           f"(quartiles {times[k // 4]:.2f}-{times[3 * k // 4]:.2f}, max {times[-1]:.2f}); "
-          f"{faulted} calls with more than 16 page faults")
+          f"{faulted} calls with more than 16 page faults, {total / k:.0f} faults a call on average")
 
 
 if __name__ == "__main__":

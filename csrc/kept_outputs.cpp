@@ -17,9 +17,11 @@ namespace kivi_fast {
 namespace kept_outputs {
 namespace {
 
-constexpr size_t kHugePage = size_t{1} << 21;
+constexpr size_t kPage = 4096, kHugePage = size_t{1} << 21;
 // Below this, glibc's heap reuses freed blocks without giving them back.
 constexpr size_t kMinBytes = kHugePage;
+// From this size on, buffers are rounded to huge pages (at most 1/4 of one wasted); below, to pages.
+constexpr size_t kHugeFrom = 4 * kHugePage;
 // What idle buffers may hold in all, and how many: a training step frees each layer's gradient before
 // the next step asks for it again.
 constexpr size_t kMaxIdleBytes = size_t{256} << 20, kMaxIdle = 8;
@@ -28,8 +30,8 @@ constexpr size_t kLazyFrom = size_t{32} << 20;
 
 class Pool {
  public:
-  // A buffer of exactly `bytes` (a multiple of kHugePage): the idle one of that size freed last (its
-  // lines the likeliest still in cache), else a new one.
+  // A buffer of exactly `bytes` (rounded()): the idle one of that size freed last (its lines the
+  // likeliest still in cache), else a new one.
   void* take(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -41,26 +43,40 @@ class Pool {
           return p;
         }
     }
-    void* p = std::aligned_alloc(kHugePage, bytes);
+    const bool huge = bytes >= kHugeFrom;
+    void* p = std::aligned_alloc(huge ? kHugePage : kPage, bytes);
     TORCH_CHECK(p != nullptr, "kivi_fast: could not allocate ", bytes, " bytes for a gradient");
 #ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
+    if (huge) madvise(p, bytes, MADV_HUGEPAGE);
 #endif
     return p;
   }
+  // p back to the idle buffers, the oldest freed first where that makes room (a size no longer asked
+  // for, say the last smaller minibatch's, does not stay for good).
   void give(void* p, size_t bytes) {
+#ifdef MADV_FREE
+    if (bytes > kLazyFrom) madvise(p, bytes, MADV_FREE);
+#endif
+    std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (idle_.size() < kMaxIdle && idle_bytes_ + bytes <= kMaxIdleBytes) {
-#ifdef MADV_FREE
-        if (bytes > kLazyFrom) madvise(p, bytes, MADV_FREE);
-#endif
+      if (bytes > kMaxIdleBytes) {
+        evicted.push_back(p);
+      } else {
+        while (!idle_.empty() && (idle_.size() >= kMaxIdle || idle_bytes_ + bytes > kMaxIdleBytes)) {
+          evicted.push_back(idle_.front().first);
+          idle_bytes_ -= idle_.front().second;
+          idle_.erase(idle_.begin());
+        }
         idle_.emplace_back(p, bytes);
         idle_bytes_ += bytes;
-        return;
       }
     }
-    std::free(p);
+    for (void* q : evicted) std::free(q);
+  }
+  static size_t rounded(size_t bytes) {
+    const size_t unit = bytes >= kHugeFrom ? kHugePage : kPage;
+    return (bytes + unit - 1) / unit * unit;
   }
 
  private:
@@ -80,7 +96,7 @@ Pool& pool() {
 at::Tensor empty_like(const at::Tensor& like) {
   const size_t bytes = static_cast<size_t>(like.numel()) * like.element_size();
   if (bytes < kMinBytes) return at::empty_like(like, like.options().memory_format(at::MemoryFormat::Contiguous));
-  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  const size_t rounded = Pool::rounded(bytes);
   void* p = pool().take(rounded);
   return at::from_blob(p, like.sizes(), [rounded](void* q) { pool().give(q, rounded); }, like.options());
 }

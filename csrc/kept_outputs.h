@@ -11,8 +11,11 @@
 namespace kivi_fast {
 namespace kept_outputs {
 
-// Like at::empty_like(like) with contiguous strides (CPU): from 2 MB on, on a kept buffer (2 MB
-// aligned, huge pages where the kernel gives them); smaller ones from torch's allocator.
+// Like at::empty_like(like) with contiguous strides (CPU): from 2 MB on, on a kept buffer (rounded to
+// 4 KB pages, from 8 MB on to 2 MB huge pages where the kernel gives them); smaller ones from torch's
+// allocator. Up to 8 idle buffers, 256 MB in all, stay mapped (in RSS) for the next call of their size,
+// the oldest freed first to make room; those above 32 MB are handed back lazily (MADV_FREE). The
+// storage cannot grow (resize_ to a larger size fails), as for any tensor from at::from_blob.
 at::Tensor empty_like(const at::Tensor& like);
 
 }  // namespace kept_outputs

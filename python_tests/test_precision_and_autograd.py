@@ -165,6 +165,7 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     del g2
     g3 = grad_of(q * 1.01)
     if compiled == "cpu":  # the CPU kernels' outputs (the device-generic path's come from torch's allocator)
+        assert not g3.untyped_storage().resizable()  # a kept buffer, not torch's allocator's
         assert g3.data_ptr() == freed
     g4 = grad_of(q * 1.01)  # a reused buffer is handed out once
     assert g4.data_ptr() != g3.data_ptr() and torch.equal(g3, g4)
@@ -172,6 +173,25 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     kivi_fast.kl(p, qs).backward()
     kivi_fast.kl(p, qs).backward()
     assert torch.equal(qs.grad, 2 * g1_copy)
+
+
+def test_kept_buffers_past_the_pool_limit(compiled):
+    """More gradient sizes than the pool keeps idle (8): the oldest are evicted and freed, and no
+    buffer is handed out twice (csrc/kept_outputs.cpp)."""
+    g = torch.Generator().manual_seed(5)
+    widths = [60000 + 4096 * k for k in range(11)]  # 11 sizes of float32 gradients, 2.4 to 4 MB
+    p = torch.randn(10, widths[-1], generator=g)
+    q = torch.randn(10, widths[-1], generator=g) + 0.1
+
+    def grad(w):
+        qs = q[:, :w].clone().requires_grad_(True)
+        return torch.autograd.grad(kivi_fast.kl(p[:, :w], qs), qs)[0]
+
+    first = [grad(w).clone() for w in widths]  # each freed at once: the pool fills and evicts
+    held = [grad(w) for w in widths]  # all alive together
+    assert len({h.data_ptr() for h in held}) == len(held)
+    for a, b in zip(first, held):
+        assert torch.equal(a, b)
 
 
 def op_samples(requires_grad=False):
