@@ -15,7 +15,6 @@ of (10, 314000)'s backward calls faulting in the 12.5 MB gradient page by page.
 import argparse
 import os
 import resource
-import statistics
 import sys
 import time
 

@@ -41,6 +41,7 @@
 
 #include "few_points.h"
 #include "gram_tiles.h"
+#include "huge_pages.h"
 #include "kept_outputs.h"
 #include "kivi.h"
 #include "simd_rows.h"
@@ -151,12 +152,12 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const dou
 }
 
 // A growable scratch buffer whose contents start uninitialized (a std::vector would zero them).
-// Large ones sit on 2 MB pages where the kernel offers transparent huge pages: a fresh 128 MB kernel
-// matrix ((2000, 32)) otherwise takes ~32k page faults, measured at a quarter of the call.
+// Large ones sit on 2 MB pages where the kernel offers transparent huge pages (huge_pages.h): a fresh
+// 128 MB kernel matrix ((2000, 32)) otherwise takes ~32k page faults, measured at a quarter of the call.
 class Scratch {
  public:
   // buffers of at least this many bytes are 2 MB aligned (huge pages; release_if_above's madvise)
-  static constexpr size_t kHugePage = size_t{1} << 21, kAlignedFrom = 2 * kHugePage;
+  static constexpr size_t kAlignedFrom = 2 * huge_pages::kSize;
 
   double* get(int64_t n) {
     if (n > capacity_) {
@@ -183,21 +184,10 @@ class Scratch {
   struct Free {
     void operator()(double* p) const { std::free(p); }
   };
-  static size_t rounded_bytes(int64_t n) {
-    return (static_cast<size_t>(n) * sizeof(double) + kHugePage - 1) / kHugePage * kHugePage;
-  }
+  static size_t rounded_bytes(int64_t n) { return huge_pages::rounded(static_cast<size_t>(n) * sizeof(double)); }
   static double* allocate(int64_t n) {
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
-    void* p = nullptr;
-    if (bytes >= kAlignedFrom) {
-      const size_t rounded = rounded_bytes(n);
-      p = std::aligned_alloc(kHugePage, rounded);
-#ifdef MADV_HUGEPAGE
-      if (p != nullptr) madvise(p, rounded, MADV_HUGEPAGE);
-#endif
-    } else {
-      p = std::malloc(bytes);
-    }
+    void* p = bytes >= kAlignedFrom ? huge_pages::allocate(rounded_bytes(n)) : std::malloc(bytes);
     TORCH_CHECK(p != nullptr, "kivi_fast: could not allocate ", bytes, " bytes of scratch memory");
     return static_cast<double*>(p);
   }
@@ -211,7 +201,7 @@ class Scratch {
 // again at every call (~10 ms of ~115: bench/ab.py 1.10x in session 12); the 256 MB bound is per
 // buffer (a thread's Work has seven), on what stays mapped (RSS) between calls until the kernel needs
 // the memory.
-constexpr int64_t kKeptDoubles = int64_t{1} << 22;  // 32 MB: per-thread buffers up to this size are kept
+constexpr int64_t kKeptDoubles = huge_pages::kKeptBytes / sizeof(double);  // per-thread buffers up to this size are kept
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block ([N, w], or gram_tiles' packed panels)

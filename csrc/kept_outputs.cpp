@@ -1,5 +1,7 @@
 #include "kept_outputs.h"
 
+#include "huge_pages.h"
+
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
@@ -17,16 +19,14 @@ namespace kivi_fast {
 namespace kept_outputs {
 namespace {
 
-constexpr size_t kPage = 4096, kHugePage = size_t{1} << 21;
+constexpr size_t kPage = 4096;
 // Below this, glibc's heap reuses freed blocks without giving them back.
-constexpr size_t kMinBytes = kHugePage;
+constexpr size_t kMinBytes = huge_pages::kSize;
 // From this size on, buffers are rounded to huge pages (at most 1/4 of one wasted); below, to pages.
-constexpr size_t kHugeFrom = 4 * kHugePage;
+constexpr size_t kHugeFrom = 4 * huge_pages::kSize;
 // What idle buffers may hold in all, and how many: a training step frees each layer's gradient before
 // the next step asks for it again.
 constexpr size_t kMaxIdleBytes = size_t{256} << 20, kMaxIdle = 8;
-// Idle buffers above this are handed back lazily (MADV_FREE), as csrc/cpu.cpp's scratch buffers.
-constexpr size_t kLazyFrom = size_t{32} << 20;
 
 class Pool {
  public:
@@ -43,19 +43,16 @@ class Pool {
           return p;
         }
     }
-    const bool huge = bytes >= kHugeFrom;
-    void* p = std::aligned_alloc(huge ? kHugePage : kPage, bytes);
+    void* p = bytes >= kHugeFrom ? huge_pages::allocate(bytes) : std::aligned_alloc(kPage, bytes);
     TORCH_CHECK(p != nullptr, "kivi_fast: could not allocate ", bytes, " bytes for a gradient");
-#ifdef MADV_HUGEPAGE
-    if (huge) madvise(p, bytes, MADV_HUGEPAGE);
-#endif
     return p;
   }
   // p back to the idle buffers, the oldest freed first where that makes room (a size no longer asked
-  // for, say the last smaller minibatch's, does not stay for good).
+  // for, say the last smaller minibatch's, does not stay for good); above huge_pages::kKeptBytes
+  // handed back lazily (MADV_FREE), as the scratch buffers are.
   void give(void* p, size_t bytes) {
 #ifdef MADV_FREE
-    if (bytes > kLazyFrom) madvise(p, bytes, MADV_FREE);
+    if (bytes > huge_pages::kKeptBytes) madvise(p, bytes, MADV_FREE);
 #endif
     std::vector<void*> evicted;
     {
@@ -75,8 +72,7 @@ class Pool {
     for (void* q : evicted) std::free(q);
   }
   static size_t rounded(size_t bytes) {
-    const size_t unit = bytes >= kHugeFrom ? kHugePage : kPage;
-    return (bytes + unit - 1) / unit * unit;
+    return bytes >= kHugeFrom ? huge_pages::rounded(bytes) : (bytes + kPage - 1) / kPage * kPage;
   }
 
  private:
