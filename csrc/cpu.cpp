@@ -298,15 +298,27 @@ void for_upper_rows(const double* m, int64_t n, bool parallel, Fn fn) {
 // in call overhead and loop tails as in the vector loops).
 constexpr int64_t kPackedPairs = int64_t{1} << 20;
 
-// Above kPackedPairs, a sample of the pairs brackets the middle ranks first (8 M pairs at (2000, 32)):
-// one pass counts the pairs below the bracket and gathers those inside it, and the bins select among
-// those alone (~3% of the pairs), where the bins over all pairs take three passes, one of them a
-// histogram at ~2 cycles a value. The sample is the same pseudo-random pairs at every call. The result is exact
-// whatever the sample: a bracket that misses a rank (odds ~1e-6 at 5 standard deviations each side)
-// sends the call to the bins instead. The sample size (0: the bins only) and the bracket's half-width
-// in standard deviations are settable, and both outcomes counted, for tests.
+// From 4096 pairs a sample of the pairs brackets the middle ranks first: one pass counts the pairs
+// below the bracket and gathers those inside it, and the selection goes on among those alone, by
+// another bracket of their own while more than 4096 are inside (select_two_of: Floyd and Rivest's
+// step), then by the bins. The bins over all pairs take three passes, one of them a histogram at
+// ~1.5 cycles a value; the bracket's pass is a compare and a compacting store, and it runs where the
+// distances are computed, while they are in cache (direct_sqdist's rows, gram_one's tiles), else over
+// the finished triangle (select_two_sampled). The result is exact whatever the sample: a bracket that
+// misses a rank (odds ~0.3% at 3 standard deviations each side) hands the selection to the bins.
+//
+// The sample: above kPackedPairs (8 M pairs at (2000, 32)) 2^15 pseudo-random pairs, the same at every
+// call; up to kPackedPairs 0.2 count^(2/3) (the order of Floyd and Rivest's, the sample's cost against
+// that of the values left inside its bracket: 147 of 128x(100, 8)'s 19900 pairs an element). The sample
+// size (0: the bins only) and the bracket's half-width in standard deviations are settable, and each
+// bracket's outcome counted, for tests.
+constexpr int64_t kMinSampledPairs = 4096;
+int64_t small_sample_size(int64_t count) {
+  return std::max<int64_t>(2, std::llround(0.2 * std::pow(static_cast<double>(count), 2.0 / 3.0)));
+}
+
 std::atomic<int64_t> median_sample_size{int64_t{1} << 15};
-std::atomic<double> median_bracket_sds{5.0};
+std::atomic<double> median_bracket_sds{3.0};
 std::atomic<int64_t> median_bracket_held{0}, median_bracket_missed{0};
 
 // A growable buffer of doubles, kept by each thread between calls like Work's (no page faults).
@@ -335,14 +347,64 @@ void sample_pairs(int64_t n, std::vector<double>& sample, PairSq pair_sq) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
-    const auto i = static_cast<int64_t>((z >> 32) % static_cast<uint64_t>(n));
-    auto j = static_cast<int64_t>((z & 0xffffffffu) % static_cast<uint64_t>(n - 1));
+    const auto i = static_cast<int64_t>(((z >> 32) * static_cast<uint64_t>(n)) >> 32);
+    auto j = static_cast<int64_t>(((z & 0xffffffffu) * static_cast<uint64_t>(n - 1)) >> 32);
     j += j >= i;
     v = pair_sq(std::min(i, j), std::max(i, j));
   }
 }
 
-std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k);
+std::pair<double, double> select_two_of(double* values, int64_t count, int64_t k);
+
+// The squared distance of two rows of d values, in float64, for a sample: four sums, since one chain
+// of dependent additions took 1.5% of (2000, 32)'s call.
+template <class T>
+double pair_sqdist(const T* a, const T* b, int64_t d) {
+  double sum[4] = {};
+  int64_t c = 0;
+  for (; c + 4 <= d; c += 4)
+    for (int64_t u = 0; u < 4; ++u) {
+      const double diff = static_cast<double>(a[c + u]) - static_cast<double>(b[c + u]);
+      sum[u] += diff * diff;
+    }
+  for (; c < d; ++c) {
+    const double diff = static_cast<double>(a[c]) - static_cast<double>(b[c]);
+    sum[0] += diff * diff;
+  }
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
+// Bounds [lo, hi] for ranks k and k + 1 of `total` values, from a sample of s of them (reordered):
+// ranks k and k + 1 sit at ~f s in the sample, with a binomial spread; the bracket reaches
+// median_bracket_sds standard deviations (+ 2 ranks) each side. An end past the sample is infinite.
+struct Bracket {
+  double lo = -std::numeric_limits<double>::infinity(), hi = std::numeric_limits<double>::infinity();
+};
+
+Bracket bracket_from(double* sample, int64_t s, int64_t k, int64_t total) {
+  const double f = (static_cast<double>(k) + 1.0) / static_cast<double>(total);
+  const double mid = f * static_cast<double>(s);
+  const double spread = median_bracket_sds.load() * std::sqrt(static_cast<double>(s) * f * (1.0 - f)) + 2.0;
+  const auto r_lo = static_cast<int64_t>(std::floor(mid - spread)), r_hi = static_cast<int64_t>(std::ceil(mid + spread));
+  Bracket b;
+  double* first = sample;
+  if (r_lo >= 0) {
+    std::nth_element(sample, sample + r_lo, sample + s);
+    b.lo = sample[r_lo];
+    first = sample + r_lo + 1;
+  }
+  if (r_hi < s) {
+    std::nth_element(first, sample + r_hi, sample + s);
+    b.hi = sample[r_hi];
+  }
+  return b;
+}
+
+// Whether ranks k and k + 1 (clamped to the last) of `total` values lie inside a bracket with `below`
+// values under it and `inside` in it.
+bool bracket_held(int64_t below, int64_t inside, int64_t k, int64_t total) {
+  return below <= k && below + inside > std::min(k + 1, total - 1);
+}
 
 // One pass over the pairs against a bracket [lo, hi] of ranks k and k + 1 that a sample set: how many
 // pairs lie below it, and the pairs inside it, per task (add(t, ...) from task t). finish() selects the
@@ -351,29 +413,14 @@ class BracketTally {
  public:
   // The bracket from the sample's values (reordered), for ranks k, k + 1 of `pairs` values.
   BracketTally(std::vector<double>& sample, int64_t k, int64_t pairs, int tasks)
-      : k_(k), pairs_(pairs), found_(buffers()), below_(tasks, 0) {
-    // ranks k and k + 1 sit at ~f s in the sample, with a binomial spread
-    const auto s = static_cast<int64_t>(sample.size());
-    const double f = (static_cast<double>(k) + 1.0) / static_cast<double>(pairs);
-    const double mid = f * static_cast<double>(s);
-    const double spread = median_bracket_sds.load() * std::sqrt(static_cast<double>(s) * f * (1.0 - f)) + 2.0;
-    const auto r_lo = static_cast<int64_t>(std::floor(mid - spread)), r_hi = static_cast<int64_t>(std::ceil(mid + spread));
-    auto first = sample.begin();
-    if (r_lo >= 0) {
-      std::nth_element(sample.begin(), sample.begin() + r_lo, sample.end());
-      lo_ = sample[r_lo];
-      first = sample.begin() + r_lo + 1;
-    }
-    if (r_hi < s) {
-      std::nth_element(first, sample.begin() + r_hi, sample.end());
-      hi_ = sample[r_hi];
-    }
+      : k_(k), pairs_(pairs), bracket_(bracket_from(sample.data(), static_cast<int64_t>(sample.size()), k, pairs)),
+        found_(buffers()), below_(tasks, 0) {
     if (static_cast<int>(found_.size()) < tasks) found_.resize(tasks);
     for (int t = 0; t < tasks; ++t) found_[t].size = 0;
   }
   void add(int t, const double* row, int64_t count) {
     Found& f_t = found_[t];
-    f_t.size += rows::count_below_gather(row, count, lo_, hi_, f_t.room(count), below_[t]);
+    f_t.size += rows::count_below_gather(row, count, bracket_.lo, bracket_.hi, f_t.room(count), below_[t]);
   }
   std::optional<std::pair<double, double>> finish() {
     const auto tasks = static_cast<int>(below_.size());
@@ -382,7 +429,7 @@ class BracketTally {
       under += below_[t];
       inside += found_[t].size;
     }
-    const bool held = under <= k_ && under + inside > std::min(k_ + 1, pairs_ - 1);
+    const bool held = bracket_held(under, inside, k_, pairs_);
     std::optional<std::pair<double, double>> result;
     if (held) {
       Found& all = found_[0];  // the other tasks' values appended to the first's
@@ -408,22 +455,29 @@ class BracketTally {
     return mine;
   }
   int64_t k_, pairs_;
-  double lo_ = -std::numeric_limits<double>::infinity(), hi_ = std::numeric_limits<double>::infinity();
+  Bracket bracket_;
   std::vector<Found>& found_;
   std::vector<int64_t> below_;
 };
 
-// The sample as set for the median (empty: the bins only), from a thread-local buffer.
-std::vector<double>* median_sample() {
-  const int64_t s = median_sample_size.load();
-  if (s < 2) return nullptr;
+// How many values the sample of a bracket over `count` values takes (0: none, the bins only).
+int64_t bracket_sample_size(int64_t count) {
+  const int64_t set = median_sample_size.load();
+  if (set < 2) return 0;
+  return count > kPackedPairs ? set : std::min(set, small_sample_size(count));
+}
+
+// A thread-local buffer for the sample of a bracket over `pairs` values (null: none, the bins only).
+std::vector<double>* median_sample(int64_t pairs) {
+  const int64_t s = bracket_sample_size(pairs);
+  if (s == 0) return nullptr;
   thread_local std::vector<double> sample;
   sample.resize(s);
   return &sample;
 }
 
 std::optional<std::pair<double, double>> select_two_sampled(const double* sq, int64_t n, int64_t k, bool parallel) {
-  std::vector<double>* sample = median_sample();
+  std::vector<double>* sample = median_sample(n * (n - 1) / 2);
   if (sample == nullptr) return std::nullopt;
   sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return sq[i * n + j]; });
   const int tasks = parallel ? at::get_num_threads() : 1;
@@ -484,11 +538,35 @@ std::pair<double, double> select_two_binned(ForValues for_values, int64_t total,
   return {first, second};
 }
 
-// Ranks k and k + 1 of values[0, count) (one thread).
-std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k) {
+// Ranks k and k + 1 of values[0, count) (one thread; values may be reordered). Above kMinSampledPairs
+// values, Floyd and Rivest's step first, as often as it holds: a bracket from a sample of the values
+// (every (count / s)-th), one pass that counts those below it and gathers those inside, and the ranks
+// sought among those alone. Then the bins.
+std::pair<double, double> select_two_of(double* values, int64_t count, int64_t k) {
+  thread_local std::vector<double> sample, gathered[2];
+  for (int level = 0; count >= kMinSampledPairs && bracket_sample_size(count) > 0; ++level) {
+    sample.resize(bracket_sample_size(count));
+    const auto s = static_cast<int64_t>(sample.size());
+    for (int64_t t = 0; t < s; ++t) sample[t] = values[t * count / s];
+    const Bracket bracket = bracket_from(sample.data(), s, k, count);
+    std::vector<double>& out = gathered[level % 2];  // the one values does not point into
+    out.resize(count);
+    int64_t below = 0;
+    const int64_t inside = rows::count_below_gather(values, count, bracket.lo, bracket.hi, out.data(), below);
+    const bool held = bracket_held(below, inside, k, count);
+    ++(held ? median_bracket_held : median_bracket_missed);
+    if (!held) break;
+    values = out.data();
+    k -= below;
+    // ties can keep most values inside: the bins from here
+    const bool shrank = 2 * inside < count;
+    count = inside;
+    if (!shrank) break;
+  }
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
   rows::min_max(values, count, lo, hi);
-  return select_two_binned([&](bool, auto fn) { fn(values, count); }, count, k, lo, hi, false);
+  return select_two_binned([&](bool, auto fn) { fn(static_cast<const double*>(values), count); }, count, k, lo, hi,
+                           false);
 }
 
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
@@ -497,7 +575,7 @@ std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, boo
   const int64_t pairs = n * (n - 1) / 2;
   TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
   if (middle.values) return *middle.values;
-  if (pairs > kPackedPairs && !middle.counted) {
+  if (pairs >= kMinSampledPairs && !middle.counted) {
     if (auto found = select_two_sampled(sq, n, k, parallel)) return *found;
   }
   thread_local std::vector<double> packed;
@@ -553,9 +631,11 @@ bool use_direct_distances(int64_t rows, int64_t d) {
 
 // Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
 // a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points.
-void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel, Work& work) {
-  const int64_t n = s.rows, d = s.d;
+void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel, Work& work,
+                   Middle* middle) {
+  const int64_t n = s.rows, d = s.d, pairs = n * (n - 1) / 2;
   double* const pt = work.points.get(n * d);
+  std::optional<BracketTally> tally;
   {
     std::vector<double> rows(n * d);
     s.load(b, 0, d, rows.data());
@@ -567,11 +647,27 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
       }
       norms[i] = sq;
     }
+    // The median's bracket counts each row of distances while it is in L1, as gram_one's tiles do for
+    // large matrices. At 128x(100, 8) the bins' passes over the finished triangle (copy, histogram,
+    // gather) took ~2x their time on the same values in cache (perf against a C++ harness), ~20% of
+    // the call; bench/ab.py 1.088 (IQR 1.065-1.111) against them, 100x8 1.032.
+    std::vector<double>* sample =
+        middle != nullptr && !parallel && pairs >= kMinSampledPairs ? median_sample(pairs) : nullptr;
+    if (sample != nullptr) {
+      const double* x = rows.data();
+      sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return pair_sqdist(x + i * d, x + j * d, d); });
+      tally.emplace(*sample, median_rank(n), pairs, 1);
+    }
   }
   for_triangle_rows(n, parallel, 8, [&](int64_t i) {
     rows::sqdist_from_point(pt, n, d, i, i + 1, out + i * n);
     out[i * n + i] = 0.0;
+    if (tally) tally->add(0, out + i * n + i + 1, n - 1 - i);
   });
+  if (tally) {
+    middle->counted = true;
+    middle->values = tally->finish();
+  }
 }
 
 // The upper triangle (with the diagonal) of a a^T into g, the rows split in halves: the off-diagonal
@@ -716,26 +812,12 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
     // against a bracket from a sample of distances summed from the input rows: at (2000, 32) the
     // separate pass read the 64 MB triangle once more.
     const int64_t pairs = n * (n - 1) / 2;
-    std::vector<double>* sample = middle != nullptr && pairs > kPackedPairs ? median_sample() : nullptr;
+    std::vector<double>* sample = middle != nullptr && pairs > kPackedPairs ? median_sample(pairs) : nullptr;
     std::optional<BracketTally> tally;
     if (sample != nullptr) {
       // from the input rows (contiguous; the packed panels put each coordinate on another line)
       with_row_pointers(s, b, 0, [&](auto x) {
-        sample_pairs(n, *sample, [&](int64_t i, int64_t j) {
-          // four sums: one chain of dependent additions took 1.5% of (2000, 32)'s call
-          double sum[4] = {};
-          int64_t c = 0;
-          for (; c + 4 <= s.d; c += 4)
-            for (int64_t u = 0; u < 4; ++u) {
-              const double diff = static_cast<double>(x[i][c + u]) - static_cast<double>(x[j][c + u]);
-              sum[u] += diff * diff;
-            }
-          for (; c < s.d; ++c) {
-            const double diff = static_cast<double>(x[i][c]) - static_cast<double>(x[j][c]);
-            sum[0] += diff * diff;
-          }
-          return (sum[0] + sum[1]) + (sum[2] + sum[3]);
-        });
+        sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return pair_sqdist(x[i], x[j], s.d); });
       });
       tally.emplace(*sample, median_rank(n), pairs, 1);
     }
@@ -783,7 +865,7 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
 void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work,
                    Middle* middle = nullptr) {
   if (use_direct_distances(s.rows, s.d)) {
-    direct_sqdist(s, b, sq, norms, parallel, work);
+    direct_sqdist(s, b, sq, norms, parallel, work, middle);
     return;
   }
   if (gram_one(s, b, sq, parallel, norms, middle)) return;
