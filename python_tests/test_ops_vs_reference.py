@@ -534,6 +534,30 @@ def test_median_of_fewer_pairs_bracketed_by_a_sample_equals_numpy(n, d, batch, t
         torch.set_num_threads(old_threads)
 
 
+def test_median_when_a_bracket_ends_between_the_two_middle_ranks():
+    """120 points, 85 of them at one place: 3570 of the 7140 distances are 0, exactly the lower half,
+    so the two middle ranks are 0 and the smallest positive distance. A narrow bracket (0 standard
+    deviations) whose upper end is a sampled 0 holds rank k but not rank k + 1 and must count as a
+    miss; the points' order is drawn anew for each of 16 batch elements, so that the fixed sample
+    sees a different share of zeros in each and some brackets end there."""
+    ops = torch.ops.kivi_fast
+    g = torch.Generator().manual_seed(5)
+    base = torch.cat([torch.zeros(85, 3, dtype=torch.float64),
+                      1.0 + torch.rand(35, 3, generator=g, dtype=torch.float64)])
+    x = torch.stack([base[torch.randperm(120, generator=g)] for _ in range(16)])
+    expected = np.array([np.median(pdist(e.numpy())) for e in x])
+    with implementation("cpu"):
+        old = ops._set_median_bracket(1 << 15, 0.0)
+        try:
+            before = ops._median_counts()
+            got = kivi_fast.median_bandwidth(x).numpy()
+            after = ops._median_counts()
+        finally:
+            ops._set_median_bracket(int(old[0]), old[1])
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    assert after[1] - before[1] >= 1  # some brackets missed
+
+
 def test_median_bracket_switch_rejects_bad_settings(compiled):
     with pytest.raises(RuntimeError, match="sds must be finite and >= 0"):
         torch.ops.kivi_fast._set_median_bracket(1 << 15, -1.0)
