@@ -305,7 +305,8 @@ constexpr int64_t kPackedPairs = int64_t{1} << 20;
 // ~1.5 cycles a value; the bracket's pass is a compare and a compacting store, and it runs where the
 // distances are computed, while they are in cache (direct_sqdist's rows, gram_one's tiles), else over
 // the finished triangle (select_two_sampled). The result is exact whatever the sample: a bracket that
-// misses a rank (odds ~0.3% at 3 standard deviations each side) hands the selection to the bins.
+// misses a rank (odds ~0.3% a bracket at 3 standard deviations each side, as far as the sample's
+// ranks are binomial) hands the selection to the bins.
 //
 // The sample: above kPackedPairs (8 M pairs at (2000, 32)) 2^15 pseudo-random pairs, the same at every
 // call; up to kPackedPairs 0.2 count^(2/3) (the order of Floyd and Rivest's, the sample's cost against
@@ -354,7 +355,7 @@ void sample_pairs(int64_t n, std::vector<double>& sample, PairSq pair_sq) {
   }
 }
 
-std::pair<double, double> select_two_of(double* values, int64_t count, int64_t k);
+std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k);
 
 // The squared distance of two rows of d values, in float64, for a sample: four sums, since one chain
 // of dependent additions took 1.5% of (2000, 32)'s call.
@@ -437,7 +438,8 @@ class BracketTally {
         std::copy(found_[t].data.get(), found_[t].data.get() + found_[t].size, all.room(found_[t].size));
         all.size += found_[t].size;
       }
-      // by bins again (~3% of the pairs: nth_element over them took 2.5% of (2000, 32)'s call)
+      // by more brackets, then bins (~1.7% of the pairs at (2000, 32); nth_element over the ~3% that 5
+      // standard deviations left took 2.5% of its call)
       result = select_two_of(all.data.get(), all.size, k_ - under);
     }
     ++(held ? median_bracket_held : median_bracket_missed);
@@ -538,11 +540,11 @@ std::pair<double, double> select_two_binned(ForValues for_values, int64_t total,
   return {first, second};
 }
 
-// Ranks k and k + 1 of values[0, count) (one thread; values may be reordered). Above kMinSampledPairs
-// values, Floyd and Rivest's step first, as often as it holds: a bracket from a sample of the values
-// (every (count / s)-th), one pass that counts those below it and gathers those inside, and the ranks
-// sought among those alone. Then the bins.
-std::pair<double, double> select_two_of(double* values, int64_t count, int64_t k) {
+// Ranks k and k + 1 of values[0, count) (one thread). From kMinSampledPairs values, Floyd and Rivest's
+// step first, as often as it holds and shrinks the set: a bracket from a sample of the values (every
+// (count / s)-th), one pass that counts those below it and gathers those inside, and the ranks sought
+// among those alone. Then the bins.
+std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k) {
   thread_local std::vector<double> sample, gathered[2];
   for (int level = 0; count >= kMinSampledPairs && bracket_sample_size(count) > 0; ++level) {
     sample.resize(bracket_sample_size(count));
@@ -565,8 +567,12 @@ std::pair<double, double> select_two_of(double* values, int64_t count, int64_t k
   }
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
   rows::min_max(values, count, lo, hi);
-  return select_two_binned([&](bool, auto fn) { fn(static_cast<const double*>(values), count); }, count, k, lo, hi,
-                           false);
+  const auto result =
+      select_two_binned([&](bool, auto fn) { fn(values, count); }, count, k, lo, hi, false);
+  // like Work's buffers, none kept above 32 MB (ties can leave most values inside a bracket)
+  for (std::vector<double>& g : gathered)
+    if (g.capacity() > static_cast<size_t>(kKeptDoubles)) std::vector<double>().swap(g);
+  return result;
 }
 
 // The values of rank k and k + 1 (0-based; k + 1 clamped to the last) among the upper-triangle
