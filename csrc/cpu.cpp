@@ -546,9 +546,10 @@ std::pair<double, double> select_two_binned(ForValues for_values, int64_t total,
 // among those alone. Then the bins.
 std::pair<double, double> select_two_of(const double* values, int64_t count, int64_t k) {
   thread_local std::vector<double> sample, gathered[2];
-  for (int level = 0; count >= kMinSampledPairs && bracket_sample_size(count) > 0; ++level) {
-    sample.resize(bracket_sample_size(count));
-    const auto s = static_cast<int64_t>(sample.size());
+  for (int level = 0; count >= kMinSampledPairs; ++level) {
+    const int64_t s = bracket_sample_size(count);
+    if (s == 0) break;
+    sample.resize(s);
     for (int64_t t = 0; t < s; ++t) sample[t] = values[t * count / s];
     const Bracket bracket = bracket_from(sample.data(), s, k, count);
     std::vector<double>& out = gathered[level % 2];  // the one values does not point into
@@ -635,6 +636,25 @@ bool use_direct_distances(int64_t rows, int64_t d) {
   return d <= (tiles ? kMaxDirectDimTiles : kMaxDirectDimGemm);
 }
 
+// For a pass that computes the distances of n points: a tally of their pairs against a bracket from a
+// sample of distances summed from the points themselves (row(i): point i's d coordinates), emplaced in
+// tally, so that each row of distances is counted while it is in cache; none where no sample is set.
+template <class Row>
+void start_tally_from_points(std::optional<BracketTally>& tally, int64_t n, int64_t d, Row row) {
+  const int64_t pairs = n * (n - 1) / 2;
+  std::vector<double>* sample = median_sample(pairs);
+  if (sample == nullptr) return;
+  sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return pair_sqdist(row(i), row(j), d); });
+  tally.emplace(*sample, median_rank(n), pairs, 1);
+}
+
+// What that pass leaves the median, where a tally ran.
+void finish_tally(std::optional<BracketTally>& tally, Middle* middle) {
+  if (!tally) return;
+  middle->counted = true;
+  middle->values = tally->finish();
+}
+
 // Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
 // a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points.
 void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel, Work& work,
@@ -657,12 +677,9 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
     // large matrices. At 128x(100, 8) the bins' passes over the finished triangle (copy, histogram,
     // gather) took ~2x their time on the same values in cache (perf against a C++ harness), ~20% of
     // the call; bench/ab.py 1.088 (IQR 1.065-1.111) against them, 100x8 1.032.
-    std::vector<double>* sample =
-        middle != nullptr && !parallel && pairs >= kMinSampledPairs ? median_sample(pairs) : nullptr;
-    if (sample != nullptr) {
+    if (middle != nullptr && !parallel && pairs >= kMinSampledPairs) {
       const double* x = rows.data();
-      sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return pair_sqdist(x + i * d, x + j * d, d); });
-      tally.emplace(*sample, median_rank(n), pairs, 1);
+      start_tally_from_points(tally, n, d, [&](int64_t i) { return x + i * d; });
     }
   }
   for_triangle_rows(n, parallel, 8, [&](int64_t i) {
@@ -670,10 +687,7 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
     out[i * n + i] = 0.0;
     if (tally) tally->add(0, out + i * n + i + 1, n - 1 - i);
   });
-  if (tally) {
-    middle->counted = true;
-    middle->values = tally->finish();
-  }
+  finish_tally(tally, middle);
 }
 
 // The upper triangle (with the diagonal) of a a^T into g, the rows split in halves: the off-diagonal
@@ -817,15 +831,12 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
     // The median's counting pass (select_two_sampled) on each tile's distances while they are in cache,
     // against a bracket from a sample of distances summed from the input rows: at (2000, 32) the
     // separate pass read the 64 MB triangle once more.
-    const int64_t pairs = n * (n - 1) / 2;
-    std::vector<double>* sample = middle != nullptr && pairs > kPackedPairs ? median_sample(pairs) : nullptr;
     std::optional<BracketTally> tally;
-    if (sample != nullptr) {
+    if (middle != nullptr && n * (n - 1) / 2 > kPackedPairs) {
       // from the input rows (contiguous; the packed panels put each coordinate on another line)
       with_row_pointers(s, b, 0, [&](auto x) {
-        sample_pairs(n, *sample, [&](int64_t i, int64_t j) { return pair_sqdist(x[i], x[j], s.d); });
+        start_tally_from_points(tally, n, s.d, [&](int64_t i) { return x[i]; });
       });
-      tally.emplace(*sample, median_rank(n), pairs, 1);
     }
     constexpr int64_t R = gram_tiles::kTileRows;
     for (int64_t t = row_tiles - 1; t >= 0; --t) {
@@ -836,10 +847,7 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
       if (tally)
         for (int64_t i = i0; i < i1; ++i) tally->add(0, out + i * n + i + 1, n - 1 - i);
     }
-    if (tally) {
-      middle->counted = true;
-      middle->values = tally->finish();
-    }
+    finish_tally(tally, middle);
     return true;
   }
   auto add_blocks = [&](int64_t k0, int64_t k1, double* target, bool first_assigns) {
