@@ -423,12 +423,8 @@ def test_one_large_element_split_over_threads(compiled, reverse):
     projection each split over the threads (smaller elements never are)."""
     pr = dict(n_p=750, n_q=750, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=7)
     p, q = make_samples(pr)
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with switched({}, threads=2):
         ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-    finally:
-        torch.set_num_threads(old)
     ref = value_and_grad(reference.kl, p, q, reverse=reverse)
     assert_close_rel(ours[0], ref[0], 1e-8)
     assert_close_rel(ours[1], ref[1], 1e-7)
@@ -482,18 +478,10 @@ def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, thread
     if ties:
         x = torch.round(x * 2) / 2
     expected = np.median(pdist(x.numpy()))
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    with implementation("cpu"):
-        old_portable = ops._set_portable_gather(portable)
-    try:
-        with implementation("cpu"):
-            narrow = assert_median_under_bracket_settings(x, expected, ties)
-        if not ties:  # 2 ranks each side of 32768 sampled pairs: the first bracket misses
-            assert narrow == [0, 1]
-    finally:
-        ops._set_portable_gather(old_portable)
-        torch.set_num_threads(old_threads)
+    with implementation("cpu"), switched({ops._set_portable_gather: portable}, threads=threads):
+        narrow = assert_median_under_bracket_settings(x, expected, ties)
+    if not ties:  # 2 ranks each side of 32768 sampled pairs: the first bracket misses
+        assert narrow == [0, 1]
 
 
 @pytest.mark.parametrize("n,d,batch,ties,min_held", [
@@ -519,23 +507,15 @@ def test_median_of_fewer_pairs_bracketed_by_a_sample_equals_numpy(n, d, batch, t
     if ties:
         x = torch.round(x * 4) / 4
     expected = np.array([np.median(pdist(e.numpy())) for e in x.reshape(-1, n, d)])
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with implementation("cpu"):
-        old_portable = ops._set_portable_gather(portable)
-    try:
-        with implementation("cpu"):
-            if n * (n - 1) // 2 < 4096:
-                before = ops._median_counts()
-                np.testing.assert_allclose(kivi_fast.median_bandwidth(x).numpy(), expected, rtol=1e-12)
-                assert ops._median_counts() == before
-            else:
-                narrow = assert_median_under_bracket_settings(x, expected if batch else expected[0], ties, min_held)
-                if batch:
-                    assert narrow[1] >= 1, narrow
-    finally:
-        ops._set_portable_gather(old_portable)
-        torch.set_num_threads(old_threads)
+    with implementation("cpu"), switched({ops._set_portable_gather: portable}, threads=1):
+        if n * (n - 1) // 2 < 4096:
+            before = ops._median_counts()
+            np.testing.assert_allclose(kivi_fast.median_bandwidth(x).numpy(), expected, rtol=1e-12)
+            assert ops._median_counts() == before
+        else:
+            narrow = assert_median_under_bracket_settings(x, expected if batch else expected[0], ties, min_held)
+            if batch:
+                assert narrow[1] >= 1, narrow
 
 
 def test_median_when_a_bracket_ends_between_the_two_middle_ranks():
@@ -605,9 +585,7 @@ def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
         x = torch.round(x)
     p, q = x[:1050], 0.7 * x[1050:] + 0.2
     expected = np.median(pdist(x.numpy()))
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with switched({}, threads=1):
         with implementation("cpu"):
             assert_median_under_bracket_settings(x, expected, ties)
             ours = value_and_grad(kivi_fast.kl, p, q)
@@ -617,8 +595,6 @@ def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
         with implementation("generic"):
             theirs = value_and_grad(kivi_fast.kl, p, q)
             theirs_given = value_and_grad(kivi_fast.kl, p, q, bandwidth=1.7)
-    finally:
-        torch.set_num_threads(old_threads)
     # float32 samples give a float32 bandwidth: the exact median, rounded
     assert sigma32 == float(np.float32(np.median(pdist(x32.double().numpy()))))
     for a, b in ((ours, theirs), (ours_given, theirs_given)):
