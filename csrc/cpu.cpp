@@ -656,11 +656,12 @@ void finish_tally(std::optional<BracketTally>& tally, Middle* middle) {
 }
 
 // Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
-// a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points.
+// a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points,
+// which has room for one more row (kl's ratio column).
 void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool parallel, Work& work,
                    Middle* middle) {
   const int64_t n = s.rows, d = s.d, pairs = n * (n - 1) / 2;
-  double* const pt = work.points.get(n * d);
+  double* const pt = work.points.get(n * (d + 1));
   std::optional<BracketTally> tally;
   {
     std::vector<double> rows(n * d);
@@ -1283,15 +1284,20 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     // off (AVX-512, no AVX2), [N, d] for one GEMM.
     const bool direct = d <= kRowDotsMaxDim;
     // Where the projection takes gram_tiles' row tiles, r_j comes from the same pass over the kernel
-    // rows (with grad_state or not, so that the value does not depend on it); elsewhere from rows::dot.
+    // rows (with grad_state or not, so that the value does not depend on it). Row-wise, it is a column
+    // d of Y = coef in the row dots' pass (rows::dots_with_columns sums each column alike, with
+    // grad_state or not: 128x(100, 8) read each kernel row twice before); elsewhere from rows::dot.
+    static_assert(kRowDotsMaxDim + 1 <= rows::kDotsColumnsPerPass, "the row dots and the ratio in one pass");
     const bool tiled_rows = kl_state_is_projection(n, d) && !direct && gram_tiles::enabled();
     const bool tiles = projection && tiled_rows;
     double* const y = !projection ? nullptr
                       : tiles     ? work.points.get(gram_tiles::panels(d) * gram_tiles::kPanel * n)
+                      : direct    ? work.points.get(n * (d + 1))  // direct_sqdist's, with its spare row
                                   : work.points.get(n * d);
     if (projection && direct) {
       for (int64_t k = 0; k < d; ++k)
         for (int64_t c = 0; c < n; ++c) y[k * n + c] *= coef[c];
+      std::copy_n(coef, n, y + d * n);
     } else if (tiles) {
       scaled_point_panels(s, b, coef, y);
     } else if (projection) {
@@ -1315,7 +1321,18 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     auto rows_body = [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const double* k = kernel_rows + j * n;
-        const double r = tiled_rows ? ratio[j] : rows::dot(coef, k, n);
+        double* const p = grad_state ? out + j * width : nullptr;
+        double r;
+        if (tiled_rows) {
+          r = ratio[j];
+        } else if (projection && direct) {
+          rows::dots_with_columns(k, y, n, d + 1, p);
+          r = p[d];
+        } else if (direct) {
+          rows::dots_with_columns(k, coef, n, 1, &r);
+        } else {
+          r = rows::dot(coef, k, n);
+        }
         log_r[j] = std::log(std::max(r, clip));
         row_scale[j] = r > clip ? 1.0 / (sg * sg * r) : 0.0;
         if (!grad_state) continue;
@@ -1327,8 +1344,6 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
         if (tiles) {
           rows::scale(out + j * width, row_scale[j], d);
         } else if (direct) {
-          double* p = out + j * width;
-          rows::dots_with_columns(k, y, n, d, p);
           for (int64_t t = 0; t < d; ++t) p[t] *= row_scale[j];
         }
       }

@@ -67,10 +67,11 @@ __attribute__((always_inline)) inline void dots_with_columns_fixed(const double*
     const Vec4 wv = load4(w + j);
     for (int k = 0; k < D; ++k) acc[k] += wv * load4(pt + k * n + j);
   }
-  for (int k = 0; k < D; ++k) {
-    double s = (acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3]);
-    for (int64_t t = j; t < n; ++t) s += w[t] * pt[k * n + t];
-    out[k] = s;
+  // the tail outside the loop over k: with a loop inside it, acc was a stack array zeroed by a rep stos
+  // (8% of this function's time at 200 points)
+  for (int k = 0; k < D; ++k) out[k] = (acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3]);
+  for (; j < n; ++j) {
+    for (int k = 0; k < D; ++k) out[k] += w[j] * pt[k * n + j];
   }
 }
 
@@ -99,9 +100,9 @@ KIVI_FAST_ISA_CLONES void sqdist_from_point(const double* pt, int64_t n, int64_t
 }
 
 KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out) {
-  for (int64_t k0 = 0; k0 < d; k0 += 8) {
+  for (int64_t k0 = 0; k0 < d; k0 += kDotsColumnsPerPass) {
     const double* p = pt + k0 * n;
-    switch (std::min<int64_t>(8, d - k0)) {
+    switch (std::min<int64_t>(kDotsColumnsPerPass, d - k0)) {
       case 1: dots_with_columns_fixed<1>(w, p, n, out + k0); break;
       case 2: dots_with_columns_fixed<2>(w, p, n, out + k0); break;
       case 3: dots_with_columns_fixed<3>(w, p, n, out + k0); break;
@@ -109,7 +110,8 @@ KIVI_FAST_ISA_CLONES void dots_with_columns(const double* w, const double* pt, i
       case 5: dots_with_columns_fixed<5>(w, p, n, out + k0); break;
       case 6: dots_with_columns_fixed<6>(w, p, n, out + k0); break;
       case 7: dots_with_columns_fixed<7>(w, p, n, out + k0); break;
-      default: dots_with_columns_fixed<8>(w, p, n, out + k0); break;
+      case 8: dots_with_columns_fixed<8>(w, p, n, out + k0); break;
+      default: dots_with_columns_fixed<9>(w, p, n, out + k0); break;
     }
   }
 }

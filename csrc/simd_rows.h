@@ -30,7 +30,10 @@ void gram_row_to_sqdist(double* row, const double* norms, double ni, int64_t n);
 // the points stored by coordinate (pt is [d, n]), 8 coordinates a pass. Exact up to the last rounding;
 // cpu.cpp's use_direct_distances says up to how many dimensions it beats a Gram.
 void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_t j0, double* o);
-// out[k] = sum_j w[j] pt[k n + j] for k < d (pt is [d, n], as for sqdist_from_point), 8 a pass
+// out[k] = sum_j w[j] pt[k n + j] for k < d (pt is [d, n], as for sqdist_from_point), 9 a pass (8
+// coordinates and one more column: kl's ratio beside its projection). Each out[k] is summed alike
+// whatever d is, to the last bit.
+inline constexpr int64_t kDotsColumnsPerPass = 9;
 void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out);
 // row[j] *= s
 void scale(double* row, double s, int64_t n);
