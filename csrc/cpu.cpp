@@ -1264,7 +1264,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   const bool projection = grad_state && kl_state_is_projection(n, d);
   const int64_t width = grad_state ? kl_state_width(n, d) : 0;
   auto kl_out = at::empty({s.batch}, at::kDouble);
-  auto state = at::empty({s.batch, m, width}, at::kDouble);
+  auto state = kept_outputs::empty({s.batch, m, width}, at::TensorOptions(at::kDouble));
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     // the evaluation reads the kernel rows of q_z: the denominator's own (reverse) or all of them

@@ -2,9 +2,10 @@
 
 #include "huge_pages.h"
 
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <cstdlib>
 #include <mutex>
@@ -20,8 +21,9 @@ namespace kept_outputs {
 namespace {
 
 constexpr size_t kPage = 4096;
-// Below this, glibc's heap reuses freed blocks without giving them back.
-constexpr size_t kMinBytes = huge_pages::kSize;
+// Below this (glibc's mmap threshold at start-up), glibc's heap reuses freed blocks without giving them
+// back.
+constexpr size_t kMinBytes = size_t{128} << 10;
 // From this size on, buffers are rounded to huge pages (at most 1/4 of one wasted); below, to pages.
 constexpr size_t kHugeFrom = 4 * huge_pages::kSize;
 // What idle buffers may hold in all, and how many: a training step frees each layer's gradient before
@@ -89,13 +91,15 @@ Pool& pool() {
 
 }  // namespace
 
-at::Tensor empty_like(const at::Tensor& like) {
-  const size_t bytes = static_cast<size_t>(like.numel()) * like.element_size();
-  if (bytes < kMinBytes) return at::empty_like(like, like.options().memory_format(at::MemoryFormat::Contiguous));
+at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
+  if (bytes < kMinBytes) return at::empty(sizes, options);
   const size_t rounded = Pool::rounded(bytes);
   void* p = pool().take(rounded);
-  return at::from_blob(p, like.sizes(), [rounded](void* q) { pool().give(q, rounded); }, like.options());
+  return at::from_blob(p, sizes, [rounded](void* q) { pool().give(q, rounded); }, options);
 }
+
+at::Tensor empty_like(const at::Tensor& like) { return empty(like.sizes(), like.options()); }
 
 }  // namespace kept_outputs
 }  // namespace kivi_fast

@@ -6,6 +6,8 @@ import torch
 import kivi_fast
 from kivi_fast import reference
 
+from conftest import implementation
+
 
 def rel_err(actual, expected):
     return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
@@ -139,11 +141,12 @@ def test_prior_samples_get_no_gradient(impl):
     assert p.grad is None and q.grad is not None
 
 
-# Gradients of 2 MB and more come from buffers kept between calls (csrc/kept_outputs.h): while held,
+# Gradients of 128 KB and more come from buffers kept between calls (csrc/kept_outputs.h): while held,
 # each is its own memory; freed, the next call of that size takes it again (no page faults); and
 # autograd accumulates into one as into any tensor. 10 x 60000: the backward's weighted sums (a 2.4 MB
-# gradient in float32, 4.8 in float64); 1000 x 600: the projection's (d + 1 < N).
-@pytest.mark.parametrize("n,d", [(10, 60000), (1000, 600)])
+# gradient in float32, 4.8 in float64); 1000 x 600 and 260 x 128 (130 KB in float32): the projection's
+# (d + 1 < N).
+@pytest.mark.parametrize("n,d", [(10, 60000), (1000, 600), (260, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     g = torch.Generator().manual_seed(3)
@@ -173,6 +176,30 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     kivi_fast.kl(p, qs).backward()
     kivi_fast.kl(p, qs).backward()
     assert torch.equal(qs.grad, 2 * g1_copy)
+
+
+def test_the_kl_state_is_on_a_kept_buffer_and_reused():
+    """The kl op's state for the backward comes from the kept buffers from 128 KB on, as the gradients
+    do: a training loop's next step maps no fresh pages for it (bench/run.py's next-call peak memory was
+    0.13-0.25 MB at (1000, 32) and 0.5 MB at (2000, 32), glibc mapping the state afresh)."""
+    ops = torch.ops.kivi_fast
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(1, 1000, 20, generator=g)
+    q = torch.randn(1, 1000, 20, generator=g) + 0.1
+    with implementation("cpu"):
+        _, s1, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # [1, 1000, 21] float64: 168 KB
+        assert not s1.untyped_storage().resizable()  # a kept buffer, not torch's allocator's
+        s1_copy, freed = s1.clone(), s1.data_ptr()
+        del s1
+        _, s2, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)
+        assert s2.data_ptr() == freed and torch.equal(s2, s1_copy)
+        _, s3, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # while s2 is held: another buffer
+        assert s3.data_ptr() != s2.data_ptr() and torch.equal(s3, s2)
+        _, small, _ = ops.kl(p[:, :100], q[:, :100], 1e-3, 1e-8, None, True)  # 17 KB: torch's allocator
+        assert small.untyped_storage().resizable()
+        qs = q.clone().requires_grad_(True)  # autograd's saved state and the gradient from kept buffers
+        grads = [torch.autograd.grad(kivi_fast.kl(p, qs), qs)[0] for _ in range(3)]
+        assert torch.equal(grads[0], grads[2]) and grads[0].data_ptr() != grads[2].data_ptr()
 
 
 def test_kept_buffers_past_the_pool_limit(compiled):
@@ -213,6 +240,8 @@ def op_cases():
     g = torch.Generator().manual_seed(11)
     p_big, q_big = (torch.randn(1, 10, 60000, generator=g) for _ in range(2))
     _, state_big, _ = ops.kl(p_big, q_big, 1e-3, 1e-8, None, True)
+    p_mid = torch.randn(1, 1000, 20, generator=g, dtype=torch.float64)
+    q_mid = (torch.randn(1, 1000, 20, generator=g, dtype=torch.float64) + 0.1).requires_grad_(True)
     return [
         ("sqdist", ops.sqdist.default, (p, q)),
         ("rbf_gram", ops.rbf_gram.default, (p, q, sigma)),
@@ -233,7 +262,8 @@ def op_cases():
         ("kl_unbatched_no_state", ops.kl.default, (p[0], q[0], 1e-3, 1e-8, None, True, False)),
         ("kl_grad_unbatched_weights", ops.kl_grad.default,
          (torch.tensor(1.0, dtype=torch.float64), state_w[0], q[0, :2, :], p[0, :2, :], True)),
-        # a 2.4 MB gradient: on a kept buffer (csrc/kept_outputs.h)
+        # a 168 KB state and a 2.4 MB gradient: on kept buffers (csrc/kept_outputs.h)
+        ("kl_kept_state", ops.kl.default, (p_mid, q_mid, 1e-3, 1e-8, None, True)),
         ("kl_grad_kept_buffer", ops.kl_grad.default, (torch.tensor([-1.0], dtype=torch.float64), state_big, q_big,
                                                      p_big, True)),
     ]
