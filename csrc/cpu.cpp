@@ -1319,6 +1319,13 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
       }
     }
     auto rows_body = [&](int64_t j0, int64_t j1) {
+      if (projection && direct) {  // two rows a pass: each load of Y serves both
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2)
+          rows::dots_with_columns_two_rows(kernel_rows + j * n, kernel_rows + (j + 1) * n, y, n, d + 1,
+                                           out + j * width, out + (j + 1) * width);
+        if (j < j1) rows::dots_with_columns(kernel_rows + j * n, y, n, d + 1, out + j * width);
+      }
       for (int64_t j = j0; j < j1; ++j) {
         const double* k = kernel_rows + j * n;
         double* const p = grad_state ? out + j * width : nullptr;
@@ -1326,7 +1333,6 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
         if (tiled_rows) {
           r = ratio[j];
         } else if (projection && direct) {
-          rows::dots_with_columns(k, y, n, d + 1, p);
           r = p[d];
         } else if (direct) {
           rows::dots_with_columns(k, coef, n, 1, &r);

@@ -35,6 +35,9 @@ void sqdist_from_point(const double* pt, int64_t n, int64_t d, int64_t i, int64_
 // whatever d is, to the last bit.
 inline constexpr int64_t kDotsColumnsPerPass = 9;
 void dots_with_columns(const double* w, const double* pt, int64_t n, int64_t d, double* out);
+// The same for two rows w0 and w1 (out0, out1), each sum to the last bit as dots_with_columns gives it.
+void dots_with_columns_two_rows(const double* w0, const double* w1, const double* pt, int64_t n, int64_t d,
+                                double* out0, double* out1);
 // row[j] *= s
 void scale(double* row, double s, int64_t n);
 // In place, the upper Cholesky factor U (A = U^T U) of the symmetric positive definite n x n matrix
