@@ -205,8 +205,8 @@ constexpr int64_t kKeptDoubles = huge_pages::kKeptBytes / sizeof(double);  // pe
 struct Work {
   Scratch sq, norms, system, coef;
   Scratch block;   // samples converted to float64, a column block ([N, w], or gram_tiles' packed panels)
-  Scratch points;   // the stacked samples in float64: [d, N] (transposed) after direct_sqdist, else [N, d]
-                    // (kl's projection: scaled, or in gram_tiles' panels)
+  Scratch points;   // the stacked samples in float64: [d, N] (transposed, room for [d + 1, N]) after
+                    // direct_sqdist, else [N, d] (kl's projection: scaled, or in gram_tiles' panels)
   Scratch product;  // the backward's weights times a column block
   void trim() {
     constexpr int64_t kLazyKeep = int64_t{1} << 25;
@@ -1277,7 +1277,8 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     double* out = state.data_ptr<double>() + b * m * width;
     // The projection: sum_c W_jc c = row_scale_j sum_c k(c, z_j) (coef_c c), so the kernel rows times
     // the points scaled by their coefficients, Y = coef * X (no W needed). Up to kRowDotsMaxDim
-    // dimensions Y is kept transposed ([d, N], from the points direct_sqdist left) for row-wise dot
+    // dimensions Y is kept transposed ([d + 1, N] with coef in row d, from the points direct_sqdist left,
+    // asked for at the size it asked for, so that Scratch::get hands them back as they are) for row-wise dot
     // products (d sums in registers). Above, Y goes in gram_tiles' panels for its register tiles
     // (against MKL's GEMM, forward+backward 1.07x faster at (100, 51), 1.11x at (100, 32), 1.05x at
     // (100, 16), 1.04-1.06x at (1000, 32) and (2000, 32): bench/ab.py, float32); where the tiles are

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <utility>
@@ -21,14 +22,15 @@ namespace kept_outputs {
 namespace {
 
 constexpr size_t kPage = 4096;
-// Below this (glibc's mmap threshold at start-up), glibc's heap reuses freed blocks without giving them
-// back.
+// From this size on (glibc's mmap threshold at start-up) glibc maps a block afresh, and once the
+// threshold has moved, grows its heap for it; smaller blocks it mostly takes from what the heap holds.
 constexpr size_t kMinBytes = size_t{128} << 10;
 // From this size on, buffers are rounded to huge pages (at most 1/4 of one wasted); below, to pages.
 constexpr size_t kHugeFrom = 4 * huge_pages::kSize;
-// What idle buffers may hold in all, and how many: a training step frees each layer's gradient before
-// the next step asks for it again.
-constexpr size_t kMaxIdleBytes = size_t{256} << 20, kMaxIdle = 8;
+// What idle buffers may hold in all, and how many: a training step frees each layer's state in its
+// backward and each layer's gradient at zero_grad, before the next step asks for them again (two buffers
+// a kl call: 8 had evicted the states of a 5-layer step before its next forward).
+constexpr size_t kMaxIdleBytes = size_t{256} << 20, kMaxIdle = 32;
 
 class Pool {
  public:
@@ -46,7 +48,8 @@ class Pool {
         }
     }
     void* p = bytes >= kHugeFrom ? huge_pages::allocate(bytes) : std::aligned_alloc(kPage, bytes);
-    TORCH_CHECK(p != nullptr, "kivi_fast: could not allocate ", bytes, " bytes for a gradient");
+    fresh_.fetch_add(1, std::memory_order_relaxed);
+    TORCH_CHECK(p != nullptr, "kivi_fast: could not allocate ", bytes, " bytes for an output");
     return p;
   }
   // p back to the idle buffers, the oldest freed first where that makes room (a size no longer asked
@@ -73,6 +76,7 @@ class Pool {
     }
     for (void* q : evicted) std::free(q);
   }
+  int64_t fresh() const { return fresh_.load(std::memory_order_relaxed); }
   static size_t rounded(size_t bytes) {
     return bytes >= kHugeFrom ? huge_pages::rounded(bytes) : (bytes + kPage - 1) / kPage * kPage;
   }
@@ -81,6 +85,7 @@ class Pool {
   std::mutex mu_;
   std::vector<std::pair<void*, size_t>> idle_;
   size_t idle_bytes_ = 0;
+  std::atomic<int64_t> fresh_{0};
 };
 
 // Never destroyed: a tensor may be freed after static destructors ran (at interpreter exit).
@@ -92,6 +97,8 @@ Pool& pool() {
 }  // namespace
 
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  // from_blob below would drop a memory format or pinning, and the buffers are host memory
+  TORCH_INTERNAL_ASSERT(options.device().is_cpu() && !options.has_memory_format() && !options.pinned_memory());
   const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
   if (bytes < kMinBytes) return at::empty(sizes, options);
   const size_t rounded = Pool::rounded(bytes);
@@ -100,6 +107,8 @@ at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
 }
 
 at::Tensor empty_like(const at::Tensor& like) { return empty(like.sizes(), like.options()); }
+
+int64_t fresh_buffers() { return pool().fresh(); }
 
 }  // namespace kept_outputs
 }  // namespace kivi_fast

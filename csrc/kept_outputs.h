@@ -1,4 +1,4 @@
-// The gradient ops' outputs on buffers kept between calls. A gradient w.r.t. the samples is as large as
+// The gradient ops' outputs, and the kl op's state for its backward, on buffers kept between calls. A gradient w.r.t. the samples is as large as
 // the samples (12.5 MB for an MNIST layer of 10 x 314000 float32): glibc's malloc hands such a block
 // to the kernel after free() about one call in three, and the next call faults every 4 KB page in
 // again. On this project's VM that took 7.7 ms of (10, 314000)'s 3.4 ms backward (3066 page faults,
@@ -17,12 +17,14 @@ namespace kept_outputs {
 
 // Like at::empty_like(like) with contiguous strides (CPU): from 128 KB on, on a kept buffer (rounded to
 // 4 KB pages, from 8 MB on to 2 MB huge pages where the kernel gives them); smaller ones from torch's
-// allocator. Up to 8 idle buffers, 256 MB in all, stay mapped (in RSS) for the next call of their size,
+// allocator. Up to 32 idle buffers, 256 MB in all, stay mapped (in RSS) for the next call of their size,
 // the oldest freed first to make room; those above 32 MB are handed back lazily (MADV_FREE). The
 // storage cannot grow (resize_ to a larger size fails), as for any tensor from at::from_blob.
 at::Tensor empty_like(const at::Tensor& like);
 // The same for at::empty(sizes, options) (CPU).
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+// How many buffers the pool has allocated since load, not taken from its idle ones (for tests).
+int64_t fresh_buffers();
 
 }  // namespace kept_outputs
 }  // namespace kivi_fast

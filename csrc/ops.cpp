@@ -8,6 +8,7 @@
 
 #include "few_points.h"
 #include "gram_tiles.h"
+#include "kept_outputs.h"
 #include "kivi.h"
 #include "simd_rows.h"
 
@@ -231,6 +232,8 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("_set_median_bracket(int sample_size, float sds) -> float[]", &cpu::set_median_bracket);
   // Nor this: the bracket's counting pass in portable C++ even on an AVX2 CPU (returns the old value).
   m.def("_set_portable_gather(bool flag) -> bool", &rows::set_portable_gather);
+  // Nor this: how many kept buffers were allocated afresh since load (csrc/kept_outputs.h; for tests).
+  m.def("_kept_fresh_buffers() -> int", &kept_outputs::fresh_buffers);
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from

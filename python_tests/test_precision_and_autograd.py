@@ -166,6 +166,9 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
         assert rel_err(g2, grad_of(q * 1.01, reference.kl)) < (1e-5 if dtype == torch.float32 else 1e-8)
     freed = g2.data_ptr()
     del g2
+    # the forward takes its state from the same pool first: were the state's rounded size the
+    # gradient's, it could take this buffer (no case here: 10 x 60000's state is small, and 1000 x 600's
+    # and 260 x 128's differ from their gradients by more than a page)
     g3 = grad_of(q * 1.01)
     if compiled == "cpu":  # the CPU kernels' outputs (the device-generic path's come from torch's allocator)
         assert not g3.untyped_storage().resizable()  # a kept buffer, not torch's allocator's
@@ -197,16 +200,52 @@ def test_the_kl_state_is_on_a_kept_buffer_and_reused():
         assert s3.data_ptr() != s2.data_ptr() and torch.equal(s3, s2)
         _, small, _ = ops.kl(p[:, :100], q[:, :100], 1e-3, 1e-8, None, True)  # 17 KB: torch's allocator
         assert small.untyped_storage().resizable()
-        qs = q.clone().requires_grad_(True)  # autograd's saved state and the gradient from kept buffers
-        grads = [torch.autograd.grad(kivi_fast.kl(p, qs), qs)[0] for _ in range(3)]
-        assert torch.equal(grads[0], grads[2]) and grads[0].data_ptr() != grads[2].data_ptr()
+        # through autograd: the saved state goes back to the pool after the backward, and the next
+        # step's forward takes it again (a 168 KB state and a 160 KB float64 gradient: distinct sizes)
+        p64, qs = p.double(), q.double().requires_grad_(True)
+        saved = []
+
+        def pack(t):
+            if t.dim() == 3 and t.shape[-1] == 21:  # the state [1, 1000, d + 1]
+                saved.append((t.data_ptr(), t.untyped_storage().resizable()))
+            return t
+
+        grads = []
+        for _ in range(2):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                value = kivi_fast.kl(p64, qs)
+            grads.append(torch.autograd.grad(value, qs)[0])
+            del value
+        assert len(saved) == 2 and not saved[0][1] and saved[1][0] == saved[0][0]
+        assert not grads[0].untyped_storage().resizable() and torch.equal(grads[0], grads[1])
+
+
+def test_a_step_of_six_layers_takes_no_fresh_buffer():
+    """Six kl calls a step, each with a state and a gradient of 128 KB or more: after the first step,
+    all twelve buffers wait idle between the backward and the next forward (zero_grad frees the
+    gradients), and the next steps take every one of them again (8 idle buffers at most had evicted
+    the states)."""
+    g = torch.Generator().manual_seed(6)
+    widths = [20 + 2 * k for k in range(6)]  # states of 21, 23, ... columns, gradients 20, 22, ...: no size shared
+    ps = [torch.randn(1, 1000, w, generator=g, dtype=torch.float64) for w in widths]
+    qs = [(torch.randn(1, 1000, w, generator=g, dtype=torch.float64) + 0.1).requires_grad_(True) for w in widths]
+    fresh = torch.ops.kivi_fast._kept_fresh_buffers
+    with implementation("cpu"):
+        before, counts = fresh(), []
+        for _ in range(3):
+            for q in qs:
+                q.grad = None  # zero_grad(set_to_none=True)
+            sum(kivi_fast.kl(p, q) for p, q in zip(ps, qs)).backward()
+            counts.append(fresh())
+    assert counts[0] > before  # the first step allocates (the counter counts)
+    assert counts[1] == counts[0] and counts[2] == counts[0]
 
 
 def test_kept_buffers_past_the_pool_limit(compiled):
-    """More gradient sizes than the pool keeps idle (8): the oldest are evicted and freed, and no
+    """More gradient sizes than the pool keeps idle (32): the oldest are evicted and freed, and no
     buffer is handed out twice (csrc/kept_outputs.cpp)."""
     g = torch.Generator().manual_seed(5)
-    widths = [60000 + 4096 * k for k in range(11)]  # 11 sizes of float32 gradients, 2.4 to 4 MB
+    widths = [60000 + 1024 * k for k in range(35)]  # 35 sizes of float32 gradients, 2.4 to 3.8 MB
     p = torch.randn(10, widths[-1], generator=g)
     q = torch.randn(10, widths[-1], generator=g) + 0.1
 
