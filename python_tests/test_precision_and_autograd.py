@@ -229,8 +229,8 @@ def test_a_step_of_six_layers_takes_no_fresh_buffer():
     widths = [20 + 2 * k for k in range(6)]  # states of 21, 23, ... columns, gradients 20, 22, ...: no size shared
     ps = [torch.randn(1, 1000, w, generator=g, dtype=torch.float64) for w in widths]
     qs = [(torch.randn(1, 1000, w, generator=g, dtype=torch.float64) + 0.1).requires_grad_(True) for w in widths]
-    fresh = torch.ops.kivi_fast._kept_fresh_buffers
-    with implementation("cpu"):
+    with implementation("cpu"):  # (loads the ops)
+        fresh = torch.ops.kivi_fast._kept_fresh_buffers
         before, counts = fresh(), []
         for _ in range(3):
             for q in qs:
