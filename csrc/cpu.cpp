@@ -1135,11 +1135,14 @@ void solve_alpha_one(const double* kernel, int64_t n, int64_t n_den, double lam,
 }
 
 // The kernel in the first `rows` rows of sq (n x n) from the squared distances in its upper triangle:
-// exp of the upper part, the diagonal 1, the lower part mirrored (the kernel is symmetric). The fit
-// reads only the upper part, the evaluation whole rows; mirroring only the evaluation's rows was no
-// faster at (2000, 32) (bench/ab.py 0.993 and 1.011 in two runs), so all are mirrored.
+// exp of the upper part, the diagonal 1, and where `lower`, the lower part mirrored (the kernel is
+// symmetric), else only the three entries left of the diagonal (what gram_tiles::rows_times_panels
+// reads of it with first_row). The fit reads only the upper part; the evaluation reads whole rows, or
+// the upper part through rows_times_panels. Mirroring only the evaluation's rows was no faster at
+// (2000, 32) than all of them (bench/ab.py 0.993 and 1.011 in two runs).
 constexpr int64_t kL2Bytes = int64_t{512} << 10;  // this project's AMD EPYC core's
-void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel, const SystemRows& sys) {
+void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, bool parallel, const SystemRows& sys,
+                            bool lower) {
   const double scale = -0.5 / (sigma * sigma);
   auto exp_rows = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -1163,6 +1166,22 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
     }
   };
   const int64_t strips = (rows + kStrip - 1) / kStrip;
+  if (!lower) {
+    auto near_diagonal = [&](int64_t i0, int64_t i1) {
+      for (int64_t i = std::max<int64_t>(i0, 1); i < i1; ++i)
+        for (int64_t j = std::max<int64_t>(0, i - 3); j < i; ++j) sq[i * n + j] = sq[j * n + i];
+    };
+    if (parallel) {  // the rows above a thread's first ones are another's: all exponentials first
+      at::parallel_for(0, rows, 16, exp_rows);
+      at::parallel_for(0, rows, 16, near_diagonal);
+    } else {  // while the rows are in cache
+      for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+        exp_rows(i0, std::min(rows, i0 + 16));
+        near_diagonal(i0, std::min(rows, i0 + 16));
+      }
+    }
+    return;
+  }
   if (parallel) {
     at::parallel_for(0, rows, 16, exp_rows);
     at::parallel_for(0, strips, 4, mirror_strips);
@@ -1182,9 +1201,9 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
 // The fit of numer / denom for batch element b: leaves the coefficients [alpha; beta 1] in work.coef
 // ([N]) and the kernel of the stacked points in the first kernel_rows rows of work.sq ([N, N]; the
 // fit itself reads only the n_den denominator rows, a caller evaluating at the numer points asks for
-// all), and returns the bandwidth.
-double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, double lam, const double* sigma_given,
-               Names names, bool parallel, Work& work) {
+// all; their lower part as kernel_rows_from_upper leaves it), and returns the bandwidth.
+double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, bool lower, double lam,
+               const double* sigma_given, Names names, bool parallel, Work& work) {
   TORCH_INTERNAL_ASSERT(kernel_rows >= n_den, "the solve reads the denominator's rows");
   const int64_t n = s.rows;
   double* sq = work.sq.get(n * n);
@@ -1195,7 +1214,7 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, do
   check_finite(norms, n_den, n, names);
   const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel, middle);
   float* const system32 = uses_refined_solve(n_den) ? system32_buffer(work.system, n_den) : nullptr;
-  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel, {n_den, lam, coef, system32});
+  kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel, {n_den, lam, coef, system32}, lower);
   solve_alpha_one(sq, n, n_den, lam, coef, work, parallel, system32 != nullptr);
   std::fill(coef + n_den, coef + n, 1.0 / (lam * static_cast<double>(n - n_den)));
   return sigma;
@@ -1244,7 +1263,7 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     const int64_t n_den = denom.size(1);
-    used.data_ptr<double>()[b] = fit_one(s, b, n_den, n_den, lam, sigma_data(sigma), names, parallel, work);
+    used.data_ptr<double>()[b] = fit_one(s, b, n_den, n_den, false, lam, sigma_data(sigma), names, parallel, work);
     std::copy_n(work.coef.get(n), n, coef.data_ptr<double>() + b * n);
   });
   return {coef, used, Tensor()};
@@ -1266,9 +1285,19 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   auto kl_out = at::empty({s.batch}, at::kDouble);
   auto state = kept_outputs::empty({s.batch, m, width}, at::TensorOptions(at::kDouble));
   auto used = at::empty({s.batch}, at::kDouble);
+  const bool direct = d <= kRowDotsMaxDim;
+  // Where the projection takes gram_tiles' row tiles, r_j comes from the same pass over the kernel
+  // rows (with grad_state or not, so that the value does not depend on it). Row-wise, it is a column
+  // d of Y = coef in the row dots' pass (rows::dots_with_columns sums each column alike, with
+  // grad_state or not: 128x(100, 8) read each kernel row twice before); elsewhere from rows::dot.
+  const bool tiled_rows = kl_state_is_projection(n, d) && !direct && gram_tiles::enabled();
+  // The row tiles read the kernel's lower part from its upper part above kPanelOrderMaxRows points,
+  // where mirroring it was a pass over memory ((2000, 32): 16 MB written, read again by the tiles).
+  const bool tiles_read_upper = tiled_rows && n > gram_tiles::kPanelOrderMaxRows;
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     // the evaluation reads the kernel rows of q_z: the denominator's own (reverse) or all of them
-    const double sg = fit_one(s, b, n_den, roles.row0 + m, lam, sigma_data(sigma), roles.names, parallel, work);
+    const double sg = fit_one(s, b, n_den, roles.row0 + m, !tiles_read_upper, lam, sigma_data(sigma), roles.names,
+                              parallel, work);
     used.data_ptr<double>()[b] = sg;
     // The evaluation points q_z are fitted samples too: their kernel rows are already in work.sq.
     // r_j = sum_c coef_c k(c, z_j); W_jc = coef_c k(c, z_j) / (sigma^2 r_j), zero where r_j <= clip.
@@ -1283,13 +1312,7 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     // (against MKL's GEMM, forward+backward 1.07x faster at (100, 51), 1.11x at (100, 32), 1.05x at
     // (100, 16), 1.04-1.06x at (1000, 32) and (2000, 32): bench/ab.py, float32); where the tiles are
     // off (AVX-512, no AVX2), [N, d] for one GEMM.
-    const bool direct = d <= kRowDotsMaxDim;
-    // Where the projection takes gram_tiles' row tiles, r_j comes from the same pass over the kernel
-    // rows (with grad_state or not, so that the value does not depend on it). Row-wise, it is a column
-    // d of Y = coef in the row dots' pass (rows::dots_with_columns sums each column alike, with
-    // grad_state or not: 128x(100, 8) read each kernel row twice before); elsewhere from rows::dot.
     static_assert(kRowDotsMaxDim + 1 <= rows::kDotsColumnsPerPass, "the row dots and the ratio in one pass");
-    const bool tiled_rows = kl_state_is_projection(n, d) && !direct && gram_tiles::enabled();
     const bool tiles = projection && tiled_rows;
     double* const y = !projection ? nullptr
                       : tiles     ? work.points.get(gram_tiles::panels(d) * gram_tiles::kPanel * n)
@@ -1309,14 +1332,18 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     if (tiled_rows) {
       // Up to kPanelOrderMaxRows points on one thread even when the element is split: d < N - 1 makes
       // it at most ~16 M multiply-adds ((100, 100): 2 M, ~50 us). Above, rows of the kernel per thread.
-      auto kernel_times_y = [&](int64_t j0, int64_t j1) {
+      // split over threads at whole row tiles: where the tiles read the upper part, a row's sums depend
+      // on where its tile starts
+      constexpr int64_t T = gram_tiles::kTileRows;
+      auto kernel_times_y = [&](int64_t t0, int64_t t1) {
+        const int64_t j0 = t0 * T, j1 = std::min(m, t1 * T);
         gram_tiles::rows_times_panels(kernel_rows + j0 * n, j1 - j0, n, y, tiles ? d : 0, n, out + j0 * width, width,
-                                      coef, ratio.data() + j0);
+                                      coef, ratio.data() + j0, tiles_read_upper ? roles.row0 + j0 : -1);
       };
       if (parallel && n > gram_tiles::kPanelOrderMaxRows) {
-        at::parallel_for(0, m, 64, kernel_times_y);
+        at::parallel_for(0, gram_tiles::row_tiles(m), 64 / T, kernel_times_y);
       } else {
-        kernel_times_y(0, m);
+        kernel_times_y(0, gram_tiles::row_tiles(m));
       }
     }
     auto rows_body = [&](int64_t j0, int64_t j1) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
 #define KIVI_FAST_GRAM_TILES_SIMD 1
@@ -54,16 +55,17 @@ KIVI_AVX2 inline void add_to(double* p, __m256d v) { _mm256_storeu_pd(p, _mm256_
 static_assert(kTileRows == 4, "tile() is written for 4 rows");
 
 // The 4 x 8 tile c[r ldc + j] (+)= sum_k a_r[k kStep] b[k P + j] for rows a_0..a_3 of A read with
-// step kStep (P: 4 rows of one packed panel, a_r = a_0 + r; 1: row-major rows) and b a whole panel.
+// step kStep (P: 4 rows of one packed panel, a_r = a_0 + r; 1: row-major rows; 0: the runtime `step`,
+// columns of a row-major matrix read as rows) and b a whole panel.
 // Eight accumulators (two registers a row) cover the FMA latency at two FMAs a cycle; named ones,
 // since GCC kept an array of them in memory. Inlined into each caller, so that the packed panel's
 // rows are addressed from one pointer (four pointers and a runtime step cost 4-13% of the Gram).
 template <int64_t kStep, bool accumulate>
 KIVI_AVX2 __attribute__((always_inline)) inline void tile(const double* a0, const double* a1, const double* a2,
                                                           const double* a3, const double* b, int64_t w, double* c,
-                                                          int64_t ldc) {
+                                                          int64_t ldc, int64_t step = kStep) {
   __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-  for (int64_t k = 0, o = 0; k < w; ++k, o += kStep, b += P) {
+  for (int64_t k = 0, o = 0; k < w; ++k, o += kStep != 0 ? kStep : step, b += P) {
     const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
     __m256d x = _mm256_broadcast_sd(a0 + o);
     c00 = _mm256_fmadd_pd(x, b0, c00);
@@ -101,6 +103,13 @@ KIVI_AVX2 void row_tile(const double* a0, const double* a1, const double* a2, co
                         int64_t w, double* c, int64_t ldc) {
   tile<1, accumulate>(a0, a1, a2, a3, b, w, c, ldc);
 }
+// ... and over 4 columns of a row-major matrix (a_r[k lda]): the rows of a symmetric matrix's lower part
+// read from its upper part.
+template <bool accumulate>
+KIVI_AVX2 void column_tile(const double* a0, const double* a1, const double* a2, const double* a3, int64_t lda,
+                           const double* b, int64_t w, double* c, int64_t ldc) {
+  tile<0, accumulate>(a0, a1, a2, a3, b, w, c, ldc, lda);
+}
 
 // Columns of the inner dimension per pass above kPanelOrderMaxRows: a row tile's 4 x 1024 values (32 KB)
 // stay in L1 or close while every panel multiplies them, and the panels' 1024 rows (256 KB at 32
@@ -136,22 +145,72 @@ KIVI_AVX2 void row_tile_dots(const double* a0, const double* a1, const double* a
   }
 }
 
+// The rows of A that rows_times_panels reads, rows past m repeating the last one. Where first_row >= 0,
+// row i of A is row first_row + i of a symmetric matrix (row 0 at a - first_row lda) that holds only
+// the entries from three left of its diagonal on: the columns k < first_row + i0 of a row tile i0
+// (4 rows) are read from column first_row + i0 + r of rows k, the upper part.
+struct RowsOfA {
+  const double* a;
+  int64_t m, lda, first_row;
+  int64_t clamped(int64_t i0, int64_t r) const { return std::min(i0 + r, m - 1); }
+  const double* row(int64_t i0, int64_t r, int64_t k) const { return a + clamped(i0, r) * lda + k; }
+  // column first_row + i of the symmetric matrix, from its row k on
+  const double* column(int64_t i0, int64_t r, int64_t k) const {
+    return a + (k - first_row) * lda + first_row + clamped(i0, r);
+  }
+  // of the columns [k0, k0 + kw), how many come first from the upper part
+  int64_t lower_columns(int64_t i0, int64_t k0, int64_t kw) const {
+    return first_row < 0 ? 0 : std::clamp(first_row + i0 - k0, int64_t{0}, kw);
+  }
+};
+
+// s[r] += sum_{k < w} a_r[k lda] v[k] for the columns a_0..a_3 of a row-major matrix: where they are
+// adjacent (a_r = a_0 + r), one load of four a step; four accumulators over k mod 4 cover the latency.
+// The order depends on w alone.
+KIVI_AVX2 void column_tile_dots(const double* a0, const double* a1, const double* a2, const double* a3, int64_t lda,
+                                const double* v, int64_t w, double* s) {
+  const bool adjacent = a1 == a0 + 1 && a2 == a0 + 2 && a3 == a0 + 3;
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  for (int64_t k = 0; k < w; ++k) {
+    const int64_t o = k * lda;
+    const __m256d a = adjacent ? _mm256_loadu_pd(a0 + o) : _mm256_setr_pd(a0[o], a1[o], a2[o], a3[o]);
+    acc[k & 3] = _mm256_fmadd_pd(a, _mm256_broadcast_sd(v + k), acc[k & 3]);
+  }
+  alignas(32) double out[4];
+  _mm256_store_pd(out, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
+  for (int r = 0; r < 4; ++r) s[r] += out[r];
+}
+
+// Columns per pass where a row tile reads its lower part down the upper part's columns: each k there
+// is a cache line of its own (of which the tile uses half and the next tile the other half), so
+// the lines of a pass, 128 x 64 bytes, stay in L1 while all the panels multiply them. In one pass of
+// a whole chunk (1024) they came from L2 once per panel, and the kl op was no faster than with the
+// lower part mirrored (bench/ab.py at (2000, 32), forward+backward, float32: 0.985 and 1/0.992 with
+// the load order swapped); with passes of 128, 1.02-1.05x (four runs, both orders), (1000, 32)
+// 1.035-1.08x. Passes of 32, 64 or 256 against 128: within 1.5%, either way.
+constexpr int64_t kColumnPass = 128;
+
 KIVI_AVX2 void rows_times_panels_impl(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b,
-                                      int64_t w, double* c, int64_t ldc, const double* v, double* av) {
+                                      int64_t w, double* c, int64_t ldc, const double* v, double* av,
+                                      int64_t first_row) {
   alignas(32) double buf[kTileRows * P];
+  const RowsOfA rows{a, m, lda, first_row};
   // Up to kPanelOrderMaxRows, A stays in L2 and each panel of B in L1: panels outer, no chunks. Above,
   // a panel's pass over A would read it from memory once per panel (the projection at (2000, 32):
   // four passes over 64 MB), so the inner dimension goes in chunks, row tiles inside.
-  const bool small = m <= kPanelOrderMaxRows && w <= kPanelOrderMaxRows;
+  const bool small = first_row < 0 && m <= kPanelOrderMaxRows && w <= kPanelOrderMaxRows;
   const int64_t chunk = small ? w : kInnerChunk;
+  // a row tile's outputs for all panels where they cannot be written in place (rows past m, columns
+  // past n_b)
+  const int64_t ld_edge = panels(n_b) * P;
+  std::vector<double> edge(small ? 0 : kTileRows * ld_edge);
   for (int64_t k0 = 0; k0 < w; k0 += chunk) {
     const int64_t kw = std::min(chunk, w - k0);
     const bool first = k0 == 0;
-    // rows past m repeat the last one; tiles past row m or column n_b go through buf
-    auto row_of = [&](int64_t i0, int64_t r) { return a + std::min(i0 + r, m - 1) * lda + k0; };
+    // small: tiles past row m or column n_b go through buf
     auto one_tile = [&](int64_t i0, int64_t j0) {
       const double* panel = b + j0 * w + k0 * P;
-      auto row = [&](int64_t r) { return row_of(i0, r); };
+      auto row = [&](int64_t r) { return rows.row(i0, r, k0); };
       if (i0 + kTileRows <= m && j0 + P <= n_b) {
         if (first) {
           row_tile<false>(row(0), row(1), row(2), row(3), panel, kw, c + i0 * ldc + j0, ldc);
@@ -166,11 +225,56 @@ KIVI_AVX2 void rows_times_panels_impl(const double* a, int64_t m, int64_t lda, c
         for (int64_t j = 0; j < std::min(P, n_b - j0); ++j) out[j] = (first ? 0.0 : out[j]) + buf[r * P + j];
       }
     };
+    // chunked: the row tile i0 times all panels, its lower part (first_row) in passes of kColumnPass
+    // columns, then its row part
+    auto tile_row = [&](int64_t i0) {
+      if (n_b == 0) return;
+      const int64_t t = rows.lower_columns(i0, k0, kw);
+      const bool in_place = i0 + kTileRows <= m && n_b % P == 0;
+      double* const out = in_place ? c + i0 * ldc : edge.data();
+      const int64_t ldo = in_place ? ldc : ld_edge;
+      bool add = in_place && !first;
+      for (int64_t p0 = 0; p0 < t; p0 += kColumnPass) {
+        const int64_t pw = std::min(kColumnPass, t - p0), k = k0 + p0;
+        auto col = [&](int64_t r) { return rows.column(i0, r, k); };
+        for (int64_t j0 = 0; j0 < n_b; j0 += P) {
+          const double* panel = b + j0 * w + k * P;
+          if (add) {
+            column_tile<true>(col(0), col(1), col(2), col(3), lda, panel, pw, out + j0, ldo);
+          } else {
+            column_tile<false>(col(0), col(1), col(2), col(3), lda, panel, pw, out + j0, ldo);
+          }
+        }
+        add = true;
+      }
+      if (t < kw) {
+        auto row = [&](int64_t r) { return rows.row(i0, r, k0 + t); };
+        for (int64_t j0 = 0; j0 < n_b; j0 += P) {
+          const double* panel = b + j0 * w + (k0 + t) * P;
+          if (add) {
+            row_tile<true>(row(0), row(1), row(2), row(3), panel, kw - t, out + j0, ldo);
+          } else {
+            row_tile<false>(row(0), row(1), row(2), row(3), panel, kw - t, out + j0, ldo);
+          }
+        }
+      }
+      if (in_place) return;
+      for (int64_t r = 0; r < kTileRows && i0 + r < m; ++r) {
+        double* o = c + (i0 + r) * ldc;
+        for (int64_t j = 0; j < n_b; ++j) o[j] = (first ? 0.0 : o[j]) + edge[r * ld_edge + j];
+      }
+    };
     // the rows' products with v, per chunk (the same chunks whatever n_b), while the tile's rows are in cache
     auto dots = [&](int64_t i0) {
       if (v == nullptr) return;
       double s[kTileRows];
-      row_tile_dots(row_of(i0, 0), row_of(i0, 1), row_of(i0, 2), row_of(i0, 3), v + k0, kw, s);
+      const int64_t t = rows.lower_columns(i0, k0, kw);
+      auto row = [&](int64_t r) { return rows.row(i0, r, k0 + t); };
+      row_tile_dots(row(0), row(1), row(2), row(3), v + k0 + t, kw - t, s);
+      if (t > 0) {
+        column_tile_dots(rows.column(i0, 0, k0), rows.column(i0, 1, k0), rows.column(i0, 2, k0),
+                         rows.column(i0, 3, k0), lda, v + k0, t, s);
+      }
       for (int64_t r = 0; r < kTileRows && i0 + r < m; ++r) av[i0 + r] = (first ? 0.0 : av[i0 + r]) + s[r];
     };
     if (small) {
@@ -179,7 +283,7 @@ KIVI_AVX2 void rows_times_panels_impl(const double* a, int64_t m, int64_t lda, c
       for (int64_t i0 = 0; i0 < m; i0 += kTileRows) dots(i0);
     } else {
       for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
-        for (int64_t j0 = 0; j0 < n_b; j0 += P) one_tile(i0, j0);
+        tile_row(i0);
         dots(i0);
       }
     }
@@ -252,8 +356,8 @@ void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t l
   gram_upper_impl(packed, n, w, g, ldg, accumulate, t0, t1);
 }
 void rows_times_panels(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b, int64_t w, double* c,
-                       int64_t ldc, const double* v, double* av) {
-  rows_times_panels_impl(a, m, lda, b, n_b, w, c, ldc, v, av);
+                       int64_t ldc, const double* v, double* av, int64_t first_row) {
+  rows_times_panels_impl(a, m, lda, b, n_b, w, c, ldc, v, av, first_row);
 }
 
 #else  // not an x86-64 GCC/Clang build: callers keep the GEMMs
@@ -267,7 +371,7 @@ void gram_upper(const double*, int64_t, int64_t, double*, int64_t, bool, int64_t
   TORCH_CHECK(false, "gram_tiles unavailable");
 }
 void rows_times_panels(const double*, int64_t, int64_t, const double*, int64_t, int64_t, double*, int64_t, const double*,
-                       double*) {
+                       double*, int64_t) {
   TORCH_CHECK(false, "gram_tiles unavailable");
 }
 

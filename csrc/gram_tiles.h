@@ -61,10 +61,15 @@ void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t l
 // rows are in cache (the kl op's ratio at its evaluation points: at (2000, 32) a separate pass read the
 // 64 MB of kernel rows once more), in an order that depends on w alone: n_b may be 0 (no panels, b
 // unread), and splitting the rows over calls changes nothing.
+// Where first_row >= 0, A's rows are rows first_row.. of a symmetric w x w matrix (row 0 at
+// a - first_row lda) of which only the entries from three left of the diagonal on are filled: a row tile
+// starting at row i0 reads its columns below first_row + i0 down the columns of the rows above it (the
+// upper part) and the rest along its rows, so the lower part need not be mirrored. Then the sums of a
+// row depend on where its tile starts: split the rows over calls at multiples of kTileRows.
 inline constexpr int64_t kPanelOrderMaxRows = 256;
 inline int64_t panels(int64_t columns) { return (columns + kPanel - 1) / kPanel; }
 void rows_times_panels(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b, int64_t w, double* c,
-                       int64_t ldc, const double* v = nullptr, double* av = nullptr);
+                       int64_t ldc, const double* v = nullptr, double* av = nullptr, int64_t first_row = -1);
 
 }  // namespace gram_tiles
 }  // namespace kivi_fast

@@ -275,6 +275,27 @@ def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads
         torch.testing.assert_close(kivi_fast.median_bandwidth(p), reference.median_bandwidth(p), rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("n_p,n_q,d,batch,threads", [
+    (290, 301, 13, None, 1),  # a tail row tile of one row, an edge panel of 5 columns
+    (290, 301, 13, None, 2),  # the rows split over two threads; the exponentials too
+    (500, 560, 12, None, 1),  # reverse=False: rows past 1024, whose lower parts span a whole chunk
+    (270, 263, 9, 2, 2),      # a batch over the threads; 9 dimensions: the tiles' smallest
+])
+def test_projection_reading_the_upper_part_equals_reference(compiled, n_p, n_q, d, batch, threads):
+    """Above 256 points the projection's row tiles read the kernel's lower part down the columns of its
+    upper part (only the three entries left of the diagonal are mirrored): the value and the gradient
+    against the oracle, and the value without the gradient state the same bits as with it."""
+    if not torch.ops.kivi_fast._gram_tiles_available():
+        pytest.skip("the projection's register tiles need an AVX2 + FMA CPU")
+    pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=torch.float64, scale=1.0, shift=0.3, seed=n_q + d)
+    p, q = make_samples(pr)
+    with switched({torch.ops.kivi_fast._set_gram_tiles: True}, threads):
+        assert_kl_equals_reference(p, q, 1e-8)
+        for reverse in (True, False):
+            with_state, _ = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
+            assert torch.equal(kivi_fast.kl(p, q, reverse=reverse), with_state)
+
+
 @pytest.mark.parametrize("n_den", [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33, 100, 255, 256])
 def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
     """Our Cholesky (systems up to 256 rows) works in panels of 8 rows and 4 x 8 register blocks over
