@@ -9,7 +9,8 @@
 //    the split triangle elsewhere); with few dimensions, distances come from differences;
 //  - only the upper triangle of the distances is computed (the median reads nothing else), and the
 //    fit reads only the kernel's upper triangle (the refinement's residuals too: symmetric_times);
-//    the evaluation's whole kernel rows are mirrored from it;
+//    the evaluation reads whole kernel rows: above 256 points its row tiles read the lower part
+//    down the upper part's columns (gram_tiles::rows_times_panels' first_row), else it is mirrored;
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
 //    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
 //  - the median is an exact selection, not a sort: over binned values (select_two), and above 2^20
