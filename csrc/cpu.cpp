@@ -9,8 +9,9 @@
 //    the split triangle elsewhere); with few dimensions, distances come from differences;
 //  - only the upper triangle of the distances is computed (the median reads nothing else), and the
 //    fit reads only the kernel's upper triangle (the refinement's residuals too: symmetric_times);
-//    the evaluation reads whole kernel rows: above 256 points its row tiles read the lower part
-//    down the upper part's columns (gram_tiles::rows_times_panels' first_row), else it is mirrored;
+//    the evaluation reads whole kernel rows: where its projection takes gram_tiles' row tiles
+//    (d > 8, AVX2) above 256 points, they read the lower part down the upper part's columns
+//    (rows_times_panels' first_row); elsewhere the lower part is mirrored;
 //  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
 //    the backward's weighted sums read the input rows directly with float64 register tiles (few_points.h);
 //  - the median is an exact selection, not a sort: over binned values (select_two), and above 2^20
@@ -1300,7 +1301,8 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
     const double sg = fit_one(s, b, n_den, roles.row0 + m, !tiles_read_upper, lam, sigma_data(sigma), roles.names,
                               parallel, work);
     used.data_ptr<double>()[b] = sg;
-    // The evaluation points q_z are fitted samples too: their kernel rows are already in work.sq.
+    // The evaluation points q_z are fitted samples too: their kernel rows are already in work.sq
+    // (where tiles_read_upper, their upper part and the three entries left of the diagonal).
     // r_j = sum_c coef_c k(c, z_j); W_jc = coef_c k(c, z_j) / (sigma^2 r_j), zero where r_j <= clip.
     const double* coef = work.coef.get(n);
     const double* kernel_rows = work.sq.get(n * n) + roles.row0 * n;

@@ -289,6 +289,11 @@ def test_projection_reading_the_upper_part_equals_reference(compiled, n_p, n_q, 
         pytest.skip("the projection's register tiles need an AVX2 + FMA CPU")
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=torch.float64, scale=1.0, shift=0.3, seed=n_q + d)
     p, q = make_samples(pr)
+    # Leave a whole kernel of values near 1 in the per-thread buffers first (mirrored, tiles off): a
+    # read of a lower part that the call below did not write would then be far off.
+    with switched({torch.ops.kivi_fast._set_gram_tiles: False}, threads):
+        for reverse in (True, False):
+            value_and_grad(kivi_fast.kl, p, q, reverse=reverse, bandwidth=1e6)
     with switched({torch.ops.kivi_fast._set_gram_tiles: True}, threads):
         assert_kl_equals_reference(p, q, 1e-8)
         for reverse in (True, False):
