@@ -1156,35 +1156,22 @@ void kernel_rows_from_upper(double* sq, int64_t n, int64_t rows, double sigma, b
     }
   };
   // in strips of 8 columns: the 8 source rows are read along their length, a cache line of each at a
-  // time, instead of a line per element down a column
-  constexpr int64_t kStrip = 8;
+  // time, instead of a line per element down a column. Without `lower`, only the entries (i, j) with
+  // i - j <= kNearDiagonal: a row tile's rows below its first read those along the rows.
+  constexpr int64_t kStrip = 8, kNearDiagonal = gram_tiles::kTileRows - 1;
   auto mirror_strips = [&](int64_t s0, int64_t s1) {
     for (int64_t j0 = s0 * kStrip; j0 < std::min(rows, s1 * kStrip); j0 += kStrip) {
       const int64_t j1 = std::min(rows, j0 + kStrip);
-      for (int64_t i = j0 + 1; i < rows; ++i) {
+      const int64_t i_end = lower ? rows : std::min(rows, j1 + kNearDiagonal);
+      for (int64_t i = j0 + 1; i < i_end; ++i) {
         double* ri = sq + i * n;
-        for (int64_t j = j0, end = std::min(j1, i); j < end; ++j) ri[j] = sq[j * n + i];
+        const int64_t j_begin = lower ? j0 : std::max(j0, i - kNearDiagonal);
+        for (int64_t j = j_begin, end = std::min(j1, i); j < end; ++j) ri[j] = sq[j * n + i];
       }
     }
   };
   const int64_t strips = (rows + kStrip - 1) / kStrip;
-  if (!lower) {
-    auto near_diagonal = [&](int64_t i0, int64_t i1) {
-      for (int64_t i = std::max<int64_t>(i0, 1); i < i1; ++i)
-        for (int64_t j = std::max<int64_t>(0, i - 3); j < i; ++j) sq[i * n + j] = sq[j * n + i];
-    };
-    if (parallel) {  // the rows above a thread's first ones are another's: all exponentials first
-      at::parallel_for(0, rows, 16, exp_rows);
-      at::parallel_for(0, rows, 16, near_diagonal);
-    } else {  // while the rows are in cache
-      for (int64_t i0 = 0; i0 < rows; i0 += 16) {
-        exp_rows(i0, std::min(rows, i0 + 16));
-        near_diagonal(i0, std::min(rows, i0 + 16));
-      }
-    }
-    return;
-  }
-  if (parallel) {
+  if (parallel) {  // a strip writes rows below it, which are another thread's: all exponentials first
     at::parallel_for(0, rows, 16, exp_rows);
     at::parallel_for(0, strips, 4, mirror_strips);
   } else if (rows * n * static_cast<int64_t>(sizeof(double)) > kL2Bytes) {
