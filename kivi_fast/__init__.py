@@ -9,7 +9,8 @@
 
 from . import reference
 from ._backend import backend
-from .estimator import DensityRatio, adaptive_contrast_kl, kl, median_bandwidth, rbf_gram
+from .estimator import ClippingWarning, DensityRatio, adaptive_contrast_kl, kl, median_bandwidth, rbf_gram
 
-__all__ = ["kl", "DensityRatio", "adaptive_contrast_kl", "rbf_gram", "median_bandwidth", "backend", "reference"]
+__all__ = ["kl", "DensityRatio", "adaptive_contrast_kl", "rbf_gram", "median_bandwidth", "backend", "reference",
+           "ClippingWarning"]
 __version__ = "0.1.0"

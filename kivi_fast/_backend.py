@@ -1,4 +1,8 @@
-"""Finds and loads the compiled op library, or falls back to the pure-PyTorch reference.
+"""The one place where the backend is chosen: the compiled ops, or the pure-PyTorch reference.
+
+``impl()`` returns the backend in use as an object with five primitives on batched ([B, n, d]),
+validated arguments (``kl``, ``fit``, ``ratio``, ``median_bandwidth``, ``rbf_gram``); the public API
+in ``estimator.py`` validates once and calls it, whichever backend it is.
 
 The library is a plain shared object that registers ``torch.ops.kivi_fast.*`` with TORCH_LIBRARY; it
 is found through ``importlib`` because scikit-build-core's editable install does not place it beside
@@ -6,6 +10,9 @@ this file. Set ``KIVI_FAST_BACKEND=reference`` to force the reference even when 
 """
 
 from __future__ import annotations
+
+from . import reference
+from ._validate import check_finite as _validate_finite
 
 import glob
 import importlib.util
@@ -56,3 +63,71 @@ def backend() -> str:
     if "name" not in _state:
         _state["name"] = _load()
     return _state["name"]
+
+
+class CompiledOps:
+    """The compiled torch ops (``torch.ops.kivi_fast``, csrc/): CPU kernels, device-generic elsewhere."""
+
+    name = "cpp"
+
+    @staticmethod
+    def kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state):
+        value, _state, _sigma, clipped = torch.ops.kivi_fast.kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state)
+        return value, clipped
+
+    @staticmethod
+    def fit(numer, denom, lam, sigma):
+        return torch.ops.kivi_fast.fit(numer, denom, lam, sigma)
+
+    @staticmethod
+    def ratio(z, numer, denom, alpha, beta, sigma):
+        return torch.ops.kivi_fast.ratio(z, numer, denom, alpha, beta, sigma)[0]
+
+    @staticmethod
+    def median_bandwidth(x):
+        return torch.ops.kivi_fast.median_bandwidth(x)
+
+    @staticmethod
+    def rbf_gram(x, y, sigma):
+        return torch.ops.kivi_fast.rbf_gram(x, y, sigma)
+
+
+class ReferenceOps:
+    """The pure-PyTorch reference (kivi_fast/reference.py), on the same batched arguments."""
+
+    name = "reference"
+
+    @staticmethod
+    def kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state):
+        unbatched = q_z.dim() == 2
+        if unbatched:
+            prior_z, q_z = prior_z[None], q_z[None]
+        value, clipped = reference._kl_and_clipped(prior_z, q_z, lam, clip, sigma, reverse)
+        return (value[0], clipped[0]) if unbatched else (value, clipped)
+
+    @staticmethod
+    def fit(numer, denom, lam, sigma):
+        return reference._fit64(numer, denom, lam, sigma)
+
+    @staticmethod
+    def ratio(z, numer, denom, alpha, beta, sigma):
+        return reference._ratio64(z, numer, denom, alpha, beta, sigma)
+
+    @staticmethod
+    def median_bandwidth(x):
+        _validate_finite("x", x)
+        return reference._median64(x)
+
+    @staticmethod
+    def rbf_gram(x, y, sigma):
+        _validate_finite("x", x)
+        _validate_finite("y", y)
+        return reference._gram64(x.double(), y.double(), sigma).to(x.dtype)
+
+
+_IMPLS = {"cpp": CompiledOps, "reference": ReferenceOps}
+
+
+def impl():
+    """The backend in use (CompiledOps or ReferenceOps)."""
+    return _IMPLS[backend()]

@@ -14,6 +14,13 @@ import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
+# The smallest ridge coefficient both backends solve to float64's accuracy. The fit cancels terms of
+# size 1/lam, so the error grows like 1/lam: against a 40-digit oracle of the same formula (n = 30 to
+# 200, d = 8, q = p and shifted) the float64 estimate is off by at most 7e-7 (relative) at lam = 1e-10,
+# 5e-5 at 1e-12, 4e-3 at 1e-14 and 0.4 at 1e-16, where it changes sign. python_tests/test_errors.py
+# checks the floor against that oracle.
+MIN_LAM = 1e-10
+
 
 def check_samples(name: str, x) -> None:
     """A sample tensor: [n, d] or [B, n, d], float32/float64."""
@@ -71,6 +78,29 @@ def check_positive(name: str, value) -> float:
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be positive and finite, got {value}")
     return value
+
+
+def check_lam(value) -> float:
+    """The ridge coefficient: a number >= MIN_LAM (below it the fit is not accurate in float64)."""
+    value = check_positive("lam", value)
+    if value < MIN_LAM:
+        raise ValueError(f"lam must be at least {MIN_LAM:g}, got {value:g}: below it the kernel fit is not "
+                         "accurate in float64 (it cancels terms of size 1/lam); increase lam")
+    return value
+
+
+def check_clip(value) -> float:
+    """The lower clip of the fitted ratio, in (0, 1): a clip >= 1 would cut ratios that are valid."""
+    value = check_positive("clip", value)
+    if value >= 1.0:
+        raise ValueError(f"clip must lie in (0, 1), got {value:g}")
+    return value
+
+
+def check_min_samples(name: str, x: torch.Tensor, least: int, why: str) -> None:
+    """At least ``least`` samples (rows) in ``x``; ``why`` ends the message."""
+    if x.shape[-2] < least:
+        raise ValueError(f"{name} must hold at least {least} samples {why}, got shape {tuple(x.shape)}")
 
 
 def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.Tensor | None:

@@ -51,8 +51,10 @@ def adaptive_contrast_kl(
         raise ValueError("q_z has a dimension in which all samples are equal (zero standard deviation)")
     z_hat = (q_z - mean) / std
 
+    if n_prior is not None and (isinstance(n_prior, bool) or not isinstance(n_prior, int) or n_prior < 2):
+        raise ValueError(f"n_prior must be an integer >= 2 (the number of N(0, I) samples), got {n_prior!r}")
     shape = list(q_z.shape)
-    shape[-2] = n if n_prior is None else int(n_prior)
+    shape[-2] = n if n_prior is None else n_prior
     eps = torch.randn(shape, dtype=q_z.dtype, device=q_z.device, generator=generator)
     kl_standardized = kl_fn(eps, z_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
 

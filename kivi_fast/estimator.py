@@ -1,27 +1,44 @@
-"""The public estimator: ``kl``, ``DensityRatio`` and the kernel primitives, on the compiled ops.
+"""The public estimator: ``kl``, ``DensityRatio`` and the kernel primitives.
 
-Each function validates its arguments once (``_validate``), then runs the compiled ops
-(``torch.ops.kivi_fast``) or, when they are absent or ``KIVI_FAST_BACKEND=reference`` is set, the
-pure-PyTorch reference. Both give the same numbers; the tests hold them to it.
+Each function validates its arguments once (``_validate``), then runs the backend chosen in
+``_backend`` (the compiled ops, or the pure-PyTorch reference when they are absent or
+``KIVI_FAST_BACKEND=reference`` is set). Both give the same numbers; the tests hold them to it.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from . import _validate, reference
-from ._backend import backend
+from . import _validate
+from ._backend import impl
 from .contrast import adaptive_contrast_kl as _adaptive_contrast_kl
 
-__all__ = ["kl", "DensityRatio", "rbf_gram", "median_bandwidth", "adaptive_contrast_kl"]
+__all__ = ["kl", "DensityRatio", "rbf_gram", "median_bandwidth", "adaptive_contrast_kl", "ClippingWarning"]
 
 
-def _ops():
-    return torch.ops.kivi_fast
+class ClippingWarning(UserWarning):
+    """More than half of the fitted ratios at the posterior samples were clipped: the KL estimate is
+    then mostly -log(clip), not a measurement of q."""
 
 
 def _batched(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(0)
+
+
+def _warn_if_mostly_clipped(clipped: torch.Tensor, clip: float) -> None:
+    # Reading the fraction copies it to the host: done for CPU tensors only, where that is free. On
+    # other devices it would stall the stream at every call, and under torch.compile it is a
+    # data-dependent branch, so the check is skipped there.
+    if clipped.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    worst = float(clipped.max())
+    if worst > 0.5:
+        warnings.warn(
+            f"kivi_fast.kl: {worst:.0%} of the posterior samples' fitted ratios were clipped at clip={clip:g}; "
+            "the estimate is then dominated by -log(clip) and does not measure q. Lower lam, or pass a "
+            "bandwidth that suits the samples' scale.", ClippingWarning, stacklevel=3)
 
 
 def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: float = 1e-8,
@@ -30,9 +47,12 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: flo
 
     Args:
         prior_z: samples of the prior p, [n_p, d], or [B, n_p, d] for B independent estimates.
-        q_z: samples of the posterior q, [n_q, d] or [B, n_q, d]; n_q may differ from n_p.
-        lam: ridge coefficient lambda > 0 of the fit (the paper uses 1e-3).
-        clip: the fitted ratio is clipped below at ``clip`` > 0 before the log.
+        q_z: samples of the posterior q, [n_q, d] or [B, n_q, d]; n_q may differ from n_p. Both sides
+            need at least 2 samples (a ratio fitted to one sample estimates nothing).
+        lam: ridge coefficient of the fit (the paper uses 1e-3), at least 1e-10: below that the fit,
+            which cancels terms of size 1/lam, is no longer accurate in float64.
+        clip: the fitted ratio is clipped below at ``clip``, in (0, 1), before the log. When more than
+            half of the ratios are clipped a :class:`ClippingWarning` is issued (CPU tensors).
         bandwidth: ``"median"`` (the median Euclidean distance over all distinct pairs of the
             n_p + n_q points, per batch element), or a positive float, or a tensor of shape [] or [B].
         reverse: fit the reverse ratio p/q and return -mean log r(q_z) (the paper's reverse ratio
@@ -46,44 +66,71 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: flo
     was clipped get zero gradient. ``prior_z`` gets no gradient.
 
     The fit and the evaluation run in float64 internally, because evaluating the fitted ratio cancels
-    terms of size ~1/lam; float32 inputs give float32 results accurate to float32. (On CPU, kernel
-    systems above 256 rows are factored in float32 and the solve refined in float64 to float64's
-    backward error.)
+    terms of size ~1/lam; float32 inputs give float32 results within 1e-3 of float64's.
     """
-    if backend() == "reference":
-        return reference.kl(prior_z, q_z, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
     _validate.check_pair("prior_z", prior_z, "q_z", q_z)
-    lam = _validate.check_positive("lam", lam)
-    clip = _validate.check_positive("clip", clip)
+    _validate.check_min_samples("prior_z", prior_z, 2, "to fit a density ratio")
+    _validate.check_min_samples("q_z", q_z, 2, "to fit a density ratio")
+    lam, clip = _validate.check_lam(lam), _validate.check_clip(clip)
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    batch = q_z.shape[0] if q_z.dim() == 3 else None
-    sigma = _validate.bandwidth_tensor(bandwidth, batch, q_z)
+    sigma = _validate.bandwidth_tensor(bandwidth, q_z.shape[0] if q_z.dim() == 3 else None, q_z)
     # without a gradient to come the op skips what only the backward needs
     grad_state = q_z.requires_grad and torch.is_grad_enabled()
     # unbatched samples go in as they are (the op takes them): no view nodes in the graph
-    return _ops().kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state)[0]
+    value, clipped = impl().kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state)
+    _warn_if_mostly_clipped(clipped, clip)
+    return value
 
 
-class DensityRatio(reference.DensityRatio):
+class DensityRatio:
     """Kernel density-ratio fit r(z) ~ numer(z) / denom(z) (kscore style: fit, then evaluate).
 
     >>> dr = DensityRatio(lam=1e-3).fit(numer_samples, denom_samples)
     >>> dr.ratio(z), dr.log_ratio(z, clip=1e-8), dr.alpha, dr.beta, dr.sigma
 
     The fitted function is r(z) = sum_i alpha_i k(denom_i, z) + beta sum_j k(numer_j, z) with an RBF
-    kernel of bandwidth ``sigma``; it is the same fit that :func:`kl` uses.
+    kernel of bandwidth ``sigma``; it is the same fit that :func:`kl` uses. After ``fit``: ``alpha``
+    (float64, [n_denom] or [B, n_denom]), ``beta`` = 1 / (lam n_numer) and ``sigma`` (float64, [] or
+    [B]). ``ratio`` and ``log_ratio`` are differentiable w.r.t. their argument only.
     """
 
-    def _fit(self, num, den, sigma):
-        if backend() == "reference":
-            return super()._fit(num, den, sigma)
-        return _ops().fit(num, den, self.lam, sigma)
+    def __init__(self, lam: float = 1e-3, bandwidth="median"):
+        self.lam = _validate.check_lam(lam)
+        self.bandwidth = bandwidth
 
-    def _ratio(self, z):
-        if backend() == "reference":
-            return super()._ratio(z)
-        return _ops().ratio(z, self._numer, self._denom, self._alpha, self.beta, self._sigma)[0]
+    def fit(self, numer: torch.Tensor, denom: torch.Tensor) -> "DensityRatio":
+        _validate.check_pair("numer", numer, "denom", denom)
+        _validate.check_min_samples("numer", numer, 2, "to fit a density ratio")
+        _validate.check_min_samples("denom", denom, 2, "to fit a density ratio")
+        self.batched = numer.dim() == 3
+        num, den = _batched(numer).detach(), _batched(denom).detach()
+        sigma = _validate.bandwidth_tensor(self.bandwidth, num.shape[0] if self.batched else None, num)
+        self._alpha, self._sigma = impl().fit(num, den, self.lam, sigma)
+        self.beta = 1.0 / (self.lam * num.shape[1])
+        self._numer, self._denom = num, den
+        return self
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self._alpha if self.batched else self._alpha[0]
+
+    @property
+    def sigma(self) -> torch.Tensor:
+        return self._sigma if self.batched else self._sigma[0]
+
+    def ratio(self, z: torch.Tensor) -> torch.Tensor:
+        """The fitted ratio at ``z`` ([m, d] -> [m], [B, m, d] -> [B, m]); differentiable w.r.t. z."""
+        if not hasattr(self, "_alpha"):
+            raise RuntimeError("call fit(numer, denom) before evaluating the ratio")
+        _validate.check_pair("z", z, "the fitted samples", self._denom if self.batched else self._denom[0])
+        r = impl().ratio(_batched(z), self._numer, self._denom, self._alpha, self.beta, self._sigma)
+        return r if self.batched else r[0]
+
+    def log_ratio(self, z: torch.Tensor, clip: float = 1e-8) -> torch.Tensor:
+        """log max(r(z), clip); clipped points get zero gradient."""
+        clip = _validate.check_clip(clip)
+        return torch.log(torch.clamp(self.ratio(z), min=clip))
 
 
 def median_bandwidth(x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +139,9 @@ def median_bandwidth(x: torch.Tensor) -> torch.Tensor:
     An even number of pairs gives the mean of the two middle distances (numpy's convention). Raises
     ValueError when the median is 0 (at least half of the pairs coincide). No gradient.
     """
-    if backend() == "reference":
-        return reference.median_bandwidth(x)
     _validate.check_samples("x", x)
-    if x.shape[-2] < 2:
-        raise ValueError(f"x must hold at least 2 samples for a median distance, got shape {tuple(x.shape)}")
-    sigma = _ops().median_bandwidth(_batched(x)).to(x.dtype)
+    _validate.check_min_samples("x", x, 2, "for a median distance")
+    sigma = impl().median_bandwidth(_batched(x)).to(x.dtype)
     return sigma if x.dim() == 3 else sigma[0]
 
 
@@ -106,14 +150,12 @@ def rbf_gram(x: torch.Tensor, y: torch.Tensor, sigma) -> torch.Tensor:
 
     ``sigma`` is a positive float or a tensor of shape [] or [B]. No gradient.
     """
-    if backend() == "reference":
-        return reference.rbf_gram(x, y, sigma)
     _validate.check_pair("x", x, "y", y)
     batch = x.shape[0] if x.dim() == 3 else None
     s = _validate.bandwidth_tensor(sigma, batch, x)
     if s is None:
         raise ValueError("rbf_gram needs a numeric bandwidth sigma")
-    gram = _ops().rbf_gram(_batched(x), _batched(y), s)
+    gram = impl().rbf_gram(_batched(x), _batched(y), s)
     return gram if batch is not None else gram[0]
 
 

@@ -1,9 +1,13 @@
 """Bad input raises a clear Python exception naming the argument, on every implementation."""
 
+import math
+import warnings
+
 import pytest
 import torch
 
 import kivi_fast
+from kivi_fast import reference
 
 P = torch.randn(10, 3, dtype=torch.float64)
 Q = torch.randn(8, 3, dtype=torch.float64)
@@ -44,10 +48,18 @@ def test_bad_samples(impl, case, reverse):
         kivi_fast.kl(**args, reverse=reverse)
 
 
-def test_one_sample_on_each_side_is_the_smallest_valid_input(impl):
-    """Both sides need a sample, so there are always >= 2 points and >= 1 pair for the median."""
+@pytest.mark.parametrize("n_p,n_q,name", [(1, 8, "prior_z"), (10, 1, "q_z"), (1, 1, "prior_z")])
+def test_one_sample_on_a_side_is_rejected(impl, n_p, n_q, name):
+    """A ratio fitted to one sample estimates nothing: both sides need two (the documented minimum)."""
+    with pytest.raises(ValueError, match=f"{name} must hold at least 2 samples to fit a density ratio"):
+        kivi_fast.kl(P[:n_p], Q[:n_q])
+    with pytest.raises(ValueError, match="must hold at least 2 samples to fit a density ratio"):
+        kivi_fast.DensityRatio().fit(P[:n_p], Q[:n_q])
+
+
+def test_two_samples_on_each_side_is_the_smallest_valid_input(impl):
     for bandwidth in ("median", 1.0):
-        value = kivi_fast.kl(P[:1], Q[:1], bandwidth=bandwidth)
+        value = kivi_fast.kl(P[:2], Q[:2], bandwidth=bandwidth)
         assert value.shape == () and torch.isfinite(value)
 
 
@@ -59,6 +71,12 @@ def test_one_sample_on_each_side_is_the_smallest_valid_input(impl):
     ("lam str", dict(lam="0.1"), TypeError, "lam must be a positive number"),
     ("clip zero", dict(clip=0.0), ValueError, "clip must be positive"),
     ("clip negative", dict(clip=-1.0), ValueError, "clip must be positive"),
+    ("clip one", dict(clip=1.0), ValueError, "clip must lie in \\(0, 1\\)"),
+    ("clip two", dict(clip=2.0), ValueError, "clip must lie in \\(0, 1\\)"),
+    ("clip huge", dict(clip=1e10), ValueError, "clip must lie in \\(0, 1\\)"),
+    ("lam below the floor", dict(lam=1e-11), ValueError, "lam must be at least 1e-10"),
+    ("lam 1e-30", dict(lam=1e-30), ValueError, "lam must be at least 1e-10.*increase lam"),
+    ("lam 1e-300", dict(lam=1e-300), ValueError, "lam must be at least 1e-10"),
     ("bandwidth zero", dict(bandwidth=0.0), ValueError, "bandwidth must be positive"),
     ("bandwidth negative tensor", dict(bandwidth=torch.tensor(-1.0)), ValueError, "bandwidth must be positive"),
     ("bandwidth name", dict(bandwidth="mean"), ValueError, 'bandwidth must be "median"'),
@@ -79,9 +97,49 @@ def test_all_points_equal_asks_for_a_bandwidth(impl):
 
 
 def test_system_that_float64_cannot_factor_raises(impl):
-    q = torch.ones(7, 2, dtype=torch.float64)  # identical points: K_qq has rank one
+    """The guard behind the lam floor: the public API rejects lam < 1e-10 first, so the factorization's
+    own error is reached through the backends' fit directly (torch.ops.kivi_fast for the ops)."""
+    q = torch.ones(1, 7, 2, dtype=torch.float64)  # identical points: K_qq has rank one
+    p, sigma = P[None, :, :2], torch.ones(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="not positive definite.*increase lam"):
-        kivi_fast.kl(P[:, :2], q, lam=1e-300, bandwidth=1.0)
+        if impl == "reference":
+            reference._fit64(p, q, 1e-300, sigma)
+        else:
+            torch.ops.kivi_fast.kl(p, q, 1e-300, 1e-8, sigma, True)
+
+
+def test_lam_at_its_floor_matches_a_high_precision_oracle(impl):
+    """At lam = 1e-10 (the smallest allowed) both backends give the formula's value to 1e-6, checked
+    against the same formula in 40-digit arithmetic (mpmath); at 1e-14 float64 is off by ~1e-3."""
+    mpmath = pytest.importorskip("mpmath")
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.randn(24, 3, generator=g, dtype=torch.float64), torch.randn(20, 3, generator=g, dtype=torch.float64) + 1
+    lam, sigma = 1e-10, 1.3
+    with mpmath.workdps(40):
+        k = lambda a, b: mpmath.exp(-sum((mpmath.mpf(x) - mpmath.mpf(y)) ** 2 for x, y in zip(a, b)) / (2 * mpmath.mpf(sigma) ** 2))
+        P_, Q_ = p.tolist(), q.tolist()
+        k_qq = mpmath.matrix([[k(a, b) for b in Q_] for a in Q_])
+        k_qp = [[k(a, b) for b in P_] for a in Q_]
+        lam_ = mpmath.mpf(lam)
+        rhs = mpmath.matrix([sum(row) / (lam_ * len(Q_) * len(P_)) for row in k_qp])
+        alpha = -mpmath.lu_solve(k_qq / len(Q_) + lam_ * mpmath.eye(len(Q_)), rhs)
+        r = [sum(alpha[i] * k_qq[i, j] for i in range(len(Q_))) + sum(k_qp[j]) / (lam_ * len(P_)) for j in range(len(Q_))]
+        oracle = float(-sum(mpmath.log(max(v, mpmath.mpf(1e-8))) for v in r) / len(r))
+    value = float(kivi_fast.kl(p, q, lam=lam, bandwidth=sigma))
+    assert abs(value - oracle) <= 1e-6 * abs(oracle), (value, oracle)
+
+
+def test_mostly_clipped_ratios_warn(impl):
+    """lam = 1e10 shrinks the fitted ratio below the clip at every sample: the estimate is -log(clip),
+    which says nothing about q, and the user is told so."""
+    with pytest.warns(kivi_fast.ClippingWarning, match="100% of the posterior samples"):
+        value = kivi_fast.kl(P, Q, lam=1e10)
+    torch.testing.assert_close(value, torch.tensor(-math.log(1e-8), dtype=torch.float64))
+    with pytest.warns(kivi_fast.ClippingWarning):
+        kivi_fast.kl(P.expand(3, -1, -1), Q.expand(3, -1, -1), lam=1e10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kivi_fast.kl(P, Q, lam=1e-3)  # a fit that clips nothing or little: no warning
 
 
 def test_density_ratio_errors(impl):
@@ -90,6 +148,10 @@ def test_density_ratio_errors(impl):
         fit.ratio(torch.randn(4, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="clip must be positive"):
         fit.log_ratio(P, clip=0)
+    with pytest.raises(ValueError, match="clip must lie in"):
+        fit.log_ratio(P, clip=1.5)
+    with pytest.raises(ValueError, match="lam must be at least 1e-10"):
+        kivi_fast.DensityRatio(lam=1e-30)
     with pytest.raises(RuntimeError, match="call fit"):
         kivi_fast.DensityRatio().ratio(P)
     with pytest.raises(ValueError, match="lam must be positive"):
@@ -105,6 +167,8 @@ def test_adaptive_contrast_errors(impl):
         kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="log_prior must map"):
         kivi_fast.adaptive_contrast_kl(Q, lambda z: z.sum())
+    with pytest.raises(ValueError, match="n_prior must be an integer >= 2"):
+        kivi_fast.adaptive_contrast_kl(Q, n_prior=1)
 
 
 def test_primitives_reject_nan(impl):
