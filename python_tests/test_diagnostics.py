@@ -8,40 +8,43 @@ import numpy as np
 import pytest
 import torch
 
-from kivi_fast import cli, toy_logistic
-from kivi_fast.flows import PlanarFlow
-from kivi_fast.hmc import hmc_sample
-from kivi_fast.toy_posteriors import FactorizedGaussian, gaussian_kl_to_standard_normal
+from kivi_fast import cli
+from kivi_fast.experiments import blr
+from kivi_fast.experiments.hmc import hmc_sample
+from kivi_fast.nn import FactorizedGaussian, PlanarFlow, gaussian_kl_to_standard_normal
 
 
 def test_logistic_log_joint_matches_numpy():
-    data = toy_logistic.make_data(50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    data = blr.make_data(50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     w = torch.randn(7, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
     x, y, wn = data.x.numpy(), data.y.numpy(), w.numpy()
     p = 1 / (1 + np.exp(-(wn @ x.T)))                     # [7, 50]
     loglik = (y * np.log(p) + (1 - y) * np.log(1 - p)).sum(-1)
     logprior = -0.5 * (wn**2).sum(-1) - np.log(2 * np.pi)
-    np.testing.assert_allclose(toy_logistic.log_likelihood(w, data.x, data.y).numpy(), loglik, rtol=1e-10)
-    np.testing.assert_allclose(toy_logistic.log_joint(w, data.x, data.y).numpy(), loglik + logprior, rtol=1e-10)
+    np.testing.assert_allclose(blr.log_likelihood(w, data.x, data.y).numpy(), loglik, rtol=1e-10)
+    np.testing.assert_allclose(blr.log_joint(w, data.x, data.y).numpy(), loglik + logprior, rtol=1e-10)
 
 
 def test_logistic_data_follow_the_paper():
-    data = toy_logistic.make_data(200, generator=torch.Generator().manual_seed(3))
+    data = blr.make_data(200, generator=torch.Generator().manual_seed(3))
     assert data.x.shape == (200, 2) and data.y.shape == (200,)
     assert float(data.x.abs().max()) <= 5.0
     assert set(data.y.unique().tolist()) <= {0.0, 1.0}
 
 
 def test_grid_posterior_is_normalized():
-    data = toy_logistic.make_data(200, generator=torch.Generator().manual_seed(3))
-    mom = toy_logistic.posterior_moments_on_grid(data, [-1.14, 0.96], [1.5, 1.5], size=300)
-    w1, w2, dens = toy_logistic.posterior_on_grid(data, [-2.6, -0.5], [0.3, 2.4], size=300)
+    data = blr.make_data(200, generator=torch.Generator().manual_seed(3))
+    mom = blr.posterior_moments_on_grid(data, [-1.14, 0.96], [1.5, 1.5], size=300)
+    w1, w2, dens = blr.posterior_on_grid(data, [-2.6, -0.5], [0.3, 2.4], size=300)
     cell = (w1[0, 1] - w1[0, 0]) * (w2[1, 0] - w2[0, 0])
     assert float((dens * cell).sum()) == pytest.approx(1.0, abs=1e-9)
     assert torch.linalg.eigvalsh(mom["cov"]).min() > 0
 
 
 def test_hmc_recovers_gaussian_moments():
+    """Over 3 seeds (an HMC run is chaotic: other rounding, another chain): the median errors of the
+    moments. Seeds 0-7 gave mean errors 0.011-0.035 and covariance errors 0.056-0.19 (max abs entry,
+    2 chains x 300 samples), step sizes 0.24-0.32."""
     mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
     cov = torch.tensor([[1.0, 0.6], [0.6, 0.5]], dtype=torch.float64)
     prec = torch.linalg.inv(cov)
@@ -50,15 +53,19 @@ def test_hmc_recovers_gaussian_moments():
         d = w - mean
         return -0.5 * d @ prec @ d
 
-    # Starts far from the mode and at the paper's tiny initial step size; the adaptation must cope.
-    init = torch.randn(2, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
-    res = hmc_sample(log_density, init, warmup=60, num_samples=300, step_size=1e-3, num_steps=10, seed=0,
-                     progress=False)
-    s = res.samples.reshape(-1, 2)
-    assert res.samples.shape == (2, 300, 2)
-    assert min(res.step_sizes) > 0.05  # adapted up from 1e-3 (and 10 leapfrog steps kept, see hmc.py)
-    torch.testing.assert_close(s.mean(0), mean, atol=0.2, rtol=0)
-    torch.testing.assert_close(torch.cov(s.T), cov, atol=0.25, rtol=0)
+    mean_errors, cov_errors = [], []
+    for seed in range(3):
+        # Starts far from the mode and at the paper's tiny initial step size; the adaptation must cope.
+        init = torch.randn(2, 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+        res = hmc_sample(log_density, init, warmup=60, num_samples=300, step_size=1e-3, num_steps=10, seed=seed,
+                         progress=False)
+        s = res.samples.reshape(-1, 2)
+        assert res.samples.shape == (2, 300, 2)
+        assert min(res.step_sizes) > 0.05  # adapted up from 1e-3 (and 10 leapfrog steps kept, see hmc.py)
+        mean_errors.append(float((s.mean(0) - mean).abs().max()))
+        cov_errors.append(float((torch.cov(s.T) - cov).abs().max()))
+    assert np.median(mean_errors) < 0.1 and max(mean_errors) < 0.3, mean_errors
+    assert np.median(cov_errors) < 0.25 and max(cov_errors) < 0.5, cov_errors
 
 
 def test_planar_flow_log_det_matches_autograd_jacobian():
@@ -97,19 +104,19 @@ def test_gaussian_kl_closed_form():
     p = torch.distributions.Normal(torch.zeros(2), torch.ones(2))
     expected = torch.distributions.kl_divergence(q, p).sum()
     torch.testing.assert_close(gaussian_kl_to_standard_normal(mu, log_std), expected)
-    vi = FactorizedGaussian(2)
+    vi = FactorizedGaussian(2, std_param="exp")  # as blr's: rho is the log std
     with torch.no_grad():
-        vi.mu.copy_(mu)
-        vi.log_std.copy_(log_std)
+        vi.mean.copy_(mu)
+        vi.rho.copy_(log_std)
     torch.testing.assert_close(vi.kl_to_standard_normal(), expected)
     torch.testing.assert_close(vi.log_prob(mu[None]), q.log_prob(mu[None]).sum(-1))
 
 
 def _boston_available() -> bool:
     try:
-        from kivi_fast.data import uci as uci_data
+        from kivi_fast.experiments import datasets
 
-        uci_data.load_split("boston", 0)
+        datasets.load_split("boston", 0)
         return True
     except (FileNotFoundError, ImportError):
         return False
@@ -124,7 +131,7 @@ def _boston_available() -> bool:
 ])
 def test_quick_smoke_run_writes_its_files(command, files, tmp_path, capsys):
     run_dir = tmp_path / command
-    assert cli.main([command, "--quick", "--run-dir", str(run_dir)]) == 0
+    assert cli.main([command, "--quick", "--no-progress", "--run-dir", str(run_dir)]) == 0
     for name in files:
         assert (run_dir / name).stat().st_size > 0, name
     assert capsys.readouterr().out.strip()

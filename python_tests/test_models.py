@@ -1,11 +1,12 @@
-"""Variational posteriors over weights: the MLP generator, MMNN (the paper's Alg. 2) and the
-factorized Gaussian baseline."""
+"""Variational posteriors of kivi_fast.nn: the MLP generator (with its optional second noise), MMNN
+(the paper's Alg. 2) and the factorized Gaussian baseline."""
 
 import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from kivi_fast.models import MMNN, FactorizedGaussian, MatrixMultiplicationLayer, MLPGenerator
+from kivi_fast.nn import (MMNN, FactorizedGaussian, MatrixMultiplicationLayer, MLPGenerator, NoiseInjection,
+                          gaussian_kl_to_standard_normal, stochastic_net_2d)
 
 
 def n_params(module):
@@ -41,6 +42,35 @@ def test_mlp_generator_rejects_bad_sizes():
         MLPGenerator((3, 0, 2))
     with pytest.raises(ValueError, match="init must be one of"):
         MLPGenerator((3, 4, 2), init="xavier")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MLPGenerator((3, 4, 2), activation="gelu")
+    for bad in (0, 2):
+        with pytest.raises(ValueError, match="noise_at must name a hidden layer"):
+            MLPGenerator((3, 4, 2), noise_at=bad)
+
+
+def test_generator_with_a_second_noise_is_the_papers_2d_network():
+    """stochastic_net_2d: FC + ReLU -> FC (linear) -> + xi (trainable std) -> FC + ReLU -> FC, with
+    torch.nn.Linear's initialization; the noise draws come from the generator passed in."""
+    net = stochastic_net_2d()
+    kinds = [type(m).__name__ for m in net.net]
+    assert kinds == ["Linear", "ReLU", "Linear", "NoiseInjection", "Linear", "ReLU", "Linear"]
+    assert [m.out_features for m in net.net if isinstance(m, torch.nn.Linear)] == [20, 20, 20, 2]
+    noise = net.net[3]
+    assert isinstance(noise, NoiseInjection) and torch.equal(noise.log_std, torch.zeros(20))
+    z = net.sample(300, torch.Generator().manual_seed(1))
+    assert z.shape == (300, 2)
+    torch.testing.assert_close(net.sample(300, torch.Generator().manual_seed(1)), z, rtol=0, atol=0)
+    # by hand: the same two draws, in the same order
+    g = torch.Generator().manual_seed(1)
+    eps = torch.randn(300, 2, generator=g)
+    h = net.net[2](torch.relu(net.net[0](eps)))
+    h = h + torch.randn(h.shape, generator=g) * noise.log_std.exp()
+    torch.testing.assert_close(net.net[6](torch.relu(net.net[4](h))), z, rtol=0, atol=0)
+    z.sum().backward()
+    assert noise.log_std.grad is not None and noise.log_std.grad.abs().sum() > 0
+    tanh = MLPGenerator((2, 5, 5, 1), activation="tanh", init="torch")
+    assert sum(isinstance(m, torch.nn.Tanh) for m in tanh.net) == 2 and tanh.output_layer is tanh.net[-1]
 
 
 def test_mlp_generator_initializations():
@@ -118,16 +148,38 @@ def test_mmnn_flattening_is_row_major():
 
 # ---- factorized Gaussian -------------------------------------------------------------------------
 
-def test_factorized_kl_matches_torch_distributions():
-    q = FactorizedGaussian(20, init_mean_std=1.0, init_std=0.7)
+@pytest.mark.parametrize("std_param", ["softplus", "exp"])
+def test_factorized_density_entropy_and_kl_match_torch_distributions(std_param):
+    q = FactorizedGaussian(20, std=0.7, mean_init_std=1.0, std_param=std_param)
     with torch.no_grad():
         q.rho.add_(torch.randn(20))
-    expected = kl_divergence(Normal(q.mean, q.std), Normal(0.0, 1.0)).sum()
-    torch.testing.assert_close(q.kl_to_standard_normal(), expected)
+    normal = Normal(q.mean, q.std)
+    torch.testing.assert_close(q.kl_to_standard_normal(), kl_divergence(normal, Normal(0.0, 1.0)).sum())
+    torch.testing.assert_close(q.entropy(), normal.entropy().sum())
+    w = torch.randn(7, 20)
+    torch.testing.assert_close(q.log_prob(w), normal.log_prob(w).sum(-1))
+    torch.testing.assert_close(q.log_std, q.std.log())
+    torch.testing.assert_close(gaussian_kl_to_standard_normal(q.mean, q.log_std), q.kl_to_standard_normal())
+
+
+def test_factorized_initialization():
+    q = FactorizedGaussian(4, mean=1.5, std=0.25, std_param="exp")
+    assert torch.equal(q.mean, torch.full((4,), 1.5)) and torch.allclose(q.std, torch.full((4,), 0.25))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    FactorizedGaussian(4)  # no random means: the global generator is not touched
+    assert torch.equal(torch.get_rng_state(), state)
+    noisy = FactorizedGaussian(5000, std=1e-2, mean_init_std=0.1)
+    assert abs(float(noisy.mean.detach().std()) - 0.1) < 0.01
+    assert torch.allclose(noisy.std.detach(), torch.full((5000,), 1e-2))
+    with pytest.raises(ValueError):
+        FactorizedGaussian(2, std_param="square")
+    with pytest.raises(ValueError):
+        FactorizedGaussian(2, std=0.0)
 
 
 def test_factorized_sample_moments_and_gradients():
-    q = FactorizedGaussian(3, init_std=0.5)
+    q = FactorizedGaussian(3, std=0.5)
     with torch.no_grad():
         q.mean.copy_(torch.tensor([1.0, -2.0, 0.0]))
     z = q.sample(20000)

@@ -1,9 +1,12 @@
 """BNN regression on the UCI sets: the ELBO pieces of App. E against independent computations, the
-test metrics, the data and its splits, and the experiment's training, resume and command line."""
+test metrics, the data (its splits, where it is found), and the experiment's training, resume (and
+the refusal of unsafe checkpoints) and command line."""
 
 import argparse
 import json
 import math
+import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -12,9 +15,8 @@ from scipy import integrate, stats
 from torch import nn
 from torch.distributions import Gamma, kl_divergence
 
-from kivi_fast import bnn
-from kivi_fast.data import uci as uci_data
-from kivi_fast.experiments import uci
+from kivi_fast.experiments import datasets, regression, runs, uci
+from kivi_fast.nn import bnn
 
 # ---- the noise precision (App. E) -------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ def test_elbo_uses_one_kivi_kl_per_layer(method, name, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(kivi_fast, name, spy)
-    model = uci.build_model("boston", 13, method, 50, 1e-3, 100)
+    model = regression.build_model("boston", 13, method, 50, 1e-3, 100)
     terms = model.elbo(torch.randn(8, 13), torch.randn(8), n_data=455, n_samples=100)
     # one estimate per layer, on that layer's 100 posterior samples, lam = 1e-3, 100 prior samples
     assert [c[0][-1] for c in calls] == [(100, 700), (100, 51)]
@@ -162,31 +164,95 @@ def test_test_metrics_in_original_units_on_a_closed_form_case():
 
 # ---- data ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(uci_data.DATASETS))
+@pytest.mark.parametrize("name", sorted(datasets.DATASETS))
 def test_splits_are_disjoint_and_complete(name):
-    x, y = uci_data.load_arrays(name)
+    x, y = datasets.load_arrays(name)
     assert x.shape[0] == y.shape[0] and np.isfinite(x).all() and np.isfinite(y).all()
-    n = uci_data.n_splits(name)
-    assert n == (5 if name == "protein" else 20)
+    n = datasets.n_splits(name)
+    assert n == (5 if name == "protein" else 20) == datasets.DATASETS[name].n_splits
     for split in range(n):
-        train, test = uci_data.split_indices(name, split)
+        train, test = datasets.split_indices(name, split)
         assert len(np.intersect1d(train, test)) == 0
         assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(len(y)))
 
 
-def test_data_is_read_from_the_project_and_year_is_unavailable(tmp_path):
-    assert uci_data.DEFAULT_DATA_DIR.parts[-2:] == ("data", "UCI_Datasets")
-    assert "shared" not in uci_data.DEFAULT_DATA_DIR.parts
+def test_data_is_read_from_the_checkout_and_year_is_unavailable(tmp_path, monkeypatch):
+    monkeypatch.delenv(datasets.ENV_VAR, raising=False)
+    assert datasets.CHECKOUT_DATA_DIR.parts[-2:] == ("data", "UCI_Datasets")
+    assert "shared" not in datasets.CHECKOUT_DATA_DIR.parts
+    assert datasets.search_dirs()[0] == datasets.CHECKOUT_DATA_DIR
     with pytest.raises(FileNotFoundError, match="not available offline"):
-        uci_data.load_arrays("year")
-    with pytest.raises(FileNotFoundError):
-        uci_data.load_arrays("boston", data_dir=tmp_path)
+        datasets.load_arrays("year")
+    with pytest.raises(datasets.DataNotFoundError):
+        datasets.load_arrays("boston", data_dir=tmp_path)
+
+
+CHECKOUT_DATA = datasets.CHECKOUT_DATA_DIR  # as found, before any test moves it
+
+
+def _data_copy(root: pathlib.Path, name: str = "boston") -> pathlib.Path:
+    """A data folder at ``root`` holding one set (linked to the checkout's files)."""
+    folder = datasets.DATASETS[name].folder
+    (root / folder).mkdir(parents=True)
+    (root / folder / "data").symlink_to(CHECKOUT_DATA / folder / "data")
+    return root
+
+
+def test_data_dir_option_and_environment_variable(tmp_path, monkeypatch):
+    """--data-dir, else KIVI_FAST_DATA, else the checkout: each may name the sets' folder or the one
+    above it (holding UCI_Datasets/); an explicit place is the only one looked at."""
+    monkeypatch.delenv(datasets.ENV_VAR, raising=False)
+    expected = datasets.load_arrays("boston", datasets.CHECKOUT_DATA_DIR)
+    own = _data_copy(tmp_path / "own")
+    above = _data_copy(tmp_path / "above" / "UCI_Datasets").parent
+    for place in (own, above):
+        np.testing.assert_array_equal(datasets.load_arrays("boston", place)[1], expected[1])
+    monkeypatch.setenv(datasets.ENV_VAR, str(own))
+    assert datasets.search_dirs()[0] == own
+    np.testing.assert_array_equal(datasets.load_arrays("boston")[0], expected[0])
+    assert datasets.load_split("boston", 3).x_train.shape[1] == 13
+    np.testing.assert_array_equal(datasets.load_arrays("boston", above)[1], expected[1])  # the option wins
+    with pytest.raises(datasets.DataNotFoundError, match=str(own)):  # only the environment's place
+        datasets.load_arrays("yacht")
+
+
+def test_installed_package_without_data_names_every_place_it_looked(tmp_path, monkeypatch, capsys):
+    """Installed (no checkout beside the package) and run elsewhere: a clear error, from the library and
+    from the command line (status 1, no traceback, no run folder)."""
+    from kivi_fast import cli
+
+    monkeypatch.delenv(datasets.ENV_VAR, raising=False)
+    # kivi_fast/experiments/datasets.py under site-packages: "the checkout" is site-packages itself
+    site, work = tmp_path / "site-packages", tmp_path / "work"
+    monkeypatch.setattr(datasets, "CHECKOUT_DATA_DIR", site / "data" / "UCI_Datasets")
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(datasets.DataNotFoundError) as err:
+        datasets.load_split("boston", 0)
+    message = str(err.value)
+    for needle in (str(site / "data" / "UCI_Datasets"), str(work / "data" / "UCI_Datasets"),
+                   "bostonHousing", "--data-dir", datasets.ENV_VAR):
+        assert needle in message
+    assert cli.main(["uci", "--quick", "--no-progress", "--out", str(tmp_path / "runs")]) == 1
+    err_text = capsys.readouterr().err
+    assert "kivi-fast uci: error: UCI data set 'boston' not found" in err_text and "Traceback" not in err_text
+    assert not (tmp_path / "runs").exists()
+    # a data folder in the working directory is found; so is one named by the option
+    _data_copy(work / "data" / "UCI_Datasets")
+    assert datasets.load_arrays("boston")[0].shape == (506, 13)
+    missing = tmp_path / "nowhere"
+    assert cli.main(["uci-kl-probe", "--quick", "--dataset", "boston", "--data-dir", str(missing),
+                     "--out", str(tmp_path / "runs")]) == 1
+    assert str(missing) in capsys.readouterr().err
+    assert cli.main(["uci", "--quick", "--no-progress", "--data-dir", str(work / "data"),
+                     "--run-dir", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["n_splits"] == 1
 
 
 def test_normalization_round_trips_and_guards_constant_columns():
-    split = uci_data.load_split("naval", 0, dtype=torch.float64)  # float64: the round trip is exact
-    x, y = uci_data.load_arrays("naval")
-    train, test = uci_data.split_indices("naval", 0)
+    split = datasets.load_split("naval", 0, dtype=torch.float64)  # float64: the round trip is exact
+    x, y = datasets.load_arrays("naval")
+    train, test = datasets.split_indices("naval", 0)
     # Naval's constant features: 8 (std exactly 0) and 11 (all 0.998, float std ~1e-13)
     constant = np.array([len(np.unique(x[train, j])) == 1 for j in range(x.shape[1])])
     assert list(np.flatnonzero(constant)) == [8, 11] and x[train, 8].std() == 0 < x[train, 11].std()
@@ -198,19 +264,20 @@ def test_normalization_round_trips_and_guards_constant_columns():
     np.testing.assert_allclose(split.x_scaler.inverse(split.x_test.numpy()), x[test], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(split.y_scaler.inverse(split.y_train.numpy()), y[train], rtol=1e-12)
     np.testing.assert_allclose(split.y_test_raw.numpy(), y[test], rtol=0)
-    s = uci_data.Standardizer.fit(np.array([[1.0, 5.0], [3.0, 5.0]]))
+    s = datasets.Standardizer.fit(np.array([[1.0, 5.0], [3.0, 5.0]]))
     np.testing.assert_allclose(s(np.array([[2.0, 5.0]])), [[0.0, 0.0]])
     np.testing.assert_allclose(s.inverse(s(np.array([[7.0, -1.0]]))), [[7.0, -1.0]])
 
 
 def test_parse_splits_and_paper_settings():
-    assert uci.parse_splits("0-3,7", 20) == [0, 1, 2, 3, 7]
-    assert uci.parse_splits(None, 5) == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError):
-        uci.parse_splits("3-5", 5)
-    assert uci.paper_epochs(506) == 3000 and uci.paper_epochs(1030) == 500
-    assert uci_data.DATASETS["protein"].n_hidden == 100
-    model = uci.build_model("yacht", 6, "kivi", 50, 1e-3, 100)
+    assert regression.parse_splits("0-3,7", 20) == [0, 1, 2, 3, 7]
+    assert regression.parse_splits(None, 5) == [0, 1, 2, 3, 4]
+    for bad in ("3-5", "abc", "2-1", "1,,2", "-1"):
+        with pytest.raises(ValueError):
+            regression.parse_splits(bad, 5)
+    assert regression.paper_epochs(506) == 3000 and regression.paper_epochs(1030) == 500
+    assert datasets.DATASETS["protein"].n_hidden == 100
+    model = regression.build_model("yacht", 6, "kivi", 50, 1e-3, 100)
     assert [q.dim for q in model.posteriors] == [350, 51]
     assert [m.out_features for m in model.posteriors[0].net if isinstance(m, nn.Linear)] == [800, 350, 350]
 
@@ -220,17 +287,16 @@ def test_parse_splits_and_paper_settings():
 def make_args(tmp_path, *extra):
     p = argparse.ArgumentParser()
     uci.add_arguments(p)
-    return p.parse_args(["--out", str(tmp_path), "--samples", "20", "--no-profile", *extra])
+    return p.parse_args(["--out", str(tmp_path), "--samples", "20", "--no-profile", "--no-progress", *extra])
 
 
-def test_smoke_training_improves_the_elbo(tmp_path):
+def test_smoke_run_writes_its_run_folder(tmp_path):
     args = make_args(tmp_path, "--dataset", "boston", "--splits", "0", "--epochs", "8", "--eval-every", "4",
                      "--run-dir", str(tmp_path / "run"))
     args.no_profile = False
     assert uci.run(args) == 0
     result = json.loads((tmp_path / "run" / "split_00.json").read_text())
-    elbo = result["history"]["elbo"]
-    assert np.mean(elbo[-3:]) > elbo[0] + 0.03  # per data point; noise between epochs ~0.01
+    assert result["history"]["eval_epoch"] == [4, 8] and len(result["history"]["elbo"]) == 8
     assert math.isfinite(result["rmse"]) and math.isfinite(result["test_ll"])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["n_splits"] == 1 and summary["paper"]["KIVI"]["rmse"] == 2.798
@@ -238,18 +304,30 @@ def test_smoke_training_improves_the_elbo(tmp_path):
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("method", ["factorized", "kivi-ac"])
-def test_other_methods_train(tmp_path, method, monkeypatch):
-    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
-    args = make_args(tmp_path, "--dataset", "yacht", "--method", method, "--splits", "0", "--epochs", "6",
-                     "--run-dir", str(tmp_path / "run"))
-    assert uci.run(args) == 0
-    result = json.loads((tmp_path / "run" / "split_00.json").read_text())
-    assert result["history"]["elbo"][-1] > result["history"]["elbo"][0]
+@pytest.mark.parametrize("dataset,method,epochs,gain", [("boston", "kivi", 8, 0.08), ("yacht", "factorized", 6, 0.01),
+                                                         ("yacht", "kivi-ac", 6, 0.5)])
+def test_training_improves_the_elbo_over_seeds(tmp_path, dataset, method, epochs, gain):
+    """The ELBO per data point over the last 3 epochs against the first, on 5 seeds: training is chaotic
+    (other CPUs round otherwise and end on other trajectories), so one seed is not a test. Seeds 0-9
+    gained 0.16-0.21 (boston kivi), 0.017-0.039 (yacht factorized) and 1.02-1.12 (yacht kivi-ac); the
+    median of 5 must reach about half the smallest, and 4 of the 5 must gain at all."""
+    gains = []
+    for seed in range(5):
+        args = make_args(tmp_path, "--dataset", dataset, "--method", method, "--epochs", str(epochs),
+                         "--seed", str(seed))
+        args.n_hidden, args.eval_every = 50, epochs
+        args.generator_init = None if method == "factorized" else "glorot"
+        run_dir = tmp_path / f"seed{seed}"
+        run_dir.mkdir()
+        elbo = regression.train_split(args, 0, run_dir)["history"]["elbo"]
+        gains.append(np.mean(elbo[-3:]) - elbo[0])
+    assert np.median(gains) > gain, gains
+    assert sum(g > 0 for g in gains) >= 4, gains
 
 
 def test_resume_after_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)  # figures are tested elsewhere; they cost seconds
+    # figures are tested elsewhere; they cost seconds
+    monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
     common = ["--dataset", "boston", "--splits", "0-1", "--epochs", "5", "--eval-every", "2", "--batch-size", "200",
               "--checkpoint-seconds", "0"]
     assert uci.run(make_args(tmp_path, *common, "--run-dir", str(tmp_path / "straight"))) == 0
@@ -277,10 +355,58 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tmp_path, monkeyp
         for key in ("rmse", "test_ll", "test_ll_plugin", "noise_alpha", "noise_beta"):
             assert a[key] == b[key], key
         assert a["history"]["elbo"] == b["history"]["elbo"] and a["history"]["rmse"] == b["history"]["rmse"]
+    # what the checkpoint holds is tensors and plain values: torch's safe loader reads it
+    state = torch.load(resumed / "checkpoint.pt", weights_only=True)
+    assert set(state) == set(regression.CHECKPOINT_KEYS) and state["rng"].dtype == torch.uint8
+
+
+class _Touch:
+    """Unpickling this (with an unsafe loader) would run code: it creates the file ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+class _Plain:
+    pass
+
+
+def test_checkpoints_that_hold_code_or_objects_are_refused(tmp_path):
+    marker = tmp_path / "code-ran"
+    cases = {"code": {"x": _Touch(marker)}, "callable": {"x": os.system}, "instance": {"model": _Plain()}}
+    for name, payload in cases.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(payload, path)
+        with pytest.raises(runs.CheckpointError, match="not a kivi_fast checkpoint") as err:
+            runs.load_checkpoint(path, regression.CHECKPOINT_KEYS)
+        assert str(path) in str(err.value) and "loaded safely" in str(err.value)
+    assert not marker.exists()
+    torch.save({"epoch": 3}, tmp_path / "partial.pt")  # loadable, but not what a run wrote
+    with pytest.raises(runs.CheckpointError, match="lacks split"):
+        runs.load_checkpoint(tmp_path / "partial.pt", regression.CHECKPOINT_KEYS)
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    with pytest.raises(runs.CheckpointError, match="not a dict"):
+        runs.load_checkpoint(tmp_path / "tensor.pt")
+    assert runs.load_checkpoint(tmp_path / "absent.pt") is None
+
+
+def test_resuming_from_a_run_folder_with_an_unsafe_checkpoint_stops_cleanly(tmp_path, capsys):
+    from kivi_fast import cli
+
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    run_dir.mkdir()
+    torch.save({"split": 0, "model": _Touch(marker)}, run_dir / "checkpoint.pt")
+    assert cli.main(["uci", "--quick", "--dataset", "yacht", "--no-progress", "--run-dir", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert f"{run_dir / 'checkpoint.pt'} is not a kivi_fast checkpoint" in err and "Traceback" not in err
+    assert not marker.exists() and not (run_dir / "split_00.json").exists()
 
 
 def test_resume_refuses_other_settings(tmp_path, monkeypatch):
-    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
     common = ["--dataset", "yacht", "--splits", "0", "--run-dir", str(tmp_path / "run")]
     assert uci.run(make_args(tmp_path, *common, "--epochs", "1")) == 0
     assert uci.run(make_args(tmp_path, *common, "--epochs", "2")) == 2
@@ -288,7 +414,7 @@ def test_resume_refuses_other_settings(tmp_path, monkeypatch):
 
 
 def test_run_folders_from_before_generator_init_resume_as_torch_init(tmp_path, monkeypatch):
-    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
     common = ["--dataset", "yacht", "--splits", "0", "--epochs", "1", "--run-dir", str(tmp_path / "run")]
     assert uci.run(make_args(tmp_path, *common, "--generator-init", "torch")) == 0
     config_path = tmp_path / "run" / "config.json"
@@ -302,18 +428,30 @@ def test_run_folders_from_before_generator_init_resume_as_torch_init(tmp_path, m
 def test_command_line_runs_and_reports_year_unavailable(tmp_path, capsys):
     from kivi_fast import cli
 
-    assert cli.main(["uci", "--dataset", "year", "--out", str(tmp_path)]) == 2
-    assert "not available offline" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["uci", "--dataset", "year", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "not available offline" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
     assert cli.main(["uci", "--dataset", "yacht", "--splits", "3", "--epochs", "1", "--samples", "10",
                      "--no-profile", "--run-dir", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
-    assert "paper KIVI" in out and "0.737" in out and "ours (kivi, 1 splits)" in out
+    assert "paper KIVI" in out and "0.737" in out and "ours (kivi, 1 split)" in out and "yacht: 1 epoch," in out
+
+
+def test_quick_runs_split_0_for_a_few_epochs(tmp_path, capsys):
+    from kivi_fast import cli
+
+    assert cli.main(["uci", "--quick", "--dataset", "yacht", "--run-dir", str(tmp_path / "r")]) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["splits"] == [0] and summary["epochs"] == uci.QUICK_EPOCHS and summary["profile"] is None
+    err = capsys.readouterr().err
+    assert "train ELBO/point=" in err and "test RMSE=" in err  # what the bar shows, labelled
 
 
 def test_report_exports_small_copies_and_tabulates_beside_the_paper(tmp_path, monkeypatch):
     from kivi_fast import cli
 
-    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
     runs_dir, results = tmp_path / "runs", tmp_path / "results"
     for method in ("kivi", "factorized"):
         args = make_args(tmp_path, "--dataset", "yacht", "--method", method, "--splits", "0,1", "--epochs", "2",
@@ -355,8 +493,8 @@ def test_report_exports_small_copies_and_tabulates_beside_the_paper(tmp_path, mo
 def test_kl_probe_reports_what_the_estimate_sees(tmp_path, capsys):
     from kivi_fast import cli
 
-    assert cli.main(["uci-kl-probe", "--dataset", "yacht", "--epochs", "2", "--every", "1", "--reps", "2",
-                     "--run-dir", str(tmp_path / "probe")]) == 0
+    assert cli.main(["uci-kl-probe", "--quick", "--dataset", "yacht", "--no-progress",
+                     "--run-dir", str(tmp_path / "probe")]) == 0  # --quick: 2 epochs, every 1, 2 draws
     result = json.loads((tmp_path / "probe" / "probe.json").read_text())
     assert set(result["init"]) == {"torch", "glorot"}
     for init in result["init"].values():
@@ -378,7 +516,13 @@ def test_batch_jobs_expand_to_one_task_per_split_and_reject_bad_names():
     from kivi_fast.experiments import uci_batch
 
     assert uci_batch.parse_job("yacht:kivi:3-5") == [("yacht", "kivi", s) for s in (3, 4, 5)]
-    assert len(uci_batch.parse_job("yacht:factorized")) == uci_data.n_splits("yacht")
+    assert len(uci_batch.parse_job("yacht:factorized")) == datasets.n_splits("yacht")
+    args = argparse.Namespace(checkpoint_seconds=15.0, data_dir="d", quick=True, no_progress=True,
+                              uci_args="--epochs 3")
+    command = uci_batch.split_command(args, "yacht", "kivi", 4, pathlib.Path("f"))
+    assert command[1:] == ["-m", "kivi_fast.cli", "uci", "--dataset", "yacht", "--method", "kivi", "--splits", "4",
+                           "--run-dir", "f", "--threads", "1", "--no-profile", "--checkpoint-seconds", "15.0",
+                           "--data-dir", "d", "--quick", "--no-progress", "--epochs", "3"]
     for bad, word in (("yacht", "dataset:method"), ("yaht:kivi", "yaht"), ("yacht:svgd", "svgd"),
                       ("yacht:kivi:25", "out of range")):
         with pytest.raises(ValueError, match=word):
@@ -416,7 +560,7 @@ def test_batch_splits_pooled_by_the_report_equal_one_sequential_run(tmp_path):
 def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path, monkeypatch, capsys):
     from kivi_fast import cli
 
-    monkeypatch.setattr(uci, "plot", lambda *a, **k: None)
+    monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
     results = tmp_path / "results"
     for split in (0, 1):
         args = make_args(tmp_path, "--dataset", "yacht", "--splits", str(split), "--epochs", "1",
@@ -426,6 +570,10 @@ def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path,
     assert cli.main(["uci-report", "--merge", str(tmp_path / "s1"), "--results", str(results)]) == 0
     assert json.loads((results / "yacht-kivi" / "summary.json").read_text())["splits"] == [0, 1]
     assert cli.main(["uci-report", str(tmp_path / "s1"), "--results", str(results)]) == 0  # no --merge: replaced
+    quick = tmp_path / "quick"  # --quick: the JSON files and the table, no figures
+    assert cli.main(["uci-report", "--quick", str(tmp_path / "s0"), "--results", str(quick)]) == 0
+    assert (quick / "TABLE.md").exists() and (quick / "yacht-kivi" / "splits.json").exists()
+    assert not (quick / "comparison.png").exists() and not (quick / "yacht-kivi" / "training.png").exists()
     assert json.loads((results / "yacht-kivi" / "summary.json").read_text())["splits"] == [1]
 
     args = make_args(tmp_path, "--dataset", "yacht", "--splits", "2", "--epochs", "2", "--run-dir", str(tmp_path / "s2"))
@@ -461,7 +609,7 @@ def test_batch_stopped_by_its_time_limit_resumes_from_the_checkpoints(tmp_path, 
         assert cli.main(common) == 0
         assert "1 left" in capsys.readouterr().err
         assert not (folder / "split_04.json").exists()
-        stops.append(torch.load(folder / "checkpoint.pt", weights_only=False)["epoch"])
+        stops.append(runs.load_checkpoint(folder / "checkpoint.pt", regression.CHECKPOINT_KEYS)["epoch"])
         log = (folder / "log.txt").read_text()[len(log_before):]
     assert 0 < stops[0] < stops[1]
     assert f" {stops[0]}/100000 [00:00" in log  # the second process's bar starts where the first stopped

@@ -2,7 +2,7 @@
 "Visualization of Inferred Posteriors").
 
 A BNN with one hidden layer of 50 units is trained on one Boston housing split with the UCI harness
-(:func:`kivi_fast.experiments.uci.train_split`, the paper's settings: lam = 1e-3, 100 samples, batch 100,
+(:func:`kivi_fast.experiments.regression.train_split`, the paper's settings: lam = 1e-3, 100 samples, batch 100,
 Adam 1e-3, 3000 epochs), once with KIVI (the paper's implicit MLP posteriors) and once with factorized
 Gaussian VI. Then 100 samples of the second-layer weights W_1 (51 = 50 weights + bias) are drawn from
 each posterior and drawn as polylines over the 51 dimensions, the dimensions sorted by their posterior
@@ -24,41 +24,45 @@ from types import SimpleNamespace
 
 import torch
 
-from . import runs, uci
+from ..nn.generator import INITS
+from . import datasets, regression, runs
+from .options import (UsageError, add_common, apply_quick, int_at_least, nonnegative_int, plural, positive_float,
+                      positive_int)
 
 NAME = "boston-posterior"
 METHODS = {"factorized": "factorized VI", "kivi": "KIVI"}
+QUICK = {"epochs": 2, "samples": 20}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs", help="root folder of run folders (default: runs)")
-    parser.add_argument("--run-dir", default=None, help="write into (and resume from) this folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", type=int, default=0, help="which of the 20 standard Boston splits")
-    parser.add_argument("--epochs", type=int, default=3000, help="paper: 3000 for Boston")
-    parser.add_argument("--samples", type=int, default=100, help="n_p = n_q = M during training")
-    parser.add_argument("--lam", type=float, default=1e-3)
-    parser.add_argument("--generator-init", default="glorot", choices=uci.INITS,
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed (as kivi-fast uci's)")
+    parser.add_argument("--split", type=nonnegative_int, default=0, help="which of the 20 standard Boston splits")
+    parser.add_argument("--epochs", type=positive_int, default=3000, help="training epochs (paper: 3000 for Boston)")
+    parser.add_argument("--samples", type=int_at_least(2), default=100, help="n_p = n_q = M during training")
+    parser.add_argument("--lam", type=positive_float, default=1e-3, help="KIVI's ridge coefficient lambda")
+    parser.add_argument("--generator-init", default="glorot", choices=INITS,
                         help="initialization of KIVI's implicit posterior (see kivi-fast uci)")
-    parser.add_argument("--plot-samples", type=int, default=100, help="posterior samples of W_1 drawn")
-    parser.add_argument("--data-dir", default=None, help="UCI_Datasets folder (default: the project's)")
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (2 epochs)")
+    parser.add_argument("--plot-samples", type=int_at_least(2), default=100, help="posterior samples of W_1 drawn")
+    parser.add_argument("--data-dir", default=None,
+                        help=f"folder holding the UCI sets' folders (default: ${datasets.ENV_VAR}, else the source "
+                             "checkout's data/UCI_Datasets)")
+    add_common(parser, name=NAME, quick="a seconds-long smoke run (2 epochs, 20 samples)")
 
 
 def _trainer_args(args, method: str) -> SimpleNamespace:
-    """The settings :func:`uci.train_split` reads, with the paper's values for Boston."""
+    """The settings :func:`regression.train_split` reads, with the paper's values for Boston."""
     return SimpleNamespace(dataset="boston", method=method, epochs=args.epochs, samples=args.samples,
                            lam=args.lam, generator_init=args.generator_init, batch_size=100, lr=1e-3, n_hidden=50,
                            eval_samples=100,
                            eval_every=max(1, args.epochs // 30), checkpoint_seconds=30.0, seed=args.seed,
-                           data_dir=args.data_dir)
+                           data_dir=args.data_dir, no_progress=args.no_progress)
 
 
 def second_layer_samples(run_dir, targs, n_features: int, n: int, seed: int) -> torch.Tensor:
     """Rebuild the trained BNN from its checkpoint and draw ``n`` samples of W_1, [n, 51]."""
-    model = uci.build_model("boston", n_features, targs.method, targs.n_hidden, targs.lam, targs.samples,
+    model = regression.build_model("boston", n_features, targs.method, targs.n_hidden, targs.lam, targs.samples,
                             targs.generator_init)
-    model.load_state_dict(runs.load_checkpoint(run_dir / "checkpoint.pt")["model"])
+    model.load_state_dict(runs.load_checkpoint(run_dir / "checkpoint.pt", regression.CHECKPOINT_KEYS)["model"])
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return model.posteriors[1].sample(n)
@@ -98,19 +102,19 @@ def plot(path, samples: dict, stats: dict) -> None:
 
 
 def run(args) -> int:
-    if args.quick:
-        args.epochs, args.samples = 2, 20
+    apply_quick(args, QUICK)
     torch.set_num_threads(1)
+    n_splits = datasets.n_splits("boston", args.data_dir)
+    if args.split >= n_splits:
+        raise UsageError(f"argument --split: boston has splits 0..{n_splits - 1}, got {args.split}")
+    n_features = datasets.load_split("boston", args.split, args.data_dir).x_train.shape[1]
     out = runs.run_folder(args.out, NAME, args.run_dir)
-    from ..data import uci as uci_data
-
-    n_features = uci_data.load_split("boston", args.split, args.data_dir).x_train.shape[1]
     samples, stats, metrics = {}, {}, {}
     for method, label in METHODS.items():
         targs = _trainer_args(args, method)
         sub = out / method
         sub.mkdir(exist_ok=True)
-        result = uci.train_split(targs, args.split, sub)
+        result = regression.train_split(targs, args.split, sub)
         metrics[label] = {k: result[k] for k in ("rmse", "test_ll", "elbo_per_point", "train_seconds")}
         samples[label] = second_layer_samples(sub, targs, n_features, args.plot_samples, args.seed + 1)
         stats[label] = weight_stats(samples[label])
@@ -119,7 +123,8 @@ def run(args) -> int:
         "test_metrics": metrics, "w1": stats})
     plot(out / "boston_posterior.png", samples, stats)
 
-    print(f"Boston split {args.split}, {args.epochs} epochs; W_1 posterior from {args.plot_samples} samples:")
+    print(f"Boston split {args.split}, {plural(args.epochs, 'epoch')}; W_1 posterior from "
+          f"{plural(args.plot_samples, 'sample')}:")
     print(f"{'':<16}{'test RMSE':>10}{'test LL':>10}{'median |mu|/sigma':>20}{'share < 1':>11}")
     for label in METHODS.values():
         m, s = metrics[label], stats[label]

@@ -5,7 +5,7 @@ flow posterior. Here the comparison runs over a grid instead of a training run, 
 
 * q families with a known KL: N(0, I) itself (KL = 0), a shift N(mu, I) with |mu| = 1.5 (KL = 1.125
   in every d), narrow N(0, 0.5^2 I) and wide N(0, 2^2 I) (KL grows linearly with d), and a planar flow
-  (:mod:`kivi_fast.flows`, 4 tanh layers, exact density; true KL by Monte Carlo on 200k draws);
+  (:class:`kivi_fast.nn.PlanarFlow`, 4 tanh layers, exact density; true KL by Monte Carlo on 200k draws);
 * d in {1, 2, 8, 32}, n = n_p = n_q in {50, 100, 200, 500}, lam in {1e-4, 1e-3, 1e-2, 1e-1};
 * plain: ``kivi_fast.kl(prior, q, lam)`` (reverse ratio, median bandwidth, clip 1e-8), and adaptive
   contrast: ``kivi_fast.adaptive_contrast_kl(q, None, lam)`` (q standardized first, App. D).
@@ -36,9 +36,9 @@ from tqdm.auto import tqdm
 
 import kivi_fast
 
-from ..flows import PlanarFlow
-from ..toy_posteriors import gaussian_kl_to_standard_normal
+from ..nn import PlanarFlow, gaussian_kl_to_standard_normal
 from . import runs
+from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
 
 NAME = "kl-accuracy"
 FAMILIES = ("N(0,I)", "shift |mu|=1.5", "narrow s=0.5", "wide s=2", "planar flow")
@@ -46,22 +46,20 @@ METHODS = ("plain", "adaptive contrast")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs", help="root folder of run folders (default: runs)")
-    parser.add_argument("--run-dir", default=None, help="write into this folder instead of a new one")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dims", type=int, nargs="+", default=[1, 2, 8, 32])
-    parser.add_argument("--ns", type=int, nargs="+", default=[50, 100, 200, 500], help="n_p = n_q")
-    parser.add_argument("--lams", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1])
-    parser.add_argument("--reps", type=int, default=10, help="repetitions per cell (fresh samples)")
-    parser.add_argument("--clip", type=float, default=1e-8)
-    parser.add_argument("--flow-truth-samples", type=int, default=200_000,
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[1, 2, 8, 32], help="dimensions d")
+    parser.add_argument("--ns", type=int_at_least(2), nargs="+", default=[50, 100, 200, 500],
+                        help="sample sizes n = n_p = n_q")
+    parser.add_argument("--lams", type=positive_float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1],
+                        help="ridge coefficients lambda")
+    parser.add_argument("--reps", type=positive_int, default=10, help="repetitions per cell (fresh samples)")
+    parser.add_argument("--clip", type=positive_float, default=1e-8, help="lower clip of the density ratio")
+    parser.add_argument("--flow-truth-samples", type=int_at_least(2), default=200_000,
                         help="Monte Carlo draws for the planar flow's true KL")
-    parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
+    add_common(parser, name=NAME, quick="a small grid that runs in seconds")
 
 
-def _apply_quick(args) -> None:
-    args.dims, args.ns, args.lams, args.reps = [1, 8], [50, 100], [1e-3, 1e-1], 3
-    args.flow_truth_samples = 20_000
+QUICK = {"dims": [1, 8], "ns": [50, 100], "lams": [1e-3, 1e-1], "reps": 3, "flow_truth_samples": 20_000}
 
 
 class Family:
@@ -232,15 +230,12 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
 
 
 def run(args) -> int:
-    if args.quick:
-        _apply_quick(args)
-    torch.set_num_threads(1)
-    out = runs.run_folder(args.out, NAME, args.run_dir)
+    out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     families = [Family(f, d, args.flow_truth_samples, args.seed) for d in args.dims for f in FAMILIES]
     rows = []
     cells = list(itertools.product(families, args.ns))
-    for k, (fam, n) in enumerate(tqdm(cells, desc="KL accuracy cells")):
+    for k, (fam, n) in enumerate(tqdm(cells, desc="KL accuracy cells", disable=args.no_progress)):
         rows.extend(estimate_cell(fam, n, args.lams, args.reps, args.clip, args.seed * 100_003 + k))
     elapsed = time.time() - t0
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
@@ -254,5 +249,6 @@ def run(args) -> int:
     print(summary_table(rows, lam_mid, max(args.ns)))
     print()
     print(summary_table(rows, max(args.lams), max(args.ns)))
-    print(f"\n{len(rows)} rows in {elapsed:.0f} s; full table in {out}/table.md; figures kl_accuracy.png, clipped.png")
+    print(f"\n{plural(len(rows), 'row')} in {elapsed:.0f} s; full table in {out}/table.md; "
+          "figures kl_accuracy.png, clipped.png")
     return 0

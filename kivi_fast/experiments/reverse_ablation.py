@@ -1,7 +1,7 @@
 """``kivi-fast reverse-ablation``: the reverse ratio trick (the paper's App. F.1, Fig. "reverse-trick").
 
-The stochastic network of the 2-D logistic regression (:class:`kivi_fast.toy_posteriors.StochasticNet2D`)
-is trained to minimize only the KIVI estimate of KL(q || N(0, I)), so the right answer is q = N(0, I):
+The stochastic network of the 2-D logistic regression (:func:`kivi_fast.nn.stochastic_net_2d`) is trained
+to minimize only the KIVI estimate of KL(q || N(0, I)), so the right answer is q = N(0, I):
 
 * with the trick: ``kivi_fast.kl(prior, q, lam, reverse=True)`` fits p/q and returns -E_q log(p/q);
 * without it: ``reverse=False`` fits q/p, whose squared loss is weighted by p rather than by q.
@@ -22,26 +22,30 @@ from tqdm.auto import tqdm
 
 import kivi_fast
 
-from ..sample_metrics import mmd2_rbf, moment_gaps
-from ..toy_posteriors import StochasticNet2D
+from ..nn import MLPGenerator, stochastic_net_2d
 from . import runs
+from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .sample_metrics import mmd2_rbf, moment_gaps
 
 NAME = "reverse-ablation"
 VARIANTS = {"with the reverse ratio trick": True, "without (fit q/p)": False}
+QUICK = {"steps": 10, "samples": 100, "log_every": 5, "eval_samples": 100}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs", help="root folder of run folders (default: runs)")
-    parser.add_argument("--run-dir", default=None, help="write into this folder instead of a new one")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--samples", type=int, default=1000, help="q samples per step (and as many prior samples)")
-    parser.add_argument("--lam", type=float, default=0.1, help="as in the logistic regression")
-    parser.add_argument("--clip", type=float, default=1e-8)
-    parser.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--eval-samples", type=int, default=2000)
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="Adam steps of each variant")
+    parser.add_argument("--samples", type=int_at_least(2), default=1000,
+                        help="q samples per step (and as many prior samples)")
+    parser.add_argument("--lam", type=positive_float, default=0.1,
+                        help="KIVI's ridge coefficient lambda (as in the logistic regression)")
+    parser.add_argument("--clip", type=positive_float, default=1e-8, help="KIVI's lower clip of the density ratio")
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate")
+    parser.add_argument("--log-every", type=positive_int, default=50,
+                        help="steps between the distance measurements (and the last step)")
+    parser.add_argument("--eval-samples", type=int_at_least(2), default=2000,
+                        help="q and prior samples of each distance measurement and the figure")
+    add_common(parser, name=NAME, quick="a seconds-long smoke run (10 steps, 100 samples)")
 
 
 def distance_to_prior(q: torch.Tensor, prior: torch.Tensor) -> dict:
@@ -53,10 +57,10 @@ def distance_to_prior(q: torch.Tensor, prior: torch.Tensor) -> dict:
             "cov": gaps["cov"], "mmd2": mmd2}
 
 
-def train(net: StochasticNet2D, reverse: bool, args, generator: torch.Generator, desc: str) -> list[dict]:
+def train(net: MLPGenerator, reverse: bool, args, generator: torch.Generator, desc: str) -> list[dict]:
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     history = []
-    for step in tqdm(range(1, args.steps + 1), desc=desc):
+    for step in tqdm(range(1, args.steps + 1), desc=desc, disable=args.no_progress):
         q = net.sample(args.samples, generator)
         prior = torch.randn(args.samples, 2, generator=generator)
         loss = kivi_fast.kl(prior, q, args.lam, clip=args.clip, reverse=reverse)
@@ -97,12 +101,9 @@ def plot(path, clouds: dict, titles: dict) -> None:
 
 
 def run(args) -> int:
-    if args.quick:
-        args.steps, args.samples, args.log_every, args.eval_samples = 10, 100, 5, 100
-    torch.set_num_threads(1)
-    out = runs.run_folder(args.out, NAME, args.run_dir)
+    out = runs.begin(args, NAME, QUICK)
     torch.manual_seed(args.seed)
-    init = StochasticNet2D()
+    init = stochastic_net_2d()
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         clouds = {"initial q": init.sample(args.eval_samples, eval_gen)}
@@ -123,7 +124,7 @@ def run(args) -> int:
               for name, f in {"initial q": initial, **finals}.items()}
     plot(out / "reverse_ablation.png", clouds, titles)
 
-    print(f"distance to the prior N(0, I) after {args.steps} steps (lam={args.lam:g}, n={args.samples}):")
+    print(f"distance to the prior N(0, I) after {plural(args.steps, 'step')} (lam={args.lam:g}, n={args.samples}):")
     print(f"{'':<32}{'|mean|':>11}{'||cov-I||_F':>13}{'MMD^2':>10}")
     for name, f in {"initial q": initial, **finals}.items():
         print(f"{name:<32}{f['mean_error']:>11.4g}{f['cov_error']:>13.4g}{f['mmd2']:>10.4f}")

@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 
 import torch
+
+
+class RunError(Exception):
+    """A run cannot go on for a reason the user can fix (missing data, an unusable checkpoint); the
+    command line prints the message, without a traceback, and exits with status 1."""
+
+
+class CheckpointError(RunError):
+    """A checkpoint file that is not a kivi_fast checkpoint or cannot be loaded safely."""
+
+
+def begin(args, name: str, quick: dict) -> Path:
+    """An experiment's first steps: ``--quick``'s settings (:func:`options.apply_quick`), one torch CPU
+    thread (the tensors are small; the machine may be shared), the run folder (``--out``, ``--run-dir``)."""
+    from .options import apply_quick
+
+    apply_quick(args, quick)
+    torch.set_num_threads(1)
+    return run_folder(args.out, name, args.run_dir)
 
 
 def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) -> Path:
@@ -26,15 +46,41 @@ def write_json(path: str | os.PathLike, data) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+    """Write ``state`` atomically. It must hold only tensors and plain Python values (dict, list,
+    tuple, str, int, float, bool, None; e.g. state dicts and torch's RNG state, a uint8 tensor), so that
+    :func:`load_checkpoint` can read it back without unpickling code."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict | None:
+def load_checkpoint(path: str | os.PathLike, keys=()) -> dict | None:
+    """The checkpoint at ``path`` (None if there is none), read with ``torch.load(weights_only=True)``.
+
+    That loader builds tensors and plain Python values only, so a file from someone else cannot run
+    code here; a file that holds anything else (a pickled function or class instance), or that is not
+    a dict with all of ``keys``, raises :class:`CheckpointError` naming the file.
+    """
     path = Path(path)
-    return torch.load(path, weights_only=False) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path} is not a kivi_fast checkpoint that can be loaded safely: it holds something other than "
+            f"tensors and plain Python values, or is damaged ({first_line}); remove it, or use another "
+            "--run-dir") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a kivi_fast checkpoint: it holds a {type(state).__name__}, not a "
+                              "dict; remove it, or use another --run-dir")
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a kivi_fast checkpoint: it lacks {', '.join(map(str, missing))}; "
+                              "remove it, or use another --run-dir")
+    return state
 
 
 def machine() -> dict:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..data import uci as uci_data
-from . import runs
-from .uci import METHODS, parse_splits
+from . import datasets, runs
+from .options import UsageError, add_common, nonnegative_float, plural, positive_float, positive_int
+from .regression import METHODS, parse_splits
 
 
 def parse_job(text: str, data_dir=None) -> list[tuple[str, str, int]]:
@@ -38,11 +38,16 @@ def parse_job(text: str, data_dir=None) -> list[tuple[str, str, int]]:
     if len(parts) not in (2, 3):
         raise ValueError(f"job {text!r}: expected dataset:method[:splits], e.g. energy:kivi:0-19")
     dataset, method = parts[0], parts[1]
-    if dataset not in uci_data.DATASETS:
-        raise ValueError(f"job {text!r}: unknown data set {dataset!r} (one of {', '.join(uci_data.DATASETS)})")
+    if dataset in datasets.UNAVAILABLE:
+        raise ValueError(f"job {text!r}: {datasets.UNAVAILABLE[dataset]}")
+    if dataset not in datasets.DATASETS:
+        raise ValueError(f"job {text!r}: unknown data set {dataset!r} (one of {', '.join(datasets.DATASETS)})")
     if method not in METHODS:
         raise ValueError(f"job {text!r}: unknown method {method!r} (one of {', '.join(METHODS)})")
-    splits = parse_splits(parts[2] if len(parts) == 3 else None, uci_data.n_splits(dataset, data_dir))
+    try:
+        splits = parse_splits(parts[2] if len(parts) == 3 else None, datasets.n_splits(dataset, data_dir))
+    except ValueError as err:
+        raise ValueError(f"job {text!r}: {err}") from None
     return [(dataset, method, s) for s in splits]
 
 
@@ -50,26 +55,37 @@ def split_folder(out: Path, dataset: str, method: str, split: int) -> Path:
     return out / f"{dataset}-{method}" / f"split_{split:02d}"
 
 
-def _command(args, dataset: str, method: str, split: int, folder: Path) -> list[str]:
+def split_command(args, dataset: str, method: str, split: int, folder: Path) -> list[str]:
+    """The `kivi-fast uci` command line that runs one split in its own folder."""
     cmd = [sys.executable, "-m", "kivi_fast.cli", "uci", "--dataset", dataset, "--method", method,
            "--splits", str(split), "--run-dir", str(folder), "--threads", "1", "--no-profile",
            "--checkpoint-seconds", str(args.checkpoint_seconds)]
     if args.data_dir:
         cmd += ["--data-dir", args.data_dir]
+    if args.quick:
+        cmd.append("--quick")
+    if args.no_progress:
+        cmd.append("--no-progress")
     return cmd + shlex.split(args.uci_args)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("jobs", nargs="+", help="dataset:method[:splits], e.g. energy:kivi:9-19 boston:kivi-ac")
-    p.add_argument("--workers", type=int, default=max(1, runs.usable_cores() - 1),
-                   help="processes at once, one thread each (default: cores - 1)")
-    p.add_argument("--out", default="runs/batch", help="batch folder (default runs/batch)")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="stop (checkpointed) after this long; rerun the same command to resume")
-    p.add_argument("--checkpoint-seconds", type=float, default=15.0,
+    p.add_argument("jobs", nargs="+", help="dataset:method[:splits], e.g. energy:kivi:9-19 boston:kivi-ac "
+                                           "(all splits of the set when none are named)")
+    p.add_argument("--workers", type=positive_int, default=max(1, runs.usable_cores() - 1),
+                   help="processes at once, one thread each (default: usable cores - 1, here %(default)s)")
+    p.add_argument("--out", default="runs/batch", help="batch folder")
+    p.add_argument("--minutes", type=positive_float, default=None,
+                   help="stop (checkpointed) after this long; rerun the same command to resume (default: no limit)")
+    p.add_argument("--checkpoint-seconds", type=nonnegative_float, default=15.0,
                    help="seconds between checkpoints of each split (what a stop can lose)")
-    p.add_argument("--data-dir", default=None, help="UCI_Datasets folder (default: the shipped data/)")
-    p.add_argument("--uci-args", default="", help='more arguments for every `uci` process, e.g. "--epochs 100"')
+    p.add_argument("--data-dir", default=None,
+                   help=f"folder holding the UCI sets' folders (default: ${datasets.ENV_VAR}, else the source "
+                        "checkout's data/UCI_Datasets)")
+    p.add_argument("--uci-args", default="",
+                   help='more arguments for every `uci` process, e.g. "--epochs 100" (default: none)')
+    add_common(p, out=False, quick="pass --quick to every uci process (a smoke run of each split)",
+               progress="no progress bars (the batch's, and each split's in its log.txt)")
 
 
 def _die_with_parent() -> None:
@@ -104,14 +120,10 @@ def _interrupt(*_):
 
 
 def run(args) -> int:
-    if args.workers < 1:
-        print(f"--workers must be >= 1, got {args.workers}", file=sys.stderr)
-        return 2
     try:
         tasks = [t for job in args.jobs for t in parse_job(job, args.data_dir)]
     except ValueError as err:
-        print(err, file=sys.stderr)
-        return 2
+        raise UsageError(str(err)) from None
     out = Path(args.out)
     # Every split gets a process, finished ones too: it only rereads its result, and refuses (exit 2)
     # a folder made with other settings, so a changed command never passes old results off as new.
@@ -120,12 +132,13 @@ def run(args) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     running: dict[tuple, tuple[subprocess.Popen, object]] = {}
-    failed, busy, interrupted = [], [], False
-    bar = tqdm(total=len(tasks), desc="splits", unit="split", file=sys.stderr)
+    done, failed, busy, interrupted = [], [], [], False
+    bar = tqdm(total=len(tasks), desc="splits", unit="split", file=sys.stderr, disable=args.no_progress)
 
     def collect(task, proc, lock, stopping=False):
         lock.close()
         if proc.returncode == 0:
+            done.append(task)
             bar.update(1)
         elif not (stopping and proc.returncode == -signal.SIGTERM):
             failed.append(task)
@@ -145,7 +158,7 @@ def run(args) -> int:
                     tqdm.write(f"{task}: running in another batch, skipped", file=sys.stderr)
                     continue
                 with open(folder / "log.txt", "ab") as log:
-                    proc = subprocess.Popen(_command(args, *task, folder), stdout=log, stderr=log, env=env,
+                    proc = subprocess.Popen(split_command(args, *task, folder), stdout=log, stderr=log, env=env,
                                             pass_fds=(lock.fileno(),), preexec_fn=preexec)
                 running[task] = (proc, lock)
             if deadline is not None and time.time() >= deadline:
@@ -171,7 +184,7 @@ def run(args) -> int:
             signal.signal(sig, handler)
         bar.close()
     left = len(running) + len(todo) + len(busy)
-    print(f"{bar.n} of {len(tasks)} splits done, {len(failed)} failed, {left} left"
+    print(f"{len(done)} of {plural(len(tasks), 'split')} done, {len(failed)} failed, {left} left"
           + (" (rerun the same command to resume)" if left else ""), file=sys.stderr)
     if interrupted:
         return 130

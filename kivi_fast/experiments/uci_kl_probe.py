@@ -2,6 +2,7 @@
 
     python -m kivi_fast.cli uci-kl-probe --dataset yacht            # ~3 min on one core
     python -m kivi_fast.cli uci-kl-probe --dataset boston --epochs 300
+    python -m kivi_fast.cli uci-kl-probe --quick                     # a smoke run in seconds
 
 Two measurements on one split, with the paper's settings (n_p = n_q = M = 100, lam = 1e-3):
 
@@ -28,14 +29,15 @@ from tqdm import tqdm
 
 import kivi_fast
 
-from .. import bnn
-from ..data import uci as uci_data
-from . import runs
-from .uci import _evaluate, _train_epoch, build_model
+from ..nn import bnn
+from . import datasets, runs
+from .options import UsageError, add_common, apply_quick, nonnegative_int, plural, positive_int
+from .regression import build_model, evaluate, train_epoch
 
 # name -> (method, weight of the weight KL in the ELBO, generator initialization)
 VARIANTS = {"kivi, torch init": ("kivi", 1.0, "torch"), "no weight KL, torch init": ("kivi", 0.0, "torch"),
             "kivi-ac, torch init": ("kivi-ac", 1.0, "torch"), "kivi": ("kivi", 1.0, "glorot")}
+QUICK = {"epochs": 2, "every": 1, "reps": 2}
 
 
 def _spread(flat: torch.Tensor) -> tuple[float, float]:
@@ -43,7 +45,7 @@ def _spread(flat: torch.Tensor) -> tuple[float, float]:
     return float(flat.std(0).mean()), float(flat.mean(0).abs().mean())
 
 
-def probe_init(model: bnn.RegressionBNN, data: uci_data.Split, batch_size: int, reps: int) -> dict:
+def probe_init(model: bnn.RegressionBNN, data: datasets.Split, batch_size: int, reps: int) -> dict:
     n = len(data.y_train)
     params = list(model.posteriors.parameters())
     layers, g_lik, g_kl = [], [], []
@@ -69,16 +71,17 @@ def probe_init(model: bnn.RegressionBNN, data: uci_data.Split, batch_size: int, 
     return {"layers": layers, "grad_norm_log_lik": g_lik, "grad_norm_kl": g_kl}
 
 
-def train_variant(args, data: uci_data.Split, method: str, kl_scale: float, init: str) -> dict:
+def train_variant(args, data: datasets.Split, method: str, kl_scale: float, init: str) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args.dataset, data.x_train.shape[1], method, args.n_hidden, 1e-3, 100, init)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     n = len(data.y_train)
     log = {"epoch": [], "rmse": [], "test_ll": [], "q_sd": [], "q_abs_mean": [], "kl_weights": []}
-    for epoch in tqdm(range(args.epochs), desc=f"{method}, KL x {kl_scale:g}, {init} init", leave=False):
-        terms = _train_epoch(model, opt, data, 100, 100, kl_weight=kl_scale)
-        if (epoch + 1) % args.every == 0:
-            ev = _evaluate(model, data, 100, seed=1)
+    for epoch in tqdm(range(args.epochs), desc=f"{method}, KL x {kl_scale:g}, {init} init", leave=False,
+                      disable=args.no_progress):
+        terms = train_epoch(model, opt, data, 100, 100, kl_weight=kl_scale)
+        if (epoch + 1) % args.every == 0 or epoch + 1 == args.epochs:
+            ev = evaluate(model, data, 100, seed=1)
             with torch.no_grad():
                 flat = model.sample_weights(100)
             spreads = [_spread(w) for w in flat]
@@ -107,22 +110,28 @@ def plot(result: dict, path: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", default="yacht", choices=sorted(uci_data.DATASETS))
-    p.add_argument("--split", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=600)
-    p.add_argument("--every", type=int, default=100, help="epochs between evaluations")
-    p.add_argument("--reps", type=int, default=5, help="draws for the gradient norms at initialization")
-    p.add_argument("--n-hidden", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="runs")
-    p.add_argument("--run-dir", default=None)
+    p.add_argument("--dataset", default="yacht", choices=sorted(datasets.DATASETS), help="UCI data set")
+    p.add_argument("--split", type=nonnegative_int, default=0, help="which standard split")
+    p.add_argument("--epochs", type=positive_int, default=600, help="training epochs of each variant")
+    p.add_argument("--every", type=positive_int, default=100, help="epochs between evaluations (and the last epoch)")
+    p.add_argument("--reps", type=positive_int, default=5, help="draws for the gradient norms at initialization")
+    p.add_argument("--n-hidden", type=positive_int, default=None, help="hidden units (default: the set's, 50 or 100)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--data-dir", default=None,
+                   help=f"folder holding the UCI sets' folders (default: ${datasets.ENV_VAR}, else the source "
+                        "checkout's data/UCI_Datasets)")
+    add_common(p, name="uci-kl-probe-<dataset>", quick="a smoke run in seconds: 2 epochs, 2 draws")
 
 
 def run(args) -> int:
+    apply_quick(args, QUICK)
     torch.set_num_threads(args.threads)
-    args.n_hidden = args.n_hidden or uci_data.DATASETS[args.dataset].n_hidden
-    data = uci_data.load_split(args.dataset, args.split)
+    args.n_hidden = args.n_hidden or datasets.DATASETS[args.dataset].n_hidden
+    n_splits = datasets.n_splits(args.dataset, args.data_dir)
+    if args.split >= n_splits:
+        raise UsageError(f"argument --split: {args.dataset} has splits 0..{n_splits - 1}, got {args.split}")
+    data = datasets.load_split(args.dataset, args.split, args.data_dir)
     run_dir = runs.run_folder(args.out, f"uci-kl-probe-{args.dataset}", args.run_dir)
     t0 = time.time()
     result = {"dataset": args.dataset, "split": args.split, "epochs": args.epochs, "init": {}, "training": {}}
@@ -143,7 +152,7 @@ def run(args) -> int:
                   f"clipped ratios {100 * layer['clipped_fraction']:.0f}%, KL estimate {layer['kl_estimate']:.3g}")
         print(f"  gradient norm: log-likelihood {mean(init['grad_norm_log_lik']):.3g}, "
               f"weight KL {mean(init['grad_norm_kl']):.3g}")
-    print(f"after {args.epochs} epochs:")
+    print(f"after {plural(args.epochs, 'epoch')}:")
     for name, log in result["training"].items():
         print(f"  {name:26s} RMSE {log['rmse'][-1]:.3f}  LL {log['test_ll'][-1]:.3f}  posterior sd "
               f"{', '.join(f'{s:.3g}' for s in log['q_sd'][-1])}  |mean| {', '.join(f'{s:.3g}' for s in log['q_abs_mean'][-1])}")

@@ -21,10 +21,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..data import uci as uci_data
-from . import runs
-from .uci import _RESUME_KEYS, METHODS, PAPER_RESULTS, split_statistics
-from .uci import plot as uci_plot
+from . import datasets, runs
+from .options import add_common, plural
+from .regression import METHODS, PAPER_RESULTS, RESUME_KEYS, plot_training, split_statistics
 
 DATASET_ORDER = tuple(PAPER_RESULTS)
 PAPER_METHODS = ("KIVI", "SVGD", "Dropout", "Factorized", "HMC")
@@ -59,7 +58,7 @@ def _exported_splits(run_dir: Path) -> list[dict]:
 
 
 def _settings(config: dict) -> dict:
-    return {k: config.get(k) for k in _RESUME_KEYS if k != "generator_init"}
+    return {k: config.get(k) for k in RESUME_KEYS if k != "generator_init"}
 
 
 def _plot(splits: list[dict], path: Path, title: str) -> None:
@@ -72,7 +71,7 @@ def _plot(splits: list[dict], path: Path, title: str) -> None:
         results.append({"split": s["split"], "history": {
             "epoch": h["eval_epoch"] if has_elbo else [], "elbo": h["elbo"] if has_elbo else [],
             "eval_epoch": h["eval_epoch"], "rmse": h["rmse"], "test_ll": h["test_ll"]}})
-    uci_plot(results, path, title)
+    plot_training(results, path, title)
 
 
 def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> dict | None:
@@ -124,9 +123,10 @@ def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> 
             "training_png": png}
 
 
-def write_result(pooled: dict) -> Path:
+def write_result(pooled: dict, figures: bool = True) -> Path:
     """Write a pooled result into a fresh folder, then put it in place of the old one (a failure on the
-    way leaves the old export as it was; no stale file of it survives)."""
+    way leaves the old export as it was; no stale file of it survives). Without ``figures``, a result
+    whose run folder has no training.png to copy gets none."""
     dest = pooled["dest"]
     tmp = dest.with_name(dest.name + ".tmp")
     if tmp.exists():
@@ -140,7 +140,7 @@ def write_result(pooled: dict) -> Path:
         runs.write_json(tmp / "profile.json", summary["profile"])
     if pooled["training_png"] is not None:
         shutil.copyfile(pooled["training_png"], tmp / "training.png")  # every epoch's ELBO
-    else:
+    elif figures:
         _plot(pooled["splits"], tmp / "training.png", f"{summary['dataset']}, {summary['method']}")
     if dest.exists():
         shutil.rmtree(dest)
@@ -192,7 +192,8 @@ def side_by_side(results_root: Path, metric: str) -> str:
             if s is None:
                 cells.append("-")
                 continue
-            note = "" if s["n_splits"] == uci_data.n_splits(dataset) else f" ({s['n_splits']} splits)"
+            complete = s["n_splits"] == datasets.DATASETS[dataset].n_splits
+            note = "" if complete else f" ({plural(s['n_splits'], 'split')})"
             cells.append(_cell(s[metric]["mean"], s[metric]["se"], digits) + note)
         for method in PAPER_METHODS:
             v = PAPER_RESULTS[dataset].get(method)
@@ -229,14 +230,14 @@ def comparison_plot(results_root: Path, path: Path) -> None:
     """comparison.png: per data set, test RMSE and LL of ours (Glorot init) and the paper's methods,
     mean ± standard error, so that where we stand is seen at a glance. Nothing if there is no result."""
     summaries = _summaries(results_root)
-    datasets = [d for d in DATASET_ORDER if any((d, m, False) in summaries for m in METHODS)]
-    if not datasets:
+    shown = [d for d in DATASET_ORDER if any((d, m, False) in summaries for m in METHODS)]
+    if not shown:
         return
     plt = runs.matplotlib_pyplot()
-    fig, axes = plt.subplots(2, len(datasets), figsize=(2.6 * len(datasets) + 1, 6.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(shown), figsize=(2.6 * len(shown) + 1, 6.4), squeeze=False)
     entries = [(f"ours {m}", m) for m in METHODS] + [(f"paper {m}", m) for m in PAPER_METHODS]
     colors = plt.get_cmap("tab10")
-    for col, dataset in enumerate(datasets):
+    for col, dataset in enumerate(shown):
         for row, (metric, column) in enumerate((("rmse", 0), ("test_ll", 2))):
             ax = axes[row][col]
             for i, (label, m) in enumerate(entries):
@@ -253,9 +254,10 @@ def comparison_plot(results_root: Path, path: Path) -> None:
                 ax.errorbar([i], [mean], yerr=[0 if math.isnan(err) else err], fmt="o" if label.startswith("ours")
                             else "s", color=colors(i), capsize=3, label=label)
             ax.set_xticks([])
+            n_all = datasets.DATASETS[dataset].n_splits
             partial = [f"{m} {summaries[(dataset, m, False)]['n_splits']}" for m in METHODS if (dataset, m, False)
-                       in summaries and summaries[(dataset, m, False)]["n_splits"] < uci_data.n_splits(dataset)]
-            title = dataset + (f"\n(splits: {', '.join(partial)} of {uci_data.n_splits(dataset)})" if partial else "")
+                       in summaries and summaries[(dataset, m, False)]["n_splits"] < n_all]
+            title = dataset + (f"\n(splits: {', '.join(partial)} of {n_all})" if partial else "")
             ax.set_title(title if row == 0 else "", fontsize=10)
             ax.set_ylabel({"rmse": "test RMSE (lower is better)", "test_ll": "test LL (higher is better)"}[metric]
                           if col == 0 else "")
@@ -267,9 +269,12 @@ def comparison_plot(results_root: Path, path: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="*", help="run folders of `kivi-fast uci` to export (none: only the table)")
-    p.add_argument("--results", default="results/uci", help="results folder (default results/uci)")
+    p.add_argument("--results", default="results/uci", help="results folder")
     p.add_argument("--merge", action="store_true",
                    help="keep the splits already exported for the same data set, method and settings")
+    add_common(p, out=False, quick="skip the figures (comparison.png, and training.png where a run folder has "
+                                   "none to copy); the JSON files and TABLE.md as always",
+               progress="accepted for the same options as every command (uci-report draws no progress bar)")
 
 
 def run(args) -> int:
@@ -290,11 +295,13 @@ def run(args) -> int:
             return 2
     for name, dirs in groups.items():
         where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} run folders"
-        print(f"{where}: " + (f"-> {write_result(pooled[name])}" if pooled[name] else "no finished split, skipped"))
+        print(f"{where}: " + (f"-> {write_result(pooled[name], figures=not args.quick)}" if pooled[name]
+                              else "no finished split, skipped"))
     text = (table(root) + "\nTest RMSE, side by side (mean ± standard error over the splits; ours with Glorot's "
             "initialization):\n\n" + side_by_side(root, "rmse") + "\nTest log-likelihood, side by side:\n\n"
             + side_by_side(root, "test_ll"))
     (root / "TABLE.md").write_text(text)
-    comparison_plot(root, root / "comparison.png")
+    if not args.quick:
+        comparison_plot(root, root / "comparison.png")
     print(text)
     return 0

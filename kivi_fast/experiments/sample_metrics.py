@@ -41,7 +41,7 @@ def mmd2_rbf(x: torch.Tensor, y: torch.Tensor, sigma: float | None = None) -> tu
     """
     x, y = x.double(), y.double()
     if sigma is None:
-        from .estimator import median_bandwidth
+        from ..estimator import median_bandwidth
 
         sigma = float(median_bandwidth(torch.cat([x, y])))
 

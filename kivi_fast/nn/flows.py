@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .contrast import standard_normal_log_prob
+from ..contrast import standard_normal_log_prob
 
 
 class PlanarFlow(nn.Module):

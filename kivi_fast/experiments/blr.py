@@ -6,13 +6,21 @@ The setup follows the paper's Appendix "Toy Experiments":
 * truth: the unnormalized posterior on a grid, and HMC (Pyro's HMC kernel, 10 leapfrog steps, step size
   adapted by dual averaging from 0.001, 100 chains x 200 iterations, the first 100 of each discarded);
 * factorized VI: N(mu, diag(sigma^2)), 100 samples per step, the KL term in closed form;
-* KIVI: the paper's stochastic network (:class:`kivi_fast.toy_posteriors.StochasticNet2D`), 1000 samples
-  per step, the KL term ``kivi_fast.kl(prior samples, q samples, lam=0.1, clip=1e-8)``.
+* KIVI: the paper's stochastic network (:func:`kivi_fast.nn.stochastic_net_2d`), 1000 samples per step,
+  the KL term ``kivi_fast.kl(prior samples, q samples, lam=0.1, clip=1e-8)``.
 
 Both VI methods run 100 epochs with the paper's annealing lr = base * 100 / (100 + epoch - 1). The
 paper does not say what an epoch is; here it is one pass over the 200 data points in minibatches of
 ``--batch-size`` (default 20, so 10 Adam steps per epoch and 1000 in all), the minibatch
 log-likelihood scaled by N / batch so that each step is an unbiased estimate of the full ELBO.
+
+The model (``make_data``, ``log_likelihood``, ``log_joint``, the grid posterior) is defined below:
+
+    w ~ N(0, I_2),    y_i ~ Bernoulli(sigmoid(w^T x_i)),    x_i ~ U[-5, 5]^2,  i = 1..N (N = 200).
+
+Its posterior is intractable but two-dimensional, so its unnormalized density can be drawn on a grid.
+All log-densities take ``w`` of shape [..., 2] and return [...], so one call scores a whole batch of
+posterior samples or a grid.
 
 Outputs in the run folder: ``blr.png`` (the paper's five panels), ``metrics.json`` (agreement of each
 VI posterior with HMC: mean and covariance errors and an RBF-kernel MMD, next to the same numbers for
@@ -23,54 +31,129 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import kivi_fast
 
-from .. import toy_logistic
-from ..hmc import hmc_sample, split_r_hat
-from ..sample_metrics import mmd2_rbf, moment_gaps
-from ..toy_posteriors import FactorizedGaussian, StochasticNet2D
+from ..contrast import standard_normal_log_prob
+from ..nn import FactorizedGaussian, stochastic_net_2d
 from . import runs
+from .hmc import hmc_sample, split_r_hat
+from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .sample_metrics import mmd2_rbf, moment_gaps
 
 NAME = "blr"
 
 
+# ---- the model ----------------------------------------------------------------------------------
+
+@dataclass
+class LogisticData:
+    """Inputs ``x`` [N, 2], labels ``y`` [N] in {0, 1}, and the weights ``w_true`` [2] that drew them."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    w_true: torch.Tensor
+
+
+def make_data(n: int = 200, half_width: float = 5.0, generator: torch.Generator | None = None,
+              dtype=torch.float32) -> LogisticData:
+    """Draw the training set the paper describes: x ~ U[-5, 5]^2, w_true ~ prior, y ~ the model."""
+    x = (torch.rand(n, 2, generator=generator, dtype=dtype) * 2 - 1) * half_width
+    w_true = torch.randn(2, generator=generator, dtype=dtype)
+    y = torch.bernoulli(torch.sigmoid(x @ w_true), generator=generator)
+    return LogisticData(x, y, w_true)
+
+
+def log_likelihood(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum_i log Bernoulli(y_i; sigmoid(w^T x_i)) for each w: [..., 2] -> [...].
+
+    Written with ``binary_cross_entropy_with_logits`` (= log(1 + e^{-|l|}) + ...) because the naive
+    log(sigmoid(l)) underflows for the large logits that |x| up to 5 produces.
+    """
+    logits = w @ x.T  # [..., N]
+    return -F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none").sum(-1)
+
+
+log_prior = standard_normal_log_prob  # log N(w; 0, I) summed over the last dimension
+
+
+def log_joint(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """log p(y | X, w) + log p(w): the unnormalized log-posterior, [..., 2] -> [...]."""
+    return log_likelihood(w, x, y) + log_prior(w)
+
+
+def posterior_on_grid(data: LogisticData, lo, hi, size: int = 200):
+    """The normalized posterior density on a ``size`` x ``size`` grid over [lo, hi] (per axis).
+
+    Returns (w1, w2, density), each [size, size], with w1 varying along the columns. The normalizer is
+    the grid's Riemann sum, which is accurate as long as the grid covers the posterior's mass.
+    """
+    w1, w2 = torch.meshgrid(torch.linspace(lo[0], hi[0], size, dtype=torch.float64),
+                            torch.linspace(lo[1], hi[1], size, dtype=torch.float64), indexing="xy")
+    grid = torch.stack([w1, w2], dim=-1)
+    logp = log_joint(grid, data.x.double(), data.y.double())
+    density = torch.exp(logp - logp.max())
+    cell = (w1[0, 1] - w1[0, 0]) * (w2[1, 0] - w2[0, 0])
+    return w1, w2, density / (density.sum() * cell)
+
+
+def posterior_moments_on_grid(data: LogisticData, centre, half_width, size: int = 400) -> dict:
+    """Posterior mean [2] and covariance [2, 2] by quadrature on a grid (exact up to the grid).
+
+    The grid spans ``centre`` +- ``half_width`` (per axis; make it several posterior standard
+    deviations wide). It is an independent check of the HMC ground truth, which mixes slowly along
+    the long axis of a correlated posterior.
+    """
+    centre, half = torch.as_tensor(centre, dtype=torch.float64), torch.as_tensor(half_width, dtype=torch.float64)
+    w1, w2, density = posterior_on_grid(data, (centre - half).tolist(), (centre + half).tolist(), size)
+    mass = density / density.sum()
+    grid = torch.stack([w1, w2], -1).reshape(-1, 2)
+    p = mass.reshape(-1)
+    mean = (p[:, None] * grid).sum(0)
+    diff = grid - mean
+    cov = (p[:, None, None] * diff[:, :, None] * diff[:, None, :]).sum(0)
+    return {"mean": mean, "cov": cov}
+
+
+# ---- the experiment -----------------------------------------------------------------------------
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs", help="root folder of run folders (default: runs)")
-    parser.add_argument("--run-dir", default=None, help="write into this folder instead of a new one")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the training, HMC and evaluation")
-    parser.add_argument("--data-seed", type=int, default=3,
+    parser.add_argument("--seed", type=nonnegative_int, default=1, help="seed of the training, HMC and evaluation")
+    parser.add_argument("--data-seed", type=nonnegative_int, default=3,
                         help="seed of the data set (default 3: w_true = (-1.14, 0.94), a diagonal |w| ~ 1.5 that "
                              "gives the correlated posterior of the paper's figure; seed 1 draws |w_true| = 0.23 "
                              "and an almost round posterior)")
-    parser.add_argument("--n-data", type=int, default=200)
-    parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=20, help="minibatch size; an epoch is one pass")
-    parser.add_argument("--lr", type=float, default=0.03, help="base Adam learning rate before annealing")
-    parser.add_argument("--vi-samples", type=int, default=100)
-    parser.add_argument("--kivi-samples", type=int, default=1000, help="q samples (and as many prior samples)")
-    parser.add_argument("--lam", type=float, default=0.1, help="KIVI's ridge coefficient lambda")
-    parser.add_argument("--clip", type=float, default=1e-8, help="KIVI's lower clip of the density ratio")
+    parser.add_argument("--n-data", type=positive_int, default=200, help="data points")
+    parser.add_argument("--epochs", type=positive_int, default=100, help="training epochs of both VI methods")
+    parser.add_argument("--batch-size", type=positive_int, default=20, help="minibatch size; an epoch is one pass")
+    parser.add_argument("--lr", type=positive_float, default=0.03, help="base Adam learning rate before annealing")
+    parser.add_argument("--vi-samples", type=positive_int, default=100, help="factorized VI's samples per step")
+    parser.add_argument("--kivi-samples", type=int_at_least(2), default=1000,
+                        help="KIVI's q samples per step (and as many prior samples)")
+    parser.add_argument("--lam", type=positive_float, default=0.1, help="KIVI's ridge coefficient lambda")
+    parser.add_argument("--clip", type=positive_float, default=1e-8, help="KIVI's lower clip of the density ratio")
     parser.add_argument("--adaptive-contrast", action="store_true",
                         help="estimate KIVI's KL term with adaptive contrast (App. D) instead of against the "
                              "prior directly (not the paper's setting for this experiment)")
-    parser.add_argument("--hmc-chains", type=int, default=100)
-    parser.add_argument("--hmc-warmup", type=int, default=100, help="adaptation iterations, discarded")
-    parser.add_argument("--hmc-samples", type=int, default=100, help="kept iterations per chain")
-    parser.add_argument("--hmc-step-size", type=float, default=1e-3, help="initial step size")
-    parser.add_argument("--hmc-leapfrog", type=int, default=10)
-    parser.add_argument("--eval-samples", type=int, default=2000,
-                        help="samples per method for the moments, the MMD and the figure")
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny settings)")
+    parser.add_argument("--hmc-chains", type=positive_int, default=100, help="HMC chains, from prior draws")
+    parser.add_argument("--hmc-warmup", type=nonnegative_int, default=100, help="adaptation iterations, discarded")
+    parser.add_argument("--hmc-samples", type=int_at_least(4), default=100, help="kept iterations per chain")
+    parser.add_argument("--hmc-step-size", type=positive_float, default=1e-3, help="initial step size")
+    parser.add_argument("--hmc-leapfrog", type=positive_int, default=10, help="leapfrog steps per iteration")
+    parser.add_argument("--eval-samples", type=int_at_least(2), default=2000,
+                        help="samples per method for the moments, the MMD and the figure (at most half the "
+                             "HMC samples)")
+    add_common(parser, name=NAME, quick="a seconds-long smoke run (3 epochs, 2 short HMC chains, few samples)")
 
 
-def _apply_quick(args) -> None:
-    args.epochs, args.kivi_samples, args.vi_samples = 3, 100, 20
-    args.hmc_chains, args.hmc_warmup, args.hmc_samples = 2, 20, 20
-    args.eval_samples = 40
+QUICK = {"epochs": 3, "kivi_samples": 100, "vi_samples": 20, "hmc_chains": 2, "hmc_warmup": 20, "hmc_samples": 20,
+         "eval_samples": 40}
 
 
 def annealed_lr_factor(epoch: int) -> float:
@@ -78,8 +161,8 @@ def annealed_lr_factor(epoch: int) -> float:
     return 100.0 / (100.0 + epoch - 1)
 
 
-def fit_vi(posterior, kl_term, data: toy_logistic.LogisticData, *, epochs: int, batch_size: int,
-           n_samples: int, lr: float, generator: torch.Generator, desc: str) -> list[dict]:
+def fit_vi(posterior, kl_term, data: LogisticData, *, epochs: int, batch_size: int,
+           n_samples: int, lr: float, generator: torch.Generator, desc: str, progress: bool = True) -> list[dict]:
     """Maximize the ELBO E_q log p(y | X, w) - KL(q || prior) with Adam; returns per-epoch averages.
 
     ``kl_term(w)`` maps the step's reparameterized samples [n_samples, 2] to the KL estimate, so the
@@ -88,14 +171,14 @@ def fit_vi(posterior, kl_term, data: toy_logistic.LogisticData, *, epochs: int, 
     opt = torch.optim.Adam(posterior.parameters(), lr=lr)
     n = data.y.shape[0]
     history = []
-    for epoch in tqdm(range(1, epochs + 1), desc=desc):
+    for epoch in tqdm(range(1, epochs + 1), desc=desc, disable=not progress):
         for group in opt.param_groups:
             group["lr"] = lr * annealed_lr_factor(epoch)
         sums = {"elbo": 0.0, "kl": 0.0}
         batches = torch.randperm(n, generator=generator).split(batch_size)
         for idx in batches:
             w = posterior.sample(n_samples, generator)
-            expected_ll = toy_logistic.log_likelihood(w, data.x[idx], data.y[idx]).mean() * (n / len(idx))
+            expected_ll = log_likelihood(w, data.x[idx], data.y[idx]).mean() * (n / len(idx))
             kl = kl_term(w)
             loss = kl - expected_ll
             opt.zero_grad()
@@ -162,32 +245,29 @@ def plot_figure(path, data, grid, vi: FactorizedGaussian, samples: dict, window,
 
 
 def run(args) -> int:
-    if args.quick:
-        _apply_quick(args)
-    torch.set_num_threads(1)
-    out = runs.run_folder(args.out, NAME, args.run_dir)
+    out = runs.begin(args, NAME, QUICK)
     torch.manual_seed(args.seed)
-    data = toy_logistic.make_data(args.n_data, generator=torch.Generator().manual_seed(args.data_seed))
+    data = make_data(args.n_data, generator=torch.Generator().manual_seed(args.data_seed))
     gen = torch.Generator().manual_seed(args.seed)
     timings = {}
 
     t0 = time.time()
     init = torch.randn(args.hmc_chains, 2, generator=gen)  # chains start from prior draws
-    hmc = hmc_sample(lambda w: toy_logistic.log_joint(w, data.x, data.y), init, warmup=args.hmc_warmup,
+    hmc = hmc_sample(lambda w: log_joint(w, data.x, data.y), init, warmup=args.hmc_warmup,
                      num_samples=args.hmc_samples, step_size=args.hmc_step_size,
-                     num_steps=args.hmc_leapfrog, seed=args.seed)
+                     num_steps=args.hmc_leapfrog, seed=args.seed, progress=not args.no_progress)
     timings["hmc_s"] = time.time() - t0
     hmc_all = hmc.samples.reshape(-1, 2)
 
     t0 = time.time()
-    vi = FactorizedGaussian(2)
+    vi = FactorizedGaussian(2, std_param="exp")  # starts at the prior N(0, I)
     vi_history = fit_vi(vi, lambda w: vi.kl_to_standard_normal(), data, epochs=args.epochs,
                         batch_size=args.batch_size, n_samples=args.vi_samples, lr=args.lr, generator=gen,
-                        desc="factorized VI")
+                        desc="factorized VI", progress=not args.no_progress)
     timings["vi_s"] = time.time() - t0
 
     t0 = time.time()
-    net = StochasticNet2D()
+    net = stochastic_net_2d()
 
     def kivi_kl(w):
         if args.adaptive_contrast:
@@ -196,7 +276,8 @@ def run(args) -> int:
         return kivi_fast.kl(prior, w, args.lam, clip=args.clip)
 
     kivi_history = fit_vi(net, kivi_kl, data, epochs=args.epochs, batch_size=args.batch_size,
-                          n_samples=args.kivi_samples, lr=args.lr, generator=gen, desc="KIVI")
+                          n_samples=args.kivi_samples, lr=args.lr, generator=gen, desc="KIVI",
+                          progress=not args.no_progress)
     timings["kivi_s"] = time.time() - t0
 
     # Score each posterior on as many samples as the HMC reference holds (at most eval_samples).
@@ -211,10 +292,10 @@ def run(args) -> int:
         "HMC half vs. other half (noise floor)": agreement_with_hmc(hmc_other, hmc_ref),
     }
     grid_window = _window(hmc_all, samples["KIVI"], samples["factorized VI"])
-    grid = toy_logistic.posterior_on_grid(data, *grid_window, size=200)
+    grid = posterior_on_grid(data, *grid_window, size=200)
     hmc_all_moments = moment_gaps(hmc_all, hmc_all)
     # Quadrature on a grid 8 HMC standard deviations wide: the exact moments, to check HMC itself.
-    exact = toy_logistic.posterior_moments_on_grid(data, hmc_all.double().mean(0), 8 * hmc_all.double().std(0))
+    exact = posterior_moments_on_grid(data, hmc_all.double().mean(0), 8 * hmc_all.double().std(0))
     hmc_vs_exact = {"mean_error": float((torch.tensor(hmc_all_moments["mean"]) - exact["mean"]).norm()),
                     "cov_rel_error": float((torch.tensor(hmc_all_moments["cov"]) - exact["cov"]).norm()
                                            / exact["cov"].norm())}
@@ -239,7 +320,7 @@ def run(args) -> int:
     kivi_title = f"(e) KIVI (lam={args.lam:g}{', adaptive contrast' if args.adaptive_contrast else ''})"
     plot_figure(out / "blr.png", data, grid, vi, samples, grid_window, kivi_title)
 
-    print(f"blr: w_true = {[round(v, 3) for v in data.w_true.tolist()]}, HMC: {hmc_all.shape[0]} samples, "
+    print(f"blr: w_true = {[round(v, 3) for v in data.w_true.tolist()]}, HMC: {plural(hmc_all.shape[0], 'sample')}, "
           f"split R-hat {report['hmc']['split_r_hat']}, accept {report['hmc']['accept_rate_mean']:.2f}; "
           f"HMC vs. grid quadrature: |mean err| {hmc_vs_exact['mean_error']:.4f}, "
           f"rel cov err {hmc_vs_exact['cov_rel_error']:.3f}")

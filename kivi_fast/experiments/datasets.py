@@ -3,8 +3,11 @@
     data = load_split("boston", split=0)            # normalized with training statistics
     data.x_train, data.y_train, data.x_test, data.y_test, data.y_scaler.inverse(y_hat)
 
-The files live in ``data/UCI_Datasets/<folder>/data/`` of the repository (see its README.md); a
-different folder can be passed as ``data_dir`` (the command line's ``--data-dir``).
+Where the files are (``<folder>/data/`` per set, as in ``data/UCI_Datasets/`` of the source repository,
+whose README.md says where they come from) is decided by :func:`search_dirs`: the ``data_dir``
+argument (the command line's ``--data-dir``), else the environment variable ``KIVI_FAST_DATA``, else
+the source checkout's ``data/UCI_Datasets`` and ``./data/UCI_Datasets``. An installed package has no
+checkout, so it needs one of the first two.
 """
 
 from __future__ import annotations
@@ -16,14 +19,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# the repository root is two levels above this file (kivi_fast/data/uci.py)
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "UCI_Datasets"
+from .runs import RunError
+
+ENV_VAR = "KIVI_FAST_DATA"
+# In a source checkout the data sets are in data/UCI_Datasets/ at the repository root, two levels above
+# this file (kivi_fast/experiments/datasets.py); in an installed package this folder does not exist.
+CHECKOUT_DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "UCI_Datasets"
+
+
+class DataNotFoundError(RunError, FileNotFoundError):
+    """A data set that is not where the search looked (the message names every place)."""
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
     folder: str
     n_hidden: int  # hidden units of the BNN (PBP's protocol: 50, 100 for the two largest sets)
+    n_splits: int = 20  # standard splits (n_splits.txt beside the data; a test holds the two equal)
 
 
 # short name -> where it lives; the names are the row labels of the paper's Table 1
@@ -34,7 +46,7 @@ DATASETS = {
     "kin8nm": DatasetInfo("kin8nm", 50),
     "naval": DatasetInfo("naval-propulsion-plant", 50),
     "combined": DatasetInfo("power-plant", 50),
-    "protein": DatasetInfo("protein-tertiary-structure", 100),
+    "protein": DatasetInfo("protein-tertiary-structure", 100, 5),
     "wine": DatasetInfo("wine-quality-red", 50),
     "yacht": DatasetInfo("yacht", 50),
 }
@@ -44,15 +56,39 @@ UNAVAILABLE = {
 }
 
 
+def search_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The folders searched for the data sets' folders, in order (see the module docstring).
+
+    A folder given by ``data_dir`` or ``KIVI_FAST_DATA`` may be the one that holds the sets'
+    folders or the one above it (holding ``UCI_Datasets/``); an explicit one is the only place looked.
+    """
+    env = os.environ.get(ENV_VAR)
+    if data_dir or env:
+        root = Path(data_dir or env).expanduser()
+        candidates = [root, root / "UCI_Datasets"]
+    else:
+        candidates = [CHECKOUT_DATA_DIR, Path.cwd() / "data" / "UCI_Datasets"]
+    unique: dict[Path, Path] = {}
+    for c in candidates:
+        unique.setdefault(c.resolve(), c)
+    return list(unique.values())
+
+
 def _folder(name: str, data_dir: str | os.PathLike | None) -> Path:
     if name in UNAVAILABLE:
-        raise FileNotFoundError(UNAVAILABLE[name])
+        raise DataNotFoundError(UNAVAILABLE[name])
     if name not in DATASETS:
         raise KeyError(f"unknown UCI data set {name!r}; known: {', '.join(DATASETS)}")
-    folder = Path(data_dir or DEFAULT_DATA_DIR) / DATASETS[name].folder / "data"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no data for {name!r} at {folder} (see data/UCI_Datasets/README.md)")
-    return folder
+    sub = Path(DATASETS[name].folder) / "data"
+    places = search_dirs(data_dir)
+    for place in places:
+        if (place / sub).is_dir():
+            return place / sub
+    source = "--data-dir" if data_dir else f"${ENV_VAR}" if os.environ.get(ENV_VAR) else "the default places"
+    raise DataNotFoundError(
+        f"UCI data set {name!r} not found: no folder {sub}/ in {', '.join(map(str, places))} ({source}). "
+        f"Pass --data-dir or set {ENV_VAR} to the folder that holds {DATASETS[name].folder}/ (data/UCI_Datasets/ "
+        "of the kivi_fast source repository; its README.md says where the files come from)")
 
 
 def _indices(path: Path) -> np.ndarray:

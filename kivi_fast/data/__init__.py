@@ -1,1 +1,0 @@
-"""Data sets of the experiments, read from the project's ``data/`` folder (never from elsewhere)."""

@@ -1,0 +1,75 @@
+"""The command line: every subcommand documents its options with their defaults, has --quick and
+--no-progress, and turns bad values into usage errors (exit status 2, the usage, no traceback)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from kivi_fast import cli
+from kivi_fast.experiments.options import HelpFormatter, plural
+
+# per command, bad arguments (split at spaces): each must stop at the argument check
+BAD_ARGUMENTS = {
+    "uci": "--splits=25 | --splits=abc | --splits=5-3 | --epochs=0 | --epochs=-5 | --epochs=1.5 | --samples=1 | "
+           "--lam=0 | --lr=-1 | --lr=nan | --batch-size=0 | --eval-every=0 | --threads=0 | --checkpoint-seconds=-1 | "
+           "--dataset=year | --dataset=mnist | --seed=-1 | --n-hidden=0 | --eval-samples=0",
+    "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --bandwidth=-1 | "
+           "--bandwidth=abc | --grad-clip=-1 | --eval-samples=1 | --bin-width=0 | --threads=0",
+    "uci-batch": "yacht:kivi --workers=0 | yacht:kivi --minutes=0 | yacht:kivi --checkpoint-seconds=-1 | "
+                 "boston:kivi:25 | mnist:kivi | boston:svgd | boston | year:kivi",
+    "uci-kl-probe": "--epochs=0 | --every=0 | --reps=0 | --split=20 | --split=-1 | --threads=0",
+    "blr": "--epochs=0 | --n-data=0 | --batch-size=0 | --lr=0 | --kivi-samples=1 | --vi-samples=0 | --lam=0 | "
+           "--hmc-chains=0 | --hmc-samples=3 | --hmc-warmup=-1 | --hmc-step-size=0 | --hmc-leapfrog=0 | "
+           "--eval-samples=1",
+    "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --lr=0 | --log-every=0 | --eval-samples=1",
+    "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --reps=0 | --clip=0 | --flow-truth-samples=1",
+    "boston-posterior": "--epochs=0 | --samples=1 | --lam=0 | --plot-samples=1 | --split=20",
+}
+BAD = [(command, case.split()) for command, cases in BAD_ARGUMENTS.items() for case in cases.split(" | ")]
+
+
+@pytest.mark.parametrize("command,bad", BAD, ids=[f"{c} {' '.join(b)}" for c, b in BAD])
+def test_bad_values_are_usage_errors(command, bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, *bad, "--no-progress", *([] if command == "uci-batch" else ["--out", str(tmp_path)])])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith(f"usage: kivi-fast {command}") and f"kivi-fast {command}: error: " in err
+    assert "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # no run folder
+
+
+def test_bad_values_in_a_real_process_print_no_traceback(tmp_path):
+    for argv in (["uci", "--splits", "25"], ["uci", "--epochs", "0"]):
+        done = subprocess.run([sys.executable, "-m", "kivi_fast.cli", *argv, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "usage: kivi-fast uci" in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert done.stdout == "" and not any(tmp_path.iterdir())
+
+
+def test_every_option_says_what_it_is_and_its_default():
+    _, subparsers = cli.build_parser()
+    assert set(subparsers) == set(cli.COMMANDS)
+    for name, parser in subparsers.items():
+        options = {s for a in parser._actions for s in a.option_strings}
+        assert {"--quick", "--no-progress"} <= options, name
+        formatter = HelpFormatter(parser.prog)
+        for action in parser._actions:
+            if "-h" in action.option_strings:
+                continue
+            assert action.help and len(action.help) > 5, (name, action.dest)
+            if action.option_strings and action.nargs != 0:  # an option with a value: its default is shown
+                assert "default" in formatter._get_help_string(action), (name, action.dest)
+        assert "(default: " in parser.format_help(), name
+
+
+def test_year_is_not_offered_as_a_choice():
+    _, subparsers = cli.build_parser()
+    dataset = next(a for a in subparsers["uci"]._actions if a.dest == "dataset")
+    assert "year" not in dataset.choices and "not available offline" in dataset.help
+
+
+def test_plural():
+    assert plural(1, "split") == "1 split" and plural(0, "split") == "0 splits" and plural(3, "epoch") == "3 epochs"
