@@ -14,17 +14,20 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TORCH=$("$ROOT/.venv/bin/python" -c "import os, torch; print(os.path.dirname(torch.__file__))")
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-cp "$SRC"/*.cpp "$SRC"/*.h "$WORK"/
-sed -i "s/kivi_fast/$NS/g" "$WORK"/*
+cp -r "$SRC"/. "$WORK"/  # csrc/ with its subfolders (cpu/, ...), or an older flat one
+find "$WORK" -type f \( -name '*.cpp' -o -name '*.h' \) -exec sed -i "s/kivi_fast/$NS/g" {} +
 FLAGS="-I$WORK -isystem $TORCH/include -isystem $TORCH/include/torch/csrc/api/include -O3 -DNDEBUG -fPIC -fopenmp -std=gnu++20 -Wno-psabi"
 pids=()
-for f in "$WORK"/*.cpp; do
+mapfile -t sources < <(find "$WORK" -name '*.cpp' | sort)
+for f in "${sources[@]}"; do
   extra=""
-  [ "$(basename "$f")" = simd_rows.cpp ] && extra="-fno-trapping-math"  # as CMakeLists.txt
-  [ "$(basename "$f")" = few_points.cpp ] && extra="-falign-loops=32"     # as CMakeLists.txt
+  case "$(basename "$f")" in  # as CMakeLists.txt
+    simd_rows.cpp|median.cpp) extra="-fno-trapping-math" ;;
+    few_points.cpp) extra="-falign-loops=32" ;;
+  esac
   g++ $FLAGS $extra -c "$f" -o "${f%.cpp}.o" &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done  # a failed compile stops the script
-g++ -shared -o "$OUT" "$WORK"/*.o -Wl,-rpath,"$TORCH/lib" -L"$TORCH/lib" -lc10 -ltorch_cpu
+g++ -shared -o "$OUT" "${sources[@]/%.cpp/.o}" -Wl,-rpath,"$TORCH/lib" -L"$TORCH/lib" -lc10 -ltorch_cpu
 echo "built $OUT (ops as torch.ops.$NS.*)"

@@ -20,8 +20,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using KlSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, double,
-                                                        const std::optional<Tensor>&, bool, bool);
+using KlSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, double,
+                                                                const std::optional<Tensor>&, bool, bool);
 using RatioSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                    double, const Tensor&);
 using WeightedGradSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
@@ -52,13 +52,13 @@ class KlFunction : public torch::autograd::Function<KlFunction> {
                                double clip, const std::optional<Tensor>& sigma, bool reverse) {
     static const auto op = op_handle<KlSignature>("kivi_fast::kl");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [kl, state, used] = op.call(prior_z, q_z, lam, clip, sigma, reverse, /*grad_state=*/true);
+    auto [kl, state, used, clipped] = op.call(prior_z, q_z, lam, clip, sigma, reverse, /*grad_state=*/true);
     ctx->save_for_backward({state, q_z, prior_z});
     ctx->saved_data["reverse"] = reverse;
-    ctx->mark_non_differentiable({state, used});
-    // state and used never get a gradient: no zero tensors made for them at every backward
+    ctx->mark_non_differentiable({state, used, clipped});
+    // state, used and clipped never get a gradient: no zero tensors made for them at every backward
     ctx->set_materialize_grads(false);
-    return {kl, state, used};
+    return {kl, state, used, clipped};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -93,8 +93,9 @@ class RatioFunction : public torch::autograd::Function<RatioFunction> {
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> kl_autograd(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl_autograd(const Tensor& prior_z, const Tensor& q_z, double lam,
+                                                       double clip, const std::optional<Tensor>& sigma, bool reverse,
+                                                       bool grad_state) {
   if (!at::GradMode::is_enabled() || !q_z.requires_grad()) {
     // no gradient can be asked for: no graph node. The state is still returned as asked (a graph
     // traced with a gradient, replayed without one, expects it).
@@ -103,7 +104,7 @@ std::tuple<Tensor, Tensor, Tensor> kl_autograd(const Tensor& prior_z, const Tens
     return op.call(prior_z, q_z, lam, clip, sigma, reverse, grad_state);
   }
   auto out = KlFunction::apply(prior_z, q_z, lam, clip, sigma, reverse);
-  return {out[0], out[1], out[2]};
+  return {out[0], out[1], out[2], out[3]};
 }
 
 std::tuple<Tensor, Tensor> ratio_autograd(const Tensor& z, const Tensor& numer, const Tensor& denom,

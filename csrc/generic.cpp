@@ -1,5 +1,6 @@
-// Device-generic implementation: ATen calls only, so it runs wherever ATen does (CUDA included).
-// It is also the baseline the CPU kernels (cpu.cpp) are tested against.
+// Device-generic implementation: ATen calls only, so it runs wherever ATen does (CUDA included, until
+// csrc/cuda/ has kernels of its own). It is also the baseline the CPU kernels (csrc/cpu/) are tested
+// against.
 #include "kivi.h"
 
 #include <c10/util/Exception.h>
@@ -106,8 +107,8 @@ Tensor grad_from_projection(const Tensor& projection, const Tensor& row_scale, c
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                              const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
   auto f = fit(roles.numer, roles.denom, lam, sigma, roles.names);
   // The evaluation points q_z are fitted samples too: their kernel rows are already in f.kernel.
@@ -117,10 +118,11 @@ std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, 
   auto scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
   auto kl = at::log(r.clamp_min(clip)).mean(-1);
   if (reverse) kl.neg_();
-  if (!grad_state) return {kl, r.new_empty({r.size(0), r.size(1), 0}), f.sigma};
+  auto clipped = (r <= clip).to(at::kDouble).mean(-1);
+  if (!grad_state) return {kl, r.new_empty({r.size(0), r.size(1), 0}), f.sigma, clipped};
   auto weights = terms.mul_(scale.unsqueeze(-1));
-  if (!kl_state_is_projection(f.kernel.size(1), q_z.size(2))) return {kl, weights, f.sigma};
-  return {kl, project_weights(weights, roles.denom, roles.numer), f.sigma};
+  if (!kl_state_is_projection(f.kernel.size(1), q_z.size(2))) return {kl, weights, f.sigma, clipped};
+  return {kl, project_weights(weights, roles.denom, roles.numer), f.sigma, clipped};
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {

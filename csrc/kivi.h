@@ -1,4 +1,7 @@
-// The KIVI estimator's building blocks, shared by the device-generic (ATen) and the CPU kernels.
+// The KIVI estimator's shared math contracts: what every backend computes, and the functions each
+// backend provides (generic:: in generic.cpp, ATen calls only, for any device; cpu:: in cpu/, fused
+// kernels for CPU tensors). ops.cpp checks the arguments and picks the backend; a CUDA backend would
+// provide the same functions as cuda:: in csrc/cuda/, which ops.cpp would register under the CUDA key.
 //
 // Conventions: every sample tensor here is batched, [B, n, d], float32 or float64 (the kl ops also take
 // an unbatched pair, which csrc/ops.cpp gives a batch dimension of 1). The fit, the kernel
@@ -6,7 +9,7 @@
 // ratio cancels terms of size ~1/lam (its two parts have opposite signs), so float32 arithmetic
 // there loses up to ~1e-1 relative accuracy at lam = 1e-3. Only the results go back to the input dtype.
 // (The CPU kernels factor systems above 256 rows in float32, but refine the solve in float64 to
-// float64's backward error: csrc/cpu.cpp, solve_refined.)
+// float64's backward error: cpu/solve.h.)
 //
 // A fit of numer/denom works on the stacked points [denom; numer] ([B, N, d], N = n_den + n_num), so
 // one Gram matrix serves the median bandwidth, the linear system and the evaluation at the samples:
@@ -85,9 +88,10 @@ Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
 Tensor median_bandwidth(const Tensor& x);         // [B] float64
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
 // The kl op's forward: (KL [B], grad state [B, n_q, *] (see kl_state_width; width 0 unless
-// grad_state), sigma [B]), float64.
-std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
+// grad_state), sigma [B], clipped [B]), float64. clipped: the fraction of the n_q evaluation points
+// whose fitted ratio is <= clip (those the clip applies to, with zero gradient).
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                              const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 // The kl op's backward from its grad state: d(sum_b grad_kl[b] KL_b) / d q_z.
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
@@ -95,28 +99,46 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
                      const Tensor& denom);
 }  // namespace generic
 
+// The CPU kernels (cpu/), and what they do differently from the device-generic path:
+//  - one batch element at a time, fused: distances, median, kernel, Cholesky solve and evaluation of
+//    the ratio run on per-thread buffers (an N x N matrix of 320 KB at n_p = n_q = 100 stays in L2;
+//    cpu/buffers.h), in parallel over the batch when it has at least as many elements as there are
+//    threads, and inside each stage otherwise (one large element; cpu/loops.h);
+//  - samples are read in column blocks converted to float64 in a per-thread buffer, so float32
+//    inputs never pay for a full float64 copy (d = 314000 for an MNIST layer), and each block's
+//    Gram runs while the block is in cache (register tiles on AVX2 CPUs, cpu/gram_tiles.h; GEMMs of
+//    the split triangle elsewhere, cpu/blas.h); with few dimensions, distances come from differences
+//    (cpu/distances.h);
+//  - only the upper triangle of the distances is computed (the median reads nothing else), and the
+//    fit reads only the kernel's upper triangle (the refinement's residuals too); the evaluation reads
+//    whole kernel rows: where its projection takes gram_tiles' row tiles (d > 8, AVX2) above 256
+//    points, they read the lower part down the upper part's columns; elsewhere the lower part is
+//    mirrored (cpu/fit.cpp, cpu/kl.cpp);
+//  - few points in many dimensions (N <= 32, an MNIST layer) skip the buffer and the GEMM: the Gram and
+//    the backward's weighted sums read the input rows directly with float64 register tiles
+//    (cpu/few_points.h);
+//  - the median is an exact selection, not a sort (cpu/median.h);
+//  - systems up to 256 x 256 are factored by our own Cholesky, larger ones by LAPACK's float32
+//    Cholesky refined in float64 to float64's backward error (cpu/solve.h);
+//  - with few dimensions (d + 1 < N) the forward leaves the backward the projection of its weights on
+//    the points (kl_state_width), so the backward is one elementwise pass; otherwise the backward
+//    reads the samples once more, block by block, and writes the gradient once (cpu/grad.cpp);
+//  - the kernels that vectorize are compiled per instruction set, picked at run time (cpu/isa.h).
 namespace cpu {
 Tensor sqdist(const Tensor& x, const Tensor& y);
 Tensor median_bandwidth(const Tensor& x);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
-// The kl op's forward, fused per batch element: (KL [B], grad state [B, n_q, *], sigma [B]), float64.
-std::tuple<Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
-                                      const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
+// The kl op's forward, fused per batch element: as generic::kl.
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                              const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
-// Whether the CPU kernels call torch's exported dgemm_/dpotrf_/spotrf_ (default) or the ATen equivalents
-// that builds without those symbols get (float64 Cholesky only); returns the old value (a test switch).
-bool set_external_blas(bool flag);
-// How the float32-factor-and-refine solves (systems above 256 rows) ended: converged, float32 could not
-// factor, stalled (the last two fall back to float64's factor); then the float32 solves made. For tests.
-std::vector<int64_t> refined_solve_counts();
-// How the selections of the median above 2^20 pairs ended: [the sample's bracket held, it missed (the
-// bins took over)]; and the sample's size (0: the bins only) and the bracket's half-width in standard
-// deviations, returning the old pair. For tests.
-std::vector<int64_t> median_counts();
-std::vector<double> set_median_bracket(int64_t sample_size, double sds);
 }  // namespace cpu
+
+// Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path
+// CUDA tensors take); returns the old value.
+bool set_force_generic(bool flag);
 
 // ATen-only helpers of the generic path (stack_points also serves the ratio op on every device).
 Tensor median_from_sqdist(const Tensor& sq);  // [B, N, N] float64 -> [B] median distance, checked > 0

@@ -1,21 +1,23 @@
-// The torch custom ops of kivi_fast: schemas, and one kernel per op that picks the CPU or the
-// device-generic building blocks. Autograd formulas are in csrc/autograd.cpp, fake kernels in Python
-// (kivi_fast/_ops.py). Sample arguments are batched [B, n, d]; Python adds the batch dimension, except
-// for kl and kl_grad, which also take an unbatched pair [n, d] (see kl_op).
+// The torch custom ops of kivi_fast: schemas, the checks of their arguments, and one kernel per op
+// that picks the CPU (csrc/cpu/) or the device-generic (csrc/generic.cpp) building blocks. Autograd
+// formulas are in csrc/autograd.cpp, fake kernels in Python (kivi_fast/_ops.py), test switches in their
+// own namespace (csrc/testing.cpp). Sample arguments are batched [B, n, d]; Python adds the batch
+// dimension, except for kl and kl_grad, which also take an unbatched pair [n, d] (see kl_op).
+//
+// A CUDA implementation goes in csrc/cuda/ (the cuda:: functions of kivi.h), registered below with
+// TORCH_LIBRARY_IMPL(kivi_fast, CUDA, m) beside the CPU kernels; until then CUDA tensors take the
+// device-generic kernels.
 #include <torch/library.h>
 
 #include <atomic>
 
-#include "few_points.h"
-#include "gram_tiles.h"
-#include "kept_outputs.h"
 #include "kivi.h"
-#include "simd_rows.h"
 
 namespace kivi_fast {
 namespace {
 
-// Tests flip this to run the device-generic path on CPU tensors (the path CUDA tensors take).
+// Tests flip this (set_force_generic) to run the device-generic path on CPU tensors (the path CUDA
+// tensors take).
 std::atomic<bool> force_generic{false};
 
 // kCpu: the kernel registered for the CPU dispatch key; otherwise the CompositeExplicitAutograd
@@ -126,28 +128,30 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 
 // kl and kl_grad also take one unbatched pair ([n, d] samples, a [] estimate): kivi_fast.kl passes
 // unbatched samples as they are, so that a training step's graph holds no batch-dimension views, each
-// with its own backward (with a fast path in its checks, the wrapper's cost at (100, 8) went from 48 to
-// 27 us a forward+backward call: bench/overhead.py). The kernels see [1, n, d].
+// with its own backward (at (100, 8), with the fast path of the Python checks, that makes the
+// wrapper's forward+backward call 27 us instead of 48: bench/overhead.py). The kernels see [1, n, d].
 Tensor batched(const Tensor& x, bool single) { return single ? x.unsqueeze(0) : x; }
 
 template <bool kCpu>
-std::tuple<Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const Tensor& q_z_in, double lam, double clip,
-                                         const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const Tensor& q_z_in, double lam,
+                                                 double clip, const std::optional<Tensor>& sigma, bool reverse,
+                                                 bool grad_state) {
   check_pair("kl", "prior_z", prior_z_in, "q_z", q_z_in, /*unbatched_ok=*/true);
   const bool single = q_z_in.dim() == 2;
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
   check_sigma("kl", sigma, q_z.size(0));
   const auto s = owned_double(sigma);
-  auto [kl, state, used] = use_cpu<kCpu>()
-                               ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
-                               : generic::kl(prior_z, q_z, lam, clip, s, reverse, grad_state);
+  auto [kl, state, used, clipped] =
+      use_cpu<kCpu>() ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
+                      : generic::kl(prior_z, q_z, lam, clip, s, reverse, grad_state);
   kl = kl.to(q_z.scalar_type());
   if (single) {  // in place on tensors of this call: the outputs stay views of nothing
     kl.squeeze_(0);
     state.squeeze_(0);
     used.squeeze_(0);
+    clipped.squeeze_(0);
   }
-  return {kl, state, used};
+  return {kl, state, used, clipped};
 }
 
 template <bool kCpu>
@@ -184,8 +188,6 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
   return grad;
 }
 
-bool set_force_generic(bool flag) { return force_generic.exchange(flag); }
-
 template <bool kCpu>
 void register_kernels(torch::Library& m) {
   m.impl("sqdist", &sqdist_op<kCpu>);
@@ -200,6 +202,8 @@ void register_kernels(torch::Library& m) {
 
 }  // namespace
 
+bool set_force_generic(bool flag) { return force_generic.exchange(flag); }
+
 TORCH_LIBRARY(kivi_fast, m) {
   m.def("sqdist(Tensor x, Tensor y) -> Tensor");
   m.def("rbf_gram(Tensor x, Tensor y, Tensor sigma) -> Tensor");
@@ -208,32 +212,13 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma) -> (Tensor, Tensor)");
   // grad_state: whether to return what the backward needs; kivi_fast.kl passes false when no gradient
   // can be asked for (no grad mode, or q_z not requiring grad), and a gradient always gets it.
-  // Samples [B, n, d], or both [n, d]: outputs without the batch dimension.
+  // Samples [B, n, d], or both [n, d]: outputs without the batch dimension. Returns (KL, grad state,
+  // sigma, clipped): the estimate in the samples' dtype, then float64: what the backward needs, the
+  // bandwidth used, and the fraction of q_z's points whose fitted ratio was <= clip (see kivi.h).
   m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse, bool grad_state=True) "
-        "-> (Tensor, Tensor, Tensor)");
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("weighted_grad(Tensor row_scale, Tensor weights, Tensor z, Tensor numer, Tensor denom) -> Tensor");
   m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor");
-  // Not a tensor op: switches CPU tensors to the device-generic kernels (for tests); returns the old value.
-  m.def("_set_force_generic(bool flag) -> bool", &set_force_generic);
-  // Not a tensor op either: the few-points kernels' AVX2 version on an AVX-512 CPU (for tests).
-  m.def("_set_few_points_avx2(bool flag) -> bool", &few_points::set_force_avx2);
-  // Nor this: the Gram's register tiles (true, where the CPU has AVX2 + FMA) or the split GEMMs (false).
-  m.def("_set_gram_tiles(bool flag) -> bool", &gram_tiles::set_enabled);
-  m.def("_gram_tiles_available() -> bool", &gram_tiles::available);
-  // Nor this: the ATen calls in place of torch's exported BLAS/LAPACK symbols (for tests).
-  m.def("_set_external_blas(bool flag) -> bool", &cpu::set_external_blas);
-  // Nor this: how the solves of systems above 256 rows ended, [converged, float32 could not factor,
-  // stalled, float32 solves made] since load (for tests).
-  m.def("_refined_solve_counts() -> int[]", &cpu::refined_solve_counts);
-  // Nor these: how the median's selections above 2^20 pairs ended, [bracket held, missed], and the
-  // sample that brackets the middle ranks: its size (0: the bins only) and the bracket's half-width in
-  // standard deviations (returns the old [size, sds]).
-  m.def("_median_counts() -> int[]", &cpu::median_counts);
-  m.def("_set_median_bracket(int sample_size, float sds) -> float[]", &cpu::set_median_bracket);
-  // Nor this: the bracket's counting pass in portable C++ even on an AVX2 CPU (returns the old value).
-  m.def("_set_portable_gather(bool flag) -> bool", &rows::set_portable_gather);
-  // Nor this: how many kept buffers were allocated afresh since load (csrc/kept_outputs.h; for tests).
-  m.def("_kept_fresh_buffers() -> int", &kept_outputs::fresh_buffers);
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from

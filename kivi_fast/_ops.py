@@ -1,11 +1,13 @@
 """Fake (meta) kernels of the compiled ops ``torch.ops.kivi_fast.*``, for torch.compile and opcheck.
 
-The ops are declared in csrc/ops.cpp; their sample arguments are batched ([B, n, d]), except that
-``kl`` and ``kl_grad`` also take an unbatched pair ([n, d]) and then return no batch dimension.
-Internally they work in float64 (see csrc/kivi.h for why). What the backward needs is a float64
-output of the forward: ``ratio`` returns the weights W [B, m, N] (N = n_denom + n_numer) of its
-gradient; ``kl`` returns W, or with few dimensions (d + 1 < N) its projection [B, m, d + 1] on the
-points (``kl_state_width`` in csrc/kivi.h; the fake kernel below follows the same rule).
+The ops are declared in csrc/ops.cpp (their test switches apart, in ``torch.ops.kivi_fast_testing``:
+csrc/testing.cpp); their sample arguments are batched ([B, n, d]), except that ``kl`` and ``kl_grad``
+also take an unbatched pair ([n, d]) and then return no batch dimension. Internally they work in
+float64 (see csrc/kivi.h for why). What the backward needs is a float64 output of the forward:
+``ratio`` returns the weights W [B, m, N] (N = n_denom + n_numer) of its gradient; ``kl`` returns W,
+or with few dimensions (d + 1 < N) its projection [B, m, d + 1] on the points (``kl_state_width`` in
+csrc/kivi.h; the fake kernel below follows the same rule), as the second of its four outputs (the KL,
+that state, the bandwidth used, the fraction of q_z's points whose fitted ratio was clipped).
 
 The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``kl_grad`` and
 ``weighted_grad`` ops) are registered in C++ (csrc/autograd.cpp), so that a training step stays out
@@ -53,8 +55,9 @@ def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
     *batch, m, d = q_z.shape  # batch: [B], or [] for an unbatched pair
     n = prior_z.shape[-2] + m
     width = 0 if not grad_state else d + 1 if d + 1 < n else n
+    # (KL, grad state, sigma, the fraction of q_z's points clipped)
     return (q_z.new_empty(batch), q_z.new_empty((*batch, m, width), dtype=torch.float64),
-            q_z.new_empty(batch, dtype=torch.float64))
+            q_z.new_empty(batch, dtype=torch.float64), q_z.new_empty(batch, dtype=torch.float64))
 
 
 @torch.library.register_fake("kivi_fast::weighted_grad")

@@ -38,11 +38,11 @@ def implementation(name: str):
         if name == "reference":
             _backend._state["name"] = "reference"
         elif name == "generic":
-            old_flag = torch.ops.kivi_fast._set_force_generic(True)
+            old_flag = torch.ops.kivi_fast_testing.set_force_generic(True)
         yield
     finally:
         if old_flag is not None:
-            torch.ops.kivi_fast._set_force_generic(old_flag)
+            torch.ops.kivi_fast_testing.set_force_generic(old_flag)
         _backend._state["name"] = saved
 
 

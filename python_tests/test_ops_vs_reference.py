@@ -199,7 +199,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)
     p, q = make_samples(pr)
-    with switched({torch.ops.kivi_fast._set_few_points_avx2: avx2}, threads):
+    with switched({torch.ops.kivi_fast_testing.set_few_points_avx2: avx2}, threads):
         assert_kl_equals_reference(p, q, 1e-5 if dtype == torch.float32 else 1e-8)
         z = (torch.cat([p, q], dim=-2)[..., 1::3, :] + 0.01).requires_grad_(True)  # points of neither set
         z_ref = z.detach().clone().requires_grad_(True)
@@ -225,7 +225,7 @@ def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z,
     lead = () if batch is None else (batch,)
     z = (0.5 * torch.randn(*lead, n_z, d, generator=g) + 0.15).requires_grad_(True)
     z_ref = z.detach().clone().requires_grad_(True)
-    with switched({torch.ops.kivi_fast._set_gram_tiles: tiles}, threads):
+    with switched({torch.ops.kivi_fast_testing.set_gram_tiles: tiles}, threads):
         r = kivi_fast.DensityRatio().fit(p, q).log_ratio(z)
         r_ref = reference.DensityRatio().fit(p, q).log_ratio(z_ref)
         (r * torch.linspace(0.5, 2.0, n_z)).sum().backward()
@@ -266,11 +266,11 @@ def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z,
 ])
 @pytest.mark.parametrize("tiles", [True, False])  # False: as on AVX-512 CPUs (GEMMs above 32 dimensions)
 def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
-    if tiles and not torch.ops.kivi_fast._gram_tiles_available():
+    if tiles and not torch.ops.kivi_fast_testing.gram_tiles_available():
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.3, seed=n_p * d)
     p, q = make_samples(pr)
-    with switched({torch.ops.kivi_fast._set_gram_tiles: tiles}, threads):
+    with switched({torch.ops.kivi_fast_testing.set_gram_tiles: tiles}, threads):
         assert_kl_equals_reference(p, q, 1e-5 if dtype == torch.float32 else 1e-8)
         torch.testing.assert_close(kivi_fast.median_bandwidth(p), reference.median_bandwidth(p), rtol=1e-10, atol=0)
 
@@ -285,16 +285,16 @@ def test_projection_reading_the_upper_part_equals_reference(compiled, n_p, n_q, 
     """Above 256 points the projection's row tiles read the kernel's lower part down the columns of its
     upper part (only the three entries left of the diagonal are mirrored): the value and the gradient
     against the oracle, and the value without the gradient state the same bits as with it."""
-    if not torch.ops.kivi_fast._gram_tiles_available():
+    if not torch.ops.kivi_fast_testing.gram_tiles_available():
         pytest.skip("the projection's register tiles need an AVX2 + FMA CPU")
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=torch.float64, scale=1.0, shift=0.3, seed=n_q + d)
     p, q = make_samples(pr)
     # Leave a whole kernel of values near 1 in the per-thread buffers first (mirrored, tiles off): a
     # read of a lower part that the call below did not write would then be far off.
-    with switched({torch.ops.kivi_fast._set_gram_tiles: False}, threads):
+    with switched({torch.ops.kivi_fast_testing.set_gram_tiles: False}, threads):
         for reverse in (True, False):
             value_and_grad(kivi_fast.kl, p, q, reverse=reverse, bandwidth=1e6)
-    with switched({torch.ops.kivi_fast._set_gram_tiles: True}, threads):
+    with switched({torch.ops.kivi_fast_testing.set_gram_tiles: True}, threads):
         assert_kl_equals_reference(p, q, 1e-8)
         for reverse in (True, False):
             with_state, _ = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
@@ -324,16 +324,17 @@ def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_b
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=d)
     p, q = make_samples(pr)
     # the Gram by GEMMs (tiles off), as on AVX-512 CPUs
-    with switched({torch.ops.kivi_fast._set_external_blas: external_blas, torch.ops.kivi_fast._set_gram_tiles: False}):
+    with switched({torch.ops.kivi_fast_testing.set_external_blas: external_blas,
+                   torch.ops.kivi_fast_testing.set_gram_tiles: False}):
         assert_kl_equals_reference(p, q, 1e-8)
 
 
 def refined_solves(fn):
     """fn()'s solves of systems above 256 rows by the CPU kernels: [converged, float32 could not
     factor, stalled (the last two fall back to a float64 Cholesky), float32 solves made]."""
-    before = torch.ops.kivi_fast._refined_solve_counts()
+    before = torch.ops.kivi_fast_testing.refined_solve_counts()
     result = fn()
-    return [b - a for a, b in zip(before, torch.ops.kivi_fast._refined_solve_counts())], result
+    return [b - a for a, b in zip(before, torch.ops.kivi_fast_testing.refined_solve_counts())], result
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # 2: N^2 d is large enough to split the element over threads
@@ -438,9 +439,59 @@ def test_value_without_a_gradient_is_the_same(compiled, batch, n, d, reverse, th
     torch.testing.assert_close(plain, reference.kl(p, q, reverse=reverse), rtol=1e-8, atol=0)
 
 
+def clipped_samples(d, batched, dtype):
+    """Posterior samples wider than and shifted from the prior's: at lam = 1e-3 the fitted ratio is <=
+    clip at some of q_z's points, both ways round ((60, 50, 4): reverse 24-32% of them, forward 6-10%;
+    (60, 50, 40): 6-10% and 0-4%), and no ratio within 1e-6 of clip for rounding to move across."""
+    g = torch.Generator().manual_seed(7)
+    p = torch.randn(3, 60, d, generator=g, dtype=torch.float64)
+    q = torch.randn(3, 50, d, generator=g, dtype=torch.float64) * 1.5 + (1.0 if d < 10 else 0.5) / d ** 0.5
+    if not batched:
+        p, q = p[0], q[0]
+    return p.to(dtype), q.to(dtype)
+
+
+@pytest.mark.parametrize("d", [4, 40])  # the ratio from the row dots; from the tiles (AVX2) or a GEMM
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("reverse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_clipped_fraction_equals_a_count_on_the_reference(compiled, d, batched, reverse, dtype):
+    """The kl op's fourth output is the fraction of q_z's points whose fitted ratio is <= clip: the count
+    on the reference's fit (of p/q at q_z with reverse, of q/p without), float64, [B] or [] like the
+    estimate."""
+    lam, clip = 1e-3, 1e-8
+    p, q = clipped_samples(d, batched, dtype)
+    fitted = reference.DensityRatio(lam).fit(p, q) if reverse else reference.DensityRatio(lam).fit(q, p)
+    r = fitted.ratio(q)
+    assert ((r - clip).abs() > 1e-6).all()
+    expected = (r <= clip).double().mean(-1)
+    assert 0 < expected.mean() < 1  # some points clipped, not all
+    kl, _, _, clipped = torch.ops.kivi_fast.kl(p, q, lam, clip, None, reverse)
+    assert clipped.dtype == torch.float64 and clipped.shape == kl.shape == expected.shape
+    assert torch.equal(clipped, expected)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_kl_clipped_fraction_with_and_without_a_gradient(compiled, reverse):
+    """The fraction does not depend on whether the op keeps a grad state, on autograd (it gets no
+    gradient, like the state and the bandwidth) or on a given bandwidth's path; kivi_fast.kl returns
+    the estimate alone."""
+    p, q = clipped_samples(4, True, torch.float64)
+    qg = q.clone().requires_grad_(True)
+    plain = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, reverse, False)
+    with_grad = torch.ops.kivi_fast.kl(p, qg, 1e-3, 1e-8, None, reverse)
+    assert with_grad[0].requires_grad and not with_grad[3].requires_grad
+    assert torch.equal(plain[3], with_grad[3]) and (plain[3] > 0).all()
+    given = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, plain[2], reverse, False)
+    assert torch.equal(given[3], plain[3])
+    torch.autograd.grad(with_grad[0].sum(), qg)  # the fraction's missing gradient is no obstacle
+    value = kivi_fast.kl(p, qg, reverse=reverse)
+    assert value.shape == (3,) and torch.equal(value.detach(), with_grad[0].detach())
+
+
 def test_kl_grad_rejects_a_state_of_the_wrong_shape(compiled):
     p, q = torch.randn(1, 10, 3, dtype=torch.float64), torch.randn(1, 10, 3, dtype=torch.float64)
-    _, state, _ = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, False)  # no state: width 0
+    _, state, _, _ = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, False)  # no state: width 0
     with pytest.raises(RuntimeError, match=r"state must be the float64 \[1, 10, 4\] grad state"):
         torch.ops.kivi_fast.kl_grad(torch.ones(1, dtype=torch.float64), state, q, p, True)
 
@@ -461,23 +512,23 @@ def test_one_large_element_split_over_threads(compiled, reverse):
 def assert_median_under_bracket_settings(x, expected, ties, min_held=None):
     """median_bandwidth(x) equals expected with the sampled brackets as shipped, with brackets too narrow
     to hold (0 standard deviations) and with none (no sample: the bins alone). Every bracket tried is
-    counted, held or missed (_median_counts): as shipped, at least one held per batch element and none
+    counted, held or missed (median_counts): as shipped, at least one held per batch element and none
     missed (the outcome of this data and the kernel's fixed samples); at 0 standard deviations at least
     one tried per element (a miss hands that element to the bins; a small sample's bracket may still
     hold); with no sample, none. min_held: how many must hold as shipped (default one per element).
     Returns [held, missed] at 0 standard deviations."""
-    ops = torch.ops.kivi_fast
-    shipped = ops._set_median_bracket(0, 0.0)
-    ops._set_median_bracket(int(shipped[0]), shipped[1])
+    ops = torch.ops.kivi_fast_testing
+    shipped = ops.set_median_bracket(0, 0.0)
+    ops.set_median_bracket(int(shipped[0]), shipped[1])
     elements = x.shape[0] if x.dim() == 3 else 1
     for size, sds in [(int(shipped[0]), shipped[1]), (int(shipped[0]), 0.0), (0, shipped[1])]:
-        old = ops._set_median_bracket(size, sds)
+        old = ops.set_median_bracket(size, sds)
         try:
-            before = ops._median_counts()
+            before = ops.median_counts()
             got = kivi_fast.median_bandwidth(x)
-            after = ops._median_counts()
+            after = ops.median_counts()
         finally:
-            ops._set_median_bracket(int(old[0]), old[1])
+            ops.set_median_bracket(int(old[0]), old[1])
         np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, err_msg=str((size, sds)))
         held, missed = (b - a for a, b in zip(before, after))
         if size == 0:
@@ -500,13 +551,13 @@ def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, thread
     bins. Exact on every path: the brackets as shipped, too narrow to hold (0 standard deviations) and
     no sample (the bins alone). Even and odd pair counts (1449 and 1500 points; 1451), one or two
     threads, the counting pass in AVX2 (where the CPU has it) and in portable C++."""
-    ops = torch.ops.kivi_fast
+    ops = torch.ops.kivi_fast_testing
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 5, generator=g, dtype=torch.float64)
     if ties:
         x = torch.round(x * 2) / 2
     expected = np.median(pdist(x.numpy()))
-    with implementation("cpu"), switched({ops._set_portable_gather: portable}, threads=threads):
+    with implementation("cpu"), switched({ops.set_portable_gather: portable}, threads=threads):
         narrow = assert_median_under_bracket_settings(x, expected, ties)
     if not ties:  # 2 ranks each side of 32768 sampled pairs: the first bracket misses
         assert narrow == [0, 1]
@@ -529,17 +580,17 @@ def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, thread
 def test_median_of_fewer_pairs_bracketed_by_a_sample_equals_numpy(n, d, batch, ties, min_held, portable):
     """From 4096 to 2^20 pairs on one thread the bracket's sample is ~0.2 pairs^(2/3) (select_two_sampled,
     direct_sqdist, select_two_of): exact on every path, as above, per batch element."""
-    ops = torch.ops.kivi_fast
+    ops = torch.ops.kivi_fast_testing
     g = torch.Generator().manual_seed(n * d)
     x = torch.randn(*(() if batch is None else (batch,)), n, d, generator=g, dtype=torch.float64)
     if ties:
         x = torch.round(x * 4) / 4
     expected = np.array([np.median(pdist(e.numpy())) for e in x.reshape(-1, n, d)])
-    with implementation("cpu"), switched({ops._set_portable_gather: portable}, threads=1):
+    with implementation("cpu"), switched({ops.set_portable_gather: portable}, threads=1):
         if n * (n - 1) // 2 < 4096:
-            before = ops._median_counts()
+            before = ops.median_counts()
             np.testing.assert_allclose(kivi_fast.median_bandwidth(x).numpy(), expected, rtol=1e-12)
-            assert ops._median_counts() == before
+            assert ops.median_counts() == before
         else:
             narrow = assert_median_under_bracket_settings(x, expected if batch else expected[0], ties, min_held)
             if batch:
@@ -552,29 +603,29 @@ def test_median_when_a_bracket_ends_between_the_two_middle_ranks():
     deviations) whose upper end is a sampled 0 holds rank k but not rank k + 1 and must count as a
     miss; the points' order is drawn anew for each of 16 batch elements, so that the fixed sample
     sees a different share of zeros in each and some brackets end there."""
-    ops = torch.ops.kivi_fast
+    ops = torch.ops.kivi_fast_testing
     g = torch.Generator().manual_seed(5)
     base = torch.cat([torch.zeros(85, 3, dtype=torch.float64),
                       1.0 + torch.rand(35, 3, generator=g, dtype=torch.float64)])
     x = torch.stack([base[torch.randperm(120, generator=g)] for _ in range(16)])
     expected = np.array([np.median(pdist(e.numpy())) for e in x])
     with implementation("cpu"):
-        old = ops._set_median_bracket(1 << 15, 0.0)
+        old = ops.set_median_bracket(1 << 15, 0.0)
         try:
-            before = ops._median_counts()
+            before = ops.median_counts()
             got = kivi_fast.median_bandwidth(x).numpy()
-            after = ops._median_counts()
+            after = ops.median_counts()
         finally:
-            ops._set_median_bracket(int(old[0]), old[1])
+            ops.set_median_bracket(int(old[0]), old[1])
     np.testing.assert_allclose(got, expected, rtol=1e-12)
     assert after[1] - before[1] >= 1  # some brackets missed
 
 
 def test_median_bracket_switch_rejects_bad_settings(compiled):
     with pytest.raises(RuntimeError, match="sds must be finite and >= 0"):
-        torch.ops.kivi_fast._set_median_bracket(1 << 15, -1.0)
+        torch.ops.kivi_fast_testing.set_median_bracket(1 << 15, -1.0)
     with pytest.raises(RuntimeError, match="sample_size must be in"):
-        torch.ops.kivi_fast._set_median_bracket(-1, 5.0)
+        torch.ops.kivi_fast_testing.set_median_bracket(-1, 5.0)
 
 
 def test_kernel_matrix_above_32_mb_reused_between_calls():

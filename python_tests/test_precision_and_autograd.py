@@ -190,15 +190,15 @@ def test_the_kl_state_is_on_a_kept_buffer_and_reused():
     p = torch.randn(1, 1000, 20, generator=g)
     q = torch.randn(1, 1000, 20, generator=g) + 0.1
     with implementation("cpu"):
-        _, s1, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # [1, 1000, 21] float64: 168 KB
+        _, s1, _, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # [1, 1000, 21] float64: 168 KB
         assert not s1.untyped_storage().resizable()  # a kept buffer, not torch's allocator's
         s1_copy, freed = s1.clone(), s1.data_ptr()
         del s1
-        _, s2, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)
+        _, s2, _, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)
         assert s2.data_ptr() == freed and torch.equal(s2, s1_copy)
-        _, s3, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # while s2 is held: another buffer
+        _, s3, _, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # while s2 is held: another buffer
         assert s3.data_ptr() != s2.data_ptr() and torch.equal(s3, s2)
-        _, small, _ = ops.kl(p[:, :100], q[:, :100], 1e-3, 1e-8, None, True)  # 17 KB: torch's allocator
+        _, small, _, _ = ops.kl(p[:, :100], q[:, :100], 1e-3, 1e-8, None, True)  # 17 KB: torch's allocator
         assert small.untyped_storage().resizable()
         # through autograd: the saved state goes back to the pool after the backward, and the next
         # step's forward takes it again (a 168 KB state and a 160 KB float64 gradient: distinct sizes)
@@ -230,7 +230,7 @@ def test_a_step_of_six_layers_takes_no_fresh_buffer():
     ps = [torch.randn(1, 1000, w, generator=g, dtype=torch.float64) for w in widths]
     qs = [(torch.randn(1, 1000, w, generator=g, dtype=torch.float64) + 0.1).requires_grad_(True) for w in widths]
     with implementation("cpu"):  # (loads the ops)
-        fresh = torch.ops.kivi_fast._kept_fresh_buffers
+        fresh = torch.ops.kivi_fast_testing.kept_fresh_buffers
         before, counts = fresh(), []
         for _ in range(3):
             for q in qs:
@@ -274,11 +274,11 @@ def op_cases():
     sigma = torch.tensor([1.0, 1.5], dtype=torch.float64)
     alpha, sig = ops.fit(p, q, 1e-2, None)
     _, weights = ops.ratio(q, p, q, alpha, 3.0, sig)
-    _, state, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # d + 1 < N: the projection of the weights
-    _, state_w, _ = ops.kl(p[..., :2, :], q[..., :2, :], 1e-3, 1e-8, None, True)  # N <= d + 1: the weights
+    _, state, _, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # d + 1 < N: the projection of the weights
+    _, state_w, _, _ = ops.kl(p[..., :2, :], q[..., :2, :], 1e-3, 1e-8, None, True)  # N <= d + 1: the weights
     g = torch.Generator().manual_seed(11)
     p_big, q_big = (torch.randn(1, 10, 60000, generator=g) for _ in range(2))
-    _, state_big, _ = ops.kl(p_big, q_big, 1e-3, 1e-8, None, True)
+    _, state_big, _, _ = ops.kl(p_big, q_big, 1e-3, 1e-8, None, True)
     p_mid = torch.randn(1, 1000, 20, generator=g, dtype=torch.float64)
     q_mid = (torch.randn(1, 1000, 20, generator=g, dtype=torch.float64) + 0.1).requires_grad_(True)
     return [

@@ -26,7 +26,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
 fi
 # Build the ops against the torch just installed (no build isolation), editable so edits to the
 # Python files take effect at once. Rebuilds only when csrc/ or the build files changed.
-src_hash=$(cat CMakeLists.txt pyproject.toml csrc/* | sha256sum | cut -d' ' -f1)
+src_hash=$( (cat CMakeLists.txt pyproject.toml; find csrc -type f | LC_ALL=C sort | xargs sha256sum) | sha256sum | cut -d' ' -f1)
 if [ ! -f "$VENV/.kivi_fast_build" ] || [ "$(cat "$VENV/.kivi_fast_build")" != "$src_hash" ]; then
   "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
   echo "$src_hash" > "$VENV/.kivi_fast_build"

@@ -1,4 +1,4 @@
-#include "gram_tiles.h"
+#include "cpu/gram_tiles.h"
 
 #include <c10/util/Exception.h>
 
@@ -6,15 +6,16 @@
 #include <atomic>
 #include <vector>
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-#define KIVI_FAST_GRAM_TILES_SIMD 1
-#include "x86_avx2.h"
+#include "cpu/isa.h"
+
+#ifdef KIVI_FAST_X86_SIMD
+#include "cpu/x86_avx2.h"
 #endif
 
 namespace kivi_fast {
 namespace gram_tiles {
 
-#ifdef KIVI_FAST_GRAM_TILES_SIMD
+#ifdef KIVI_FAST_X86_SIMD
 
 namespace {
 
@@ -113,7 +114,7 @@ KIVI_AVX2 void column_tile(const double* a0, const double* a1, const double* a2,
 
 // Columns of the inner dimension per pass above kPanelOrderMaxRows: a row tile's 4 x 1024 values (32 KB)
 // stay in L1 or close while every panel multiplies them, and the panels' 1024 rows (256 KB at 32
-// columns) in L2. bench/ab.py at (2000, 32): 512 columns 1.5% slower, 256 3.4%, 2048 even.
+// columns) in L2. At (2000, 32): 512 columns are 1.5% slower, 256 3.4%, 2048 even.
 constexpr int64_t kInnerChunk = 1024;
 
 // s[r] = sum_{k < w} a_r[k] v[k] for the rows a_0..a_3, 8 values a step (two accumulators a row to
@@ -184,10 +185,9 @@ KIVI_AVX2 void column_tile_dots(const double* a0, const double* a1, const double
 // Columns per pass where a row tile reads its lower part down the upper part's columns: each k there
 // is a cache line of its own (of which the tile uses half and the next tile the other half), so
 // the lines of a pass, 128 x 64 bytes, stay in L1 while all the panels multiply them. In one pass of
-// a whole chunk (1024) they came from L2 once per panel, and the kl op was no faster than with the
-// lower part mirrored (bench/ab.py at (2000, 32), forward+backward, float32: 0.985 and 1/0.992 with
-// the load order swapped); with passes of 128, 1.02-1.05x (four runs, both orders), (1000, 32)
-// 1.035-1.08x. Passes of 32, 64 or 256 against 128: within 1.5%, either way.
+// a whole chunk (1024) they would come from L2 once per panel, and the kl op would be no faster than
+// with the lower part mirrored (forward+backward, float32, at (2000, 32)); with passes of 128 it is
+// 1.02-1.05x faster there, 1.035-1.08x at (1000, 32). Passes of 32, 64 or 256: within 1.5% of 128.
 constexpr int64_t kColumnPass = 128;
 
 KIVI_AVX2 void rows_times_panels_impl(const double* a, int64_t m, int64_t lda, const double* b, int64_t n_b,
@@ -315,9 +315,9 @@ KIVI_AVX2 void gram_tile(const double* packed, int64_t n, int64_t w, double* g, 
 
 // Up to kPanelOrderMaxRows points, g (at most 512 KB) stays in L2 and the tiles go panel by panel of
 // columns: the panel stays in L1 while the row tiles stream from L2. Above, row tile by row tile, so
-// that the rows of g are written in order: walking down the columns of a 32 MB g (2000 points) ran 2.3x
-// slower where it sat on 4 KB pages (a C++ harness; cpu.cpp puts large buffers on 2 MB pages where it
-// can), and row tiles first ran 2.6% slower at 200 points x 51 dimensions.
+// that the rows of g are written in order: walking down the columns of a 32 MB g (2000 points) is 2.3x
+// slower where it sits on 4 KB pages (buffers.h puts large buffers on 2 MB pages only where the kernel
+// offers them), and row tiles first are 2.6% slower at 200 points x 51 dimensions.
 
 KIVI_AVX2 void gram_upper_impl(const double* packed, int64_t n, int64_t w, double* g, int64_t ldg, bool accumulate,
                                int64_t t0, int64_t t1) {
@@ -332,20 +332,15 @@ KIVI_AVX2 void gram_upper_impl(const double* packed, int64_t n, int64_t w, doubl
   }
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-
-// Set on first use (not during the library's static initialization).
+// Set on first use (isa::cpu_level() is not known during the library's static initialization).
 std::atomic<bool>& use_tiles() {
-  static std::atomic<bool> flag{cpu_has_avx2_fma() && !__builtin_cpu_supports("avx512f")};
+  static std::atomic<bool> flag{isa::cpu_level() == isa::Level::kAvx2};
   return flag;
 }
 
 }  // namespace
 
-bool available() { return cpu_has_avx2_fma(); }
+bool available() { return isa::cpu_has(isa::Level::kAvx2); }
 bool enabled() { return use_tiles().load() && available(); }
 bool set_enabled(bool flag) { return use_tiles().exchange(flag); }
 

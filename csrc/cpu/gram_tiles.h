@@ -1,19 +1,20 @@
 // The Gram matrix's upper triangle of a column block of the stacked points, by register tiles (the
-// distances of more than 32 points in more than a few dimensions: use_direct_distances in cpu.cpp),
-// and the same tiles for the kl op's projection of its weights on the points (rows_times_panels).
+// distances of more than 32 points in more than a few dimensions: use_direct_distances in
+// distances.h), and the same tiles for the kl op's projection of its weights on the points
+// (rows_times_panels).
 //
 // BLAS exports no SYRK in every torch build, and the GEMMs of a split triangle (add_gram_upper in
-// cpu.cpp) still multiply 3/4 of the full product at 200 points; their operands are also copied
+// distances.cpp) still multiply 3/4 of the full product at 200 points; their operands are also copied
 // twice, once to float64 and once more into BLAS's packed panels. Here one pass converts a block of
 // float32 (or float64) rows straight into the panel layout the tiles read, and only tiles that touch
-// the upper triangle are multiplied (about half the product). On this project's AVX2 CPU (AMD EPYC,
-// 1 thread, bench/ab.py against the split GEMMs of MKL): the kl op's forward 1.64x faster at
-// (100, 50000), forward + backward 1.11-1.13x at (100, 51), 1.19x at (100, 700), 1.29x at (100, 50000);
-// at 2000 points x 32 dimensions the Gram alone is about as fast as MKL's split GEMMs.
+// the upper triangle are multiplied (about half the product). On an AVX2 CPU (AMD EPYC, 1 thread,
+// against the split GEMMs of MKL): the kl op's forward 1.64x faster at (100, 50000), forward + backward
+// 1.11-1.13x at (100, 51), 1.19x at (100, 700), 1.29x at (100, 50000); at 2000 points x 32 dimensions
+// the Gram alone is about as fast as MKL's split GEMMs.
 //
-// Written for AVX2 + FMA (4 doubles a register). On an AVX-512 CPU, MKL's 8-wide GEMMs should beat
-// these 4-wide tiles despite their 3/4 of the product (twice the work per instruction; not measured:
-// no AVX-512 CPU was at hand), so callers keep the GEMMs there (enabled()).
+// Written for AVX2 + FMA (4 doubles a register). On an AVX-512 CPU, MKL's 8-wide GEMMs are expected to
+// beat these 4-wide tiles despite their 3/4 of the product (twice the work per instruction; not
+// compared), so callers keep the GEMMs there (enabled()).
 #pragma once
 
 #include <cstdint>
@@ -52,14 +53,14 @@ void gram_upper(const double* packed, int64_t n, int64_t w, double* g, int64_t l
 // sum_{k < w} a[i lda + k] b_j[k] for i < m, j < n_b, with b's columns in panels of kPanel columns,
 // each stored by row ([w][kPanel], panel p at b + p kPanel w; columns past n_b zero). The kl op's
 // projection of its weights on the points (A = the kernel rows, B = the points scaled by their
-// coefficients): at 200 points x 51 dimensions MKL's GEMM spent as much time copying its operands and
-// in its edge cases as in its kernel; at 2000 x 32 it spent a third of its time packing the 64 MB of
-// kernel rows (this: the kl op 1.04-1.06x faster forward+backward at (1000, 32) and (2000, 32), 1 and
-// 2 threads, bench/ab.py). A of at most kPanelOrderMaxRows x kPanelOrderMaxRows stays in L2 while each
+// coefficients): at 200 points x 51 dimensions MKL's GEMM spends as much time copying its operands and
+// in its edge cases as in its kernel; at 2000 x 32 a third of its time packing the 64 MB of kernel
+// rows (with these tiles the kl op is 1.04-1.06x faster forward+backward at (1000, 32) and (2000, 32),
+// 1 and 2 threads). A of at most kPanelOrderMaxRows x kPanelOrderMaxRows stays in L2 while each
 // panel of B stays in L1; a larger A is read once, in chunks of its columns. The rest of c is not
 // written. Where v is given, also av[i] = sum_{k < w} a[i lda + k] v[k] for i < m, summed while the
-// rows are in cache (the kl op's ratio at its evaluation points: at (2000, 32) a separate pass read the
-// 64 MB of kernel rows once more), in an order that depends on w alone: n_b may be 0 (no panels, b
+// rows are in cache (the kl op's ratio at its evaluation points: at (2000, 32) a separate pass would
+// read the 64 MB of kernel rows once more), in an order that depends on w alone: n_b may be 0 (no panels, b
 // unread), and splitting the rows over calls changes nothing.
 // Where first_row >= 0, A's rows are rows first_row.. of a symmetric w x w matrix (row 0 at
 // a - first_row lda) of which only the entries from three left of the diagonal on are filled: a row tile

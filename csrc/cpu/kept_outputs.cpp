@@ -29,7 +29,7 @@ constexpr size_t kMinBytes = size_t{128} << 10;
 constexpr size_t kHugeFrom = 4 * huge_pages::kSize;
 // What idle buffers may hold in all, and how many: a training step frees each layer's state in its
 // backward and each layer's gradient at zero_grad, before the next step asks for them again (two buffers
-// a kl call: 8 had evicted the states of a 5-layer step before its next forward).
+// a kl call: 8 would evict the states of a 5-layer step before its next forward).
 constexpr size_t kMaxIdleBytes = size_t{256} << 20, kMaxIdle = 32;
 
 class Pool {

@@ -1,15 +1,11 @@
-#include "simd_rows.h"
+#include "cpu/simd_rows.h"
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cmath>
 #include <limits>
-#include <vector>
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-#include <immintrin.h>
-#endif
+#include "cpu/vec4.h"
 
 namespace kivi_fast {
 namespace rows {
@@ -46,17 +42,6 @@ __attribute__((always_inline)) inline void sqdist_from_point_fixed(const double*
   }
 }
 
-// Four doubles; GCC lowers it to one AVX register or two SSE2 ones, whichever the clone has.
-typedef double Vec4 __attribute__((vector_size(32), aligned(8)));
-
-inline Vec4 load4(const double* p) {
-  Vec4 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store4(double* p, Vec4 v) { __builtin_memcpy(p, &v, sizeof v); }
-
 template <int D>
 __attribute__((always_inline)) inline void dots_with_columns_fixed(const double* w, const double* pt, int64_t n,
                                                                    double* out) {
@@ -67,8 +52,8 @@ __attribute__((always_inline)) inline void dots_with_columns_fixed(const double*
     const Vec4 wv = load4(w + j);
     for (int k = 0; k < D; ++k) acc[k] += wv * load4(pt + k * n + j);
   }
-  // the tail outside the loop over k: with a loop inside it, acc was a stack array zeroed by a rep stos
-  // (8% of this function's time at 200 points)
+  // the tail outside the loop over k: with a loop inside it, acc becomes a stack array zeroed by a rep
+  // stos (8% of this function's time at 200 points)
   for (int k = 0; k < D; ++k) out[k] = (acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3]);
   for (; j < n; ++j) {
     for (int k = 0; k < D; ++k) out[k] += w[j] * pt[k * n + j];
@@ -365,173 +350,6 @@ KIVI_FAST_ISA_CLONES void axpby_out(const double* g, const double* z, double s, 
 KIVI_FAST_ISA_CLONES void axpby_out(const double* g, const double* z, double s, double t, double* out, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = s * (g[j] - t * z[j]);
 }
-
-KIVI_FAST_ISA_CLONES void min_max(const double* x, int64_t n, double& lo, double& hi) {
-  double a = lo, b = hi;
-  // The ternary form (not std::min) is what compilers turn into vector min/max reductions.
-#pragma omp simd reduction(min : a) reduction(max : b)
-  for (int64_t j = 0; j < n; ++j) {
-    a = x[j] < a ? x[j] : a;
-    b = x[j] > b ? x[j] : b;
-  }
-  lo = a;
-  hi = b;
-}
-
-KIVI_FAST_ISA_CLONES void copy_min_max(const double* x, double* out, int64_t n, double& lo, double& hi) {
-  double a = lo, b = hi;
-#pragma omp simd reduction(min : a) reduction(max : b)
-  for (int64_t j = 0; j < n; ++j) {
-    const double v = x[j];
-    out[j] = v;
-    a = v < a ? v : a;
-    b = v > b ? v : b;
-  }
-  lo = a;
-  hi = b;
-}
-
-KIVI_FAST_ISA_CLONES void histogram(const double* x, int64_t n, double lo, double inv_width, int32_t bins,
-                                    int32_t* hist) {
-  // The bin indices of a chunk first (vector arithmetic stored to an array, read back by plain loads
-  // instead of lane extracts), then the increments. Over many values a bin, they alternate between
-  // hist and a second table, so that fewer increments wait on an earlier one to the same count; the
-  // tables are summed at the end (19900 values in 2487 bins: 1.2x faster than one table).
-  constexpr int64_t kChunk = 256;
-  thread_local std::vector<int32_t> second;
-  const bool two = n >= 4 * static_cast<int64_t>(bins);
-  if (two) second.assign(bins, 0);
-  int32_t* const other = two ? second.data() : hist;
-  int32_t idx[kChunk];
-  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
-    const int64_t len = std::min(kChunk, n - j0);
-    const double* xs = x + j0;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) idx[t] = bin_of(xs[t], lo, inv_width, bins);
-    int64_t t = 0;
-    for (; t + 2 <= len; t += 2) {
-      ++hist[idx[t]];
-      ++other[idx[t + 1]];
-    }
-    if (t < len) ++hist[idx[t]];
-  }
-  if (two) {
-#pragma omp simd
-    for (int32_t b = 0; b < bins; ++b) hist[b] += other[b];
-  }
-}
-
-KIVI_FAST_ISA_CLONES int64_t gather_bins(const double* x, int64_t n, double lo, double inv_width, int32_t bins,
-                                         int32_t first, int32_t last, double* out) {
-  // Few values fall in the bins sought: test 8 at a time against value bounds half a bin wider than
-  // those bins (vector compares), and compute the exact bin only where one may hit.
-  const double a = lo + (static_cast<double>(first) - 0.5) / inv_width;
-  const double b = lo + (static_cast<double>(last) + 1.5) / inv_width;
-  const Vec4 a4 = {a, a, a, a}, b4 = {b, b, b, b};
-  int64_t count = 0, j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const Vec4 v0 = load4(x + j), v1 = load4(x + j + 4);
-    const auto hit = ((v0 >= a4) & (v0 <= b4)) | ((v1 >= a4) & (v1 <= b4));
-    if ((hit[0] | hit[1] | hit[2] | hit[3]) == 0) continue;
-    for (int t = 0; t < 8; ++t) {
-      const int32_t bin = bin_of(x[j + t], lo, inv_width, bins);
-      if (bin >= first && bin <= last) out[count++] = x[j + t];
-    }
-  }
-  for (; j < n; ++j) {
-    const int32_t bin = bin_of(x[j], lo, inv_width, bins);
-    if (bin >= first && bin <= last) out[count++] = x[j];
-  }
-  return count;
-}
-
-namespace {
-
-// count_below_gather on any CPU. As in gather_bins, few values fall in [lo, hi]: 8 at a time by vector
-// compares, which also count the values below lo (each true lane is -1).
-KIVI_FAST_ISA_CLONES int64_t count_below_gather_any(const double* x, int64_t n, double lo, double hi, double* out,
-                                                    int64_t& below) {
-  const Vec4 lo4 = {lo, lo, lo, lo}, hi4 = {hi, hi, hi, hi};
-  decltype(lo4 < hi4) under = {};
-  int64_t count = 0, j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const Vec4 v0 = load4(x + j), v1 = load4(x + j + 4);
-    under += (v0 < lo4) + (v1 < lo4);
-    const auto hit = ((v0 >= lo4) & (v0 <= hi4)) | ((v1 >= lo4) & (v1 <= hi4));
-    if ((hit[0] | hit[1] | hit[2] | hit[3]) == 0) continue;
-    for (int t = 0; t < 8; ++t) {  // without branches: which of the 8 are inside is unpredictable
-      const double v = x[j + t];
-      out[count] = v;
-      count += (v >= lo) & (v <= hi);
-    }
-  }
-  for (; j < n; ++j) {
-    const double v = x[j];
-    below += v < lo;
-    out[count] = v;
-    count += (v >= lo) & (v <= hi);
-  }
-  below -= under[0] + under[1] + under[2] + under[3];
-  return count;
-}
-
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-// AVX2: no branch at all. Each 4 values are stored with those inside moved to the front (a permutation
-// looked up by the compare mask) and the output advances by their count: the branch of the version
-// above mispredicts on ~20% of 8-value groups at a 3% bracket, and cost 2x this.
-struct CompressTable {
-  alignas(32) int32_t perm[16][8];
-  constexpr CompressTable() : perm() {
-    for (int m = 0; m < 16; ++m) {
-      int at = 0;
-      for (int lane = 0; lane < 4; ++lane)
-        if (m & (1 << lane)) {
-          perm[m][2 * at] = 2 * lane;
-          perm[m][2 * at + 1] = 2 * lane + 1;
-          ++at;
-        }
-      for (; at < 4; ++at) perm[m][2 * at] = perm[m][2 * at + 1] = 0;
-    }
-  }
-};
-constexpr CompressTable kCompress;
-
-__attribute__((target("avx2,popcnt"))) int64_t count_below_gather_avx2(const double* x, int64_t n, double lo,
-                                                                       double hi, double* out, int64_t& below) {
-  const __m256d lo4 = _mm256_set1_pd(lo), hi4 = _mm256_set1_pd(hi);
-  __m256i under = _mm256_setzero_si256();
-  int64_t count = 0, j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const __m256d v = _mm256_loadu_pd(x + j);
-    under = _mm256_sub_epi64(under, _mm256_castpd_si256(_mm256_cmp_pd(v, lo4, _CMP_LT_OQ)));
-    const int inside = _mm256_movemask_pd(
-        _mm256_and_pd(_mm256_cmp_pd(v, lo4, _CMP_GE_OQ), _mm256_cmp_pd(v, hi4, _CMP_LE_OQ)));
-    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.perm[inside]));
-    // all 4 stored, count <= j: within out's room for n values
-    _mm256_storeu_ps(reinterpret_cast<float*>(out + count), _mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm));
-    count += _mm_popcnt_u32(static_cast<unsigned>(inside));
-  }
-  alignas(32) int64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), under);
-  below += lanes[0] + lanes[1] + lanes[2] + lanes[3];
-  return count + count_below_gather_any(x + j, n - j, lo, hi, out + count, below);
-}
-#endif
-
-}  // namespace
-
-std::atomic<bool> force_portable_gather{false};
-
-int64_t count_below_gather(const double* x, int64_t n, double lo, double hi, double* out, int64_t& below) {
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2 && !force_portable_gather.load(std::memory_order_relaxed))
-    return count_below_gather_avx2(x, n, lo, hi, out, below);
-#endif
-  return count_below_gather_any(x, n, lo, hi, out, below);
-}
-
-bool set_portable_gather(bool flag) { return force_portable_gather.exchange(flag); }
 
 }  // namespace rows
 }  // namespace kivi_fast

@@ -1,6 +1,6 @@
 // Large buffers on 2 MB pages where the kernel offers transparent huge pages (a fresh 128 MB kernel
-// matrix otherwise takes ~32k page faults), and how long buffers stay mapped: the one policy of cpu.cpp's
-// scratch buffers and of kept_outputs' gradient buffers.
+// matrix otherwise takes ~32k page faults), and how long buffers stay mapped: the one policy of the
+// scratch buffers (buffers.h) and of kept_outputs' gradient buffers.
 #pragma once
 
 #include <cstddef>

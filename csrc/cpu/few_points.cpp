@@ -1,4 +1,4 @@
-#include "few_points.h"
+#include "cpu/few_points.h"
 
 #include <c10/util/Exception.h>
 
@@ -6,9 +6,10 @@
 #include <atomic>
 #include <type_traits>
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(KIVI_FAST_NO_MULTIVERSION)
-#define KIVI_FAST_FEW_POINTS_SIMD 1
-#include "x86_avx2.h"
+#include "cpu/isa.h"
+
+#ifdef KIVI_FAST_X86_SIMD
+#include "cpu/x86_avx2.h"
 // GCC 12's _mm512_cvtps_pd starts from an "undefined" register, which -Wmaybe-uninitialized reports.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
@@ -16,9 +17,7 @@
 namespace kivi_fast {
 namespace few_points {
 
-#ifdef KIVI_FAST_FEW_POINTS_SIMD
-
-#define KIVI_AVX512 __attribute__((target("avx512f")))
+#ifdef KIVI_FAST_X86_SIMD
 
 namespace {
 
@@ -182,7 +181,7 @@ KIVI_AVX512 void weighted_rows_impl(const double* weights, int64_t n, const T* c
 namespace avx2 {
 
 // Columns per block: the two float64 buffers of 20 rows and the accumulators (26 KB) stay in L1
-// (bench/ab.py, forward at (10, 314000): 64 columns 1.04x faster than 128, 32 columns 0.89x).
+// (forward at (10, 314000): 64 columns 1.04x faster than 128, 32 columns 0.89x).
 constexpr int64_t kBlock = 64;
 
 using x86::load4;
@@ -194,8 +193,8 @@ KIVI_AVX2 inline void store4(double* p, __m256d v) { _mm256_storeu_pd(p, v); }
 // group padded with zero rows); each group's own 4 x 4 triangle is one tile of ten accumulators, and
 // the rectangle of a group against every earlier row is cut into tiles of 4 x 3 and 4 x 2. At 20 rows
 // that is 210 products a column, where 3 x 3 tiles over 21 rows made 252 (the diagonal tiles' upper
-// halves and the padding row): the kernel is bound by its multiply-adds, in L3 as from memory
-// (bench/ab.py, the forward at (10, 314000): 1.08x faster; with the conversion below 1.19x).
+// halves and the padding row): the kernel is bound by its multiply-adds, in L3 as from memory (the
+// forward at (10, 314000): 1.08x faster than 3 x 3 tiles; with the conversion below 1.19x).
 enum class TileKind : int8_t { kTriangle, kRect3, kRect2 };
 struct Tile {
   TileKind kind;
@@ -239,10 +238,10 @@ int tile_triangle(int64_t rows, Tile* tiles) {
 }
 
 // The kernels below: a block of kBlock columns of the float64 buffer, accumulators in named registers
-// (with an array of them, GCC copied them in and out with rep movsq, which cost as much as the
+// (with an array of them, GCC copies them in and out with rep movsq, which costs as much as the
 // block's multiply-adds). Each also converts one row of the next block, src to dst (kBlock columns),
-// a vector an iteration: alone, that pass was a fifth of the Gram's time with the multiply-add units
-// idle, bound by its stores and conversions, which use other ports.
+// a vector an iteration: alone, that pass would be a fifth of the Gram's time with the multiply-add
+// units idle, bound by its stores and conversions, which use other ports.
 
 // sums[k (k + 1) / 2 + l] += x_k x_l, l <= k < 4, over rows x[0..3].
 template <class T>
@@ -446,9 +445,9 @@ KIVI_AVX2 inline void weighted_four(const double* weights, int64_t n, const T* c
 
 // Columns c to c + 7 of output rows J0 to M - 1, in tiles of five rows by two registers: ten
 // accumulators, each broadcast weight used twice. One row by four columns at a time (a broadcast per
-// multiply-add) took 13.0 ns a column of (10, 314000)'s kl_grad op alone, these tiles 11.8 (in L3, d =
-// 31,400: 13.4 and 12.1). Inlined: called once per tile they were slower than that from memory
-// (14.2 ns), as session 12's first try of this tiling measured.
+// multiply-add) takes 13.0 ns a column of (10, 314000)'s kl_grad op alone, these tiles 11.8 (in L3, d =
+// 31,400: 13.4 and 12.1). Inlined: called once per tile, they are slower than that from memory
+// (14.2 ns).
 template <int M, int J0, class T>
 KIVI_AVX2 __attribute__((always_inline)) inline void weighted_eight(const double* weights, int64_t n,
                                                                     const T* const* rows, const T* const* z,
@@ -481,18 +480,11 @@ KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* con
 
 std::atomic<bool> force_avx2{false};
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes && !force_avx2.load();
-}
+bool has_avx512() { return isa::cpu_has(isa::Level::kAvx512) && !force_avx2.load(); }
 
 }  // namespace
 
-bool available() {
-  static const bool yes = __builtin_cpu_supports("avx512f") ||
-                          (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
-  return yes;
-}
+bool available() { return isa::cpu_has(isa::Level::kAvx2); }
 
 bool set_force_avx2(bool flag) { return force_avx2.exchange(flag); }
 

@@ -1,12 +1,10 @@
-// What the hand-written x86 kernels (few_points.cpp, gram_tiles.cpp) share. Include only in x86-64
-// GCC/Clang builds (their KIVI_FAST_*_SIMD branches).
+// What the hand-written AVX2 kernels (few_points.cpp, gram_tiles.cpp) share. Include only where
+// KIVI_FAST_X86_SIMD is defined (isa.h).
 #pragma once
 
-#include <immintrin.h>
+#include "cpu/isa.h"
 
 #include <cstdint>
-
-#define KIVI_AVX2 __attribute__((target("avx2,fma")))
 
 namespace kivi_fast {
 namespace x86 {

@@ -1,0 +1,50 @@
+// Squared distances of the stacked points of one batch element (the upper triangle: the median, the
+// fit and the evaluation read nothing else), by one of three paths:
+//  - few dimensions: summed from coordinate differences (exact up to the last rounding), the points
+//    transposed so that the inner loops run over points (rows::sqdist_from_point);
+//  - few points in many dimensions (N <= 32, an MNIST layer): a Gram from the input rows in float64
+//    registers (few_points.h), with no float64 copy of the samples;
+//  - otherwise a Gram by column blocks converted to float64 while in cache: gram_tiles' register tiles
+//    on AVX2 CPUs, GEMMs of the split triangle elsewhere; then g_ii + g_jj - 2 g_ij.
+// The median's counting pass (median.h, BracketTally) runs on the rows as they are computed where that
+// saves a pass over the triangle.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/buffers.h"
+#include "cpu/loops.h"
+#include "cpu/median.h"
+#include "kivi.h"
+
+namespace kivi_fast {
+namespace cpu {
+
+// Whether distances are summed from coordinate differences rather than taken from a Gram: up to
+// kMaxDirectDimTiles dimensions where the Gram would take gram_tiles' register tiles, up to
+// kMaxDirectDimGemm elsewhere. Forward + backward, float32, 1 thread: the differences are slower than
+// the register tiles from 16 dimensions ((100, 16) 5%, (100, 32) 14%, (1000, 32) 10%) and even at 8
+// ((100, 8) and 128 x (100, 8) within +-4%); faster than the split GEMMs up to 32 ((100, 16) and
+// (1000, 32) forward 15% and 20%), slower from ~48. Few points (the few-points Gram, not the tiles)
+// keep the differences up to 32 dimensions.
+constexpr int64_t kMaxDirectDimTiles = 8, kMaxDirectDimGemm = 32;
+bool use_direct_distances(int64_t rows, int64_t d);
+
+// Whether the few-points kernels (few_points.h) take N stacked points.
+bool use_few_points(int64_t rows);
+// Columns per task when the few-points kernels split one element over threads.
+constexpr int64_t kFewPointsGrain = 16384;
+
+// Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
+// the diagonal: callers read nothing else) and their squared norms into norms ([N]). Where summed
+// from differences (use_direct_distances), the points are left transposed in work.points ([d, N], with
+// room for one more row: kl's ratio column). Where middle is given, the median's counting pass may run
+// on the distances as they are computed, and leaves its findings there.
+void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work,
+                   Middle* middle = nullptr);
+
+// NaN/Inf in a sample makes its squared norm NaN/Inf: rows [0, n_den) are denom, then numer.
+void check_finite(const double* norms, int64_t n_den, int64_t n, Names names);
+
+}  // namespace cpu
+}  // namespace kivi_fast

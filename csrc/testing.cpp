@@ -1,0 +1,42 @@
+// Test switches and counters of the kernels, in a library of their own, torch.ops.kivi_fast_testing.*,
+// so that the public namespace torch.ops.kivi_fast holds only the tensor ops. None is a tensor op: each
+// sets a process-wide flag or reads a counter, and the setters return the old value so that a test can
+// restore it.
+#include <torch/library.h>
+
+#include "cpu/blas.h"
+#include "cpu/few_points.h"
+#include "cpu/gram_tiles.h"
+#include "cpu/kept_outputs.h"
+#include "cpu/median.h"
+#include "cpu/solve.h"
+#include "kivi.h"
+
+namespace kivi_fast {
+
+TORCH_LIBRARY(kivi_fast_testing, m) {
+  // The device-generic kernels (the path CUDA tensors take) for CPU tensors too.
+  m.def("set_force_generic(bool flag) -> bool", &set_force_generic);
+  // The few-points kernels' AVX2 version on an AVX-512 CPU.
+  m.def("set_few_points_avx2(bool flag) -> bool", &few_points::set_force_avx2);
+  // The Gram's register tiles (true, where the CPU has AVX2 + FMA) or the split GEMMs (false); and
+  // whether this CPU can run the tiles.
+  m.def("set_gram_tiles(bool flag) -> bool", &gram_tiles::set_enabled);
+  m.def("gram_tiles_available() -> bool", &gram_tiles::available);
+  // The ATen calls in place of torch's exported BLAS/LAPACK symbols.
+  m.def("set_external_blas(bool flag) -> bool", &cpu::set_external_blas);
+  // How the solves of systems above 256 rows ended, [converged, float32 could not factor, stalled,
+  // float32 solves made] since load.
+  m.def("refined_solve_counts() -> int[]", &cpu::refined_solve_counts);
+  // How the median's sampled brackets ended, [held, missed]; and the sample that brackets the middle
+  // ranks: its size (0: the bins only) and the bracket's half-width in standard deviations (returns the
+  // old [size, sds]).
+  m.def("median_counts() -> int[]", &cpu::median_counts);
+  m.def("set_median_bracket(int sample_size, float sds) -> float[]", &cpu::set_median_bracket);
+  // The bracket's counting pass in portable C++ even on an AVX2 CPU.
+  m.def("set_portable_gather(bool flag) -> bool", &rows::set_portable_gather);
+  // How many kept buffers were allocated afresh since load (cpu/kept_outputs.h).
+  m.def("kept_fresh_buffers() -> int", &kept_outputs::fresh_buffers);
+}
+
+}  // namespace kivi_fast
