@@ -192,8 +192,8 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (7, 13, 780, 2, torch.float32, 1),        # 20 points, 13 evaluation points (5, 5, 3) and their
                                               # 4-column step, the Gram's 12 tail columns
     (2, 2, 300, None, torch.float64, 1),      # 4 points: one tile, three rows converted on their own
-    (1, 2, 100, None, torch.float32, 1),      # 3 points (a padding row in the only tile), one block of
-                                              # the Gram (no next block to convert)
+    (2, 3, 100, None, torch.float32, 1),      # 5 points (three padding rows in the last tile), one
+                                              # block of the Gram (no next block to convert)
 ])
 @pytest.mark.parametrize("avx2", [False, True])  # True: the AVX2 kernels even on an AVX-512 CPU
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
@@ -212,7 +212,7 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 
 
 # The ratio's gradient at many evaluation points of their own (per-row scales, unlike the kl op's one
-# scale per element; z's term kept apart from the folded weights, csrc/cpu.cpp, tiled_weighted_grad):
+# scale per element; z's term kept apart from the folded weights, csrc/cpu/grad.cpp, tiled_weighted_grad):
 # above kMaxOutRows points the backward's tiles run in chunks of 15 rows, over column blocks (1408
 # columns for 45 float32 rows), over two threads' columns (3000 >= 2 blocks) and over a batch.
 @pytest.mark.parametrize("n_p,n_q,n_z,d,batch,threads", [
@@ -342,7 +342,7 @@ def refined_solves(fn):
 @pytest.mark.parametrize("n_p", [301, 302])  # with n_q = 283: the residual's 4-row blocks + 1, 2, 3 rows
 def test_float32_factor_refined_in_float64_equals_reference(lam, threads, n_p):
     """Systems above 256 rows are factored by LAPACK in float32 and refined in float64 (solve_refined in
-    cpu.cpp) to float64's backward error: the answer is float64's, at lam = 1e-6 too, where the
+    csrc/cpu/solve.cpp) to float64's backward error: the answer is float64's, at lam = 1e-6 too, where the
     system's condition number (up to 1e6) makes each refinement step gain fewer digits and leaves
     float64 itself fewer: there ours and the reference differ by 1e-8 in the gradient at reverse=True,
     and so do the reference and our float64 Cholesky path (3e-9; _set_external_blas(False))."""
@@ -546,7 +546,7 @@ def assert_median_under_bracket_settings(x, expected, ties, min_held=None):
 @pytest.mark.parametrize("portable", [False, True])
 def test_median_of_many_pairs_bracketed_by_a_sample_equals_numpy(n, ties, threads, portable):
     """Above 2^20 pairs the CPU kernel brackets the two middle ranks by a sample of the pairs and selects
-    among the pairs inside the bracket (csrc/cpu.cpp, select_two_sampled), by more brackets of its own
+    among the pairs inside the bracket (csrc/cpu/median.cpp, select_two_sampled), by more brackets of its own
     (select_two_of) while more than 4096 are inside; a bracket that misses a rank hands the call to the
     bins. Exact on every path: the brackets as shipped, too narrow to hold (0 standard deviations) and
     no sample (the bins alone). Even and odd pair counts (1449 and 1500 points; 1451), one or two
@@ -629,7 +629,7 @@ def test_median_bracket_switch_rejects_bad_settings(compiled):
 
 
 def test_kernel_matrix_above_32_mb_reused_between_calls():
-    """A kernel matrix above 32 MB is handed back lazily after a call (MADV_FREE, csrc/cpu.cpp:
+    """A kernel matrix above 32 MB is handed back lazily after a call (MADV_FREE, csrc/cpu/buffers.cpp:
     Work::trim) and found again by the next call, with whatever its pages then hold: the old values or
     zeros. A larger problem first (2400 points, 46 MB), then a smaller one (2200 points, 39 MB) on the
     same buffers, twice: equal to the reference, and to each other bit for bit."""
@@ -652,7 +652,7 @@ def test_kernel_matrix_above_32_mb_reused_between_calls():
 def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
     """Above 32 MB (2100 points) on one thread the Gram's row tiles turn into squared distances as they
     are computed, from the last tile up, and the median's counting pass runs on each tile's rows against
-    a bracket from a sample of distances summed from the input rows (csrc/cpu.cpp, gram_one): the median
+    a bracket from a sample of distances summed from the input rows (csrc/cpu/distances.cpp, gram_one): the median
     equals numpy's whether the bracket holds (as shipped), misses (0 standard deviations; tied
     distances fill it) and hands the call to the bins without a second count, or is off (no sample);
     the KL's value and gradient equal the device-generic kernels' (full ATen matrices) at 2100 points
