@@ -1,9 +1,9 @@
-"""How far float64 products let ours go: the ceiling on pure/ours and on "% of roofline" per shape.
+"""How far float64 products let ours go: the ceiling on strong/ours, fast/ours and "% of roofline".
 
     python bench/bounds.py bench/results.json [run2.json ...] [--dtype float32] [--threads 1]
 
 Ours keeps every product of the samples in float64 (the accuracy contract: bench/precision.py shows
-that a float32 Gram is what takes the pure side outside 1e-3). However well ours is written, a call
+that a float32 Gram is what takes the fast side outside 1e-3). However well ours is written, a call
 then does at least these float64 multiply-adds, at most at the float64 GEMM rate measured in the same
 run (with N = n_p + n_q, all times B):
 
@@ -13,14 +13,14 @@ run (with N = n_p + n_q, all times B):
 plus the n x n part (Cholesky and solves) at the float32 rate and the bytes at the read bandwidth, as
 bench/roofline.py charges them. The "float64 floor" is that time (the max of the compute and the
 memory time); the "f32 backward" column lets the backward product run at the float32 rate (the one
-float32 step that bench/precision.py finds inside the contract: 8.7e-6), the Gram still in float64
-(float32 inputs only). The rates are the best of five large GEMMs in the same run, so a call can beat
-the floor by a few percent on this VM; it is a count, not a proof.
+float32 step that bench/precision.py finds inside the contract, the strong side's choice), the Gram
+still in float64 (float32 inputs only). The rates are the best of five large GEMMs in the same run, so
+a call can beat the floor by a few percent on this VM; it is a count, not a proof.
 
 Per shape, from each run's own rates and medians (the median over the runs, with the range):
   - ours / floor: the floor time over ours, how close ours is to it (100%: at the floor);
-  - max pure/ours: pure's time over the floor, the best ratio float64 products allow against pure as
-    it ran, and the same with the backward product in float32;
+  - max strong/ours, max fast/ours: that side's time over the floor, the best ratio float64 products
+    allow against it as it ran; "f32 bwd": the same floor with the backward's product in float32;
   - max % roofline: the roofline time over the floor, the highest "ours % roofline" float64 products
     allow (the roofline charges the full Gram at the float32 rate).
 """
@@ -54,7 +54,7 @@ def floor_s(row: dict, rates: dict, backward_rate_key: str = "gemm_gflops_float6
 def bounds(run: dict, dtype: str, threads: int) -> dict[tuple[str, str], dict]:
     """Per (shape, pass): ours / floor, the ratio ceilings and the roofline ceiling of one run."""
     if "roofline_rates" not in run:
-        raise SystemExit("a run without roofline_rates: written by a bench/run.py older than session 10?")
+        raise SystemExit("a run without roofline_rates: not written by this bench/run.py")
     out = {}
     for row in run["results"]:
         if row["dtype"] != dtype or row["threads"] != threads or row.get("ours_s") is None:
@@ -64,10 +64,12 @@ def bounds(run: dict, dtype: str, threads: int) -> dict[tuple[str, str], dict]:
         f32_bwd = floor_s(row, rates, "gemm_gflops_float32") if dtype == "float32" else float("nan")
         out[(row["shape"], row["pass"])] = {
             "ours_over_floor": f64 / row["ours_s"],
-            "max_ratio": row["pure_s"] / f64,
-            "max_ratio_f32_bwd": row["pure_s"] / f32_bwd,
+            "max_strong": row["strong_s"] / f64 if row.get("strong_s") else float("nan"),
+            "max_fast": row["fast_s"] / f64 if row.get("fast_s") else float("nan"),
+            "max_fast_f32_bwd": row["fast_s"] / f32_bwd if row.get("fast_s") else float("nan"),
             "max_roofline": row["roofline_s"] / f64,
-            "ratio": row["ratio"],
+            "strong_ratio": row.get("strong_ratio") or float("nan"),
+            "fast_ratio": row.get("fast_ratio") or float("nan"),
             "roofline": row["roofline_frac"],
             "floor_ms": 1e3 * f64,
             "ours_ms": 1e3 * row["ours_s"],
@@ -95,15 +97,15 @@ def main(argv=None) -> int:
     if not keys:
         raise SystemExit(f"no {args.dtype} rows at {args.threads} thread(s) common to all the runs given")
     print(f"{args.dtype}, {args.threads} thread(s), {len(per_run)} run(s): median (range)\n")
-    print("| shape | pass | pure/ours | max pure/ours, float64 | max, f32 backward | ours ms | floor ms | "
-          "ours / floor | ours % roofline | max % roofline, float64 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | pass | strong/ours | max strong/ours | fast/ours | max fast/ours | max, f32 bwd | ours ms | "
+          "floor ms | ours / floor | ours % roofline | max % roofline |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key in keys:
         cell = lambda name, fmt, scale=1.0: spread([scale * r[key][name] for r in per_run], fmt)  # noqa: E731
-        print(f"| {key[0]} | {key[1]} | {cell('ratio', '.2f')} | {cell('max_ratio', '.2f')} | "
-              f"{cell('max_ratio_f32_bwd', '.2f')} | {cell('ours_ms', '.3g')} | {cell('floor_ms', '.3g')} | "
-              f"{cell('ours_over_floor', '.0f', 100)}% | {cell('roofline', '.0f', 100)}% | "
-              f"{cell('max_roofline', '.0f', 100)}% |")
+        print(f"| {key[0]} | {key[1]} | {cell('strong_ratio', '.2f')} | {cell('max_strong', '.2f')} | "
+              f"{cell('fast_ratio', '.2f')} | {cell('max_fast', '.2f')} | {cell('max_fast_f32_bwd', '.2f')} | "
+              f"{cell('ours_ms', '.3g')} | {cell('floor_ms', '.3g')} | {cell('ours_over_floor', '.0f', 100)}% | "
+              f"{cell('roofline', '.0f', 100)}% | {cell('max_roofline', '.0f', 100)}% |")
     return 0
 
 

@@ -1,12 +1,14 @@
-"""Benchmark on a GPU: kivi_fast.kl against the pure-PyTorch KL (bench/pure_torch.py), both on CUDA.
+"""Benchmark on a GPU: kivi_fast.kl against the two pure-PyTorch sides (bench/pure_torch.py), on CUDA.
 
-    python bench/cuda.py                          # bench/run.py's shapes, float32 and float64
-    python bench/cuda.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
+    python bench/gpu.py                          # bench/run.py's shapes, float32 and float64
+    python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
 
-CUDA tensors run kivi_fast's device-generic kernels (ATen calls, csrc/generic.cpp), so this measures
-what those kernels and the C++ autograd formula give against the same algorithm written in Python,
-on the same GPU. Each timing synchronizes the device; pure/ours is the median ratio of neighbouring
-calls, as in bench/run.py. Peak memory is torch.cuda.max_memory_allocated over one forward+backward.
+(Not named cuda.py: run as a script, bench/ comes first on sys.path, and torch's own ``import
+cuda.bindings`` would find it.) CUDA tensors run kivi_fast's device-generic kernels (ATen calls,
+csrc/generic.cpp), so this measures what those kernels and the C++ autograd formula give against the
+pure-PyTorch sides on the same GPU. Each timing synchronizes the device; strong/ours and fast/ours are
+median ratios of neighbouring calls, as in bench/run.py. Peak memory is torch.cuda.max_memory_allocated
+over one forward+backward.
 """
 
 from __future__ import annotations
@@ -30,20 +32,21 @@ def timed_call(fn, p, q, backward: bool) -> float:
     return time.perf_counter() - t0
 
 
-def time_pair(p, q, backward: bool, target_s: float) -> dict:
+def time_sides(p, q, backward: bool, target_s: float) -> dict:
     impls = cpu_bench.IMPLS
     for fn in impls.values():  # warm-up: cuBLAS/cuSOLVER handles, the caching allocator
         for _ in range(3):
             timed_call(fn, p, q, backward)
     times = {name: [] for name in impls}
     start = time.perf_counter()
-    while len(times["ours"]) < 10 or time.perf_counter() - start < 2 * target_s:
+    while len(times["ours"]) < 10 or time.perf_counter() - start < len(impls) * target_s:
         for name, fn in impls.items():
             times[name].append(timed_call(fn, p, q, backward))
         if len(times["ours"]) >= 2000:
             break
     out = {name: statistics.median(ts) for name, ts in times.items()}
-    out["ratio"] = statistics.median(a / b for a, b in zip(times["pure"], times["ours"]))
+    for name in cpu_bench.PURE:
+        out[name + "_ratio"] = statistics.median(a / b for a, b in zip(times[name], times["ours"]))
     return out
 
 
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/cuda.py: torch sees no CUDA device", file=sys.stderr)
+        print("bench/gpu.py: torch sees no CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -76,17 +79,20 @@ def main(argv=None) -> int:
         for dtype_name in args.dtypes.split(","):
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
             for backward in (False, True):
-                t = time_pair(p, q, backward, args.target_s)
+                t = time_sides(p, q, backward, args.target_s)
                 row = {"shape": cpu_bench.shape_name(b, n, d, batched), "dtype": dtype_name,
-                       "pass": "fwd+bwd" if backward else "fwd", "pure_s": t["pure"], "ours_s": t["ours"],
-                       "ratio": t["ratio"]}
-                if backward:
-                    row["pure_mb"] = peak_mb(cpu_bench.pure_kl, p, q)
-                    row["ours_mb"] = peak_mb(cpu_bench.ours_kl, p, q)
+                       "pass": "fwd+bwd" if backward else "fwd"}
+                for name in cpu_bench.IMPLS:
+                    row[name + "_s"] = t[name]
+                    if backward:
+                        row[name + "_mb"] = peak_mb(cpu_bench.IMPLS[name], p, q)
+                for name in cpu_bench.PURE:
+                    row[name + "_ratio"] = t[name + "_ratio"]
                 rows.append(row)
-                print(f"{row['shape']:>14} {dtype_name:8} {row['pass']:8} pure {t['pure'] * 1e3:8.3f} ms  "
-                      f"ours {t['ours'] * 1e3:8.3f} ms  pure/ours {t['ratio']:5.2f}"
-                      + (f"  peak MB pure {row['pure_mb']:.1f} ours {row['ours_mb']:.1f}" if backward else ""),
+                print(f"{row['shape']:>14} {dtype_name:8} {row['pass']:8} "
+                      + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in cpu_bench.IMPLS)
+                      + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in cpu_bench.PURE)
+                      + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in cpu_bench.IMPLS) if backward else ""),
                       flush=True)
     if args.json:
         with open(args.json, "w") as f:
