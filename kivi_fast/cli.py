@@ -21,6 +21,7 @@ COMMANDS = {
     "blr": "2-D Bayesian logistic regression: KIVI vs. factorized VI vs. HMC (App. F.1)",
     "reverse-ablation": "the reverse ratio trick: fit q to the prior with and without it",
     "kl-accuracy": "accuracy of the KL estimate against known KLs (Gaussians, a planar flow)",
+    "grad-accuracy": "accuracy of the KL estimate's gradient against known gradients, per estimator choice",
     "boston-posterior": "parallel-coordinates picture of Boston posteriors and |mu|/sigma",
 }
 
