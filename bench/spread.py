@@ -1,6 +1,6 @@
 """The spread of strong/ours, fast/ours and ours' roofline fraction over several runs of bench/run.py.
 
-    python bench/spread.py bench/results.json run2.json run3.json [--dtype float32] [--markdown-only]
+    python bench/spread.py bench/results.json run2.json run3.json [--dtype float32]
 
 This VM is shared and its speed drifts by tens of percent from minute to minute, so one run's ratio
 can sit well above or below another's; bench/README.md reports the minimum / median / maximum over the

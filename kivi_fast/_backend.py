@@ -1,8 +1,8 @@
 """The one place where the backend is chosen: the compiled ops, or the pure-PyTorch reference.
 
-``impl()`` returns the backend in use as an object with five primitives on batched ([B, n, d]),
-validated arguments (``kl``, ``fit``, ``ratio``, ``median_bandwidth``, ``rbf_gram``); the public API
-in ``estimator.py`` validates once and calls it, whichever backend it is.
+``impl()`` returns the backend in use as an object with five primitives (``kl``, ``fit``, ``ratio``,
+``median_bandwidth``, ``rbf_gram``) on validated, batched arguments ([B, n, d]; ``kl`` also takes an
+unbatched pair); the public API in ``estimator.py`` validates once and calls it.
 
 The library is a plain shared object that registers ``torch.ops.kivi_fast.*`` with TORCH_LIBRARY; it
 is found through ``importlib`` because scikit-build-core's editable install does not place it beside

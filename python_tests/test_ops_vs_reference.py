@@ -91,7 +91,7 @@ def switched(flags, threads=None):
 
 @st.composite
 def few_point_problems(draw):
-    """Up to 32 points in 33 to 5000 dimensions: the few-points kernels' regime (csrc/few_points.h)."""
+    """Up to 32 points in 33 to 5000 dimensions: the few-points kernels' regime (csrc/cpu/few_points.h)."""
     pr = draw(problems())
     pr.update(n_p=draw(st.integers(2, 16)), n_q=draw(st.integers(2, 16)), d=draw(st.integers(33, 5000)))
     return pr
@@ -175,7 +175,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
 
 
 # Few points in many dimensions (an MNIST layer) take register-tiled kernels on AVX-512 or AVX2 CPUs
-# (csrc/few_points.h): up to 32 stacked points, up to 16 evaluation points in the backward, columns
+# (csrc/cpu/few_points.h): up to 32 stacked points, up to 16 evaluation points in the backward, columns
 # split over threads above 2 x 16384. The cases sit on both sides of each limit; hypothesis rarely
 # draws them.
 @pytest.mark.parametrize("n_p,n_q,d,batch,dtype,threads", [
@@ -235,7 +235,7 @@ def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z,
 
 
 # More than 32 points take the distances from a Gram above 8 dimensions on AVX2 CPUs, by 4 x 8 register
-# tiles over panels of 8 packed rows (csrc/gram_tiles.h), and above 32 dimensions elsewhere, by BLAS
+# tiles over panels of 8 packed rows (csrc/cpu/gram_tiles.h), and above 32 dimensions elsewhere, by BLAS
 # GEMMs of the split triangle (below: coordinate differences). The cases sit on the tiles' edges
 # (points past a multiple of 4 or 8, columns past a multiple of 4), on both loop orders (256 points)
 # and on each way of sharing the work between threads (an element is split from N^2 max(d, 8) >= 2^21).

@@ -141,7 +141,7 @@ def test_prior_samples_get_no_gradient(impl):
     assert p.grad is None and q.grad is not None
 
 
-# Gradients of 128 KB and more come from buffers kept between calls (csrc/kept_outputs.h): while held,
+# Gradients of 128 KB and more come from buffers kept between calls (csrc/cpu/kept_outputs.h): while held,
 # each is its own memory; freed, the next call of that size takes it again (no page faults); and
 # autograd accumulates into one as into any tensor. 10 x 60000: the backward's weighted sums (a 2.4 MB
 # gradient in float32, 4.8 in float64); 1000 x 600 and 260 x 128 (130 KB in float32): the projection's
@@ -243,7 +243,7 @@ def test_a_step_of_six_layers_takes_no_fresh_buffer():
 
 def test_kept_buffers_past_the_pool_limit(compiled):
     """More gradient sizes than the pool keeps idle (32): the oldest are evicted and freed, and no
-    buffer is handed out twice (csrc/kept_outputs.cpp)."""
+    buffer is handed out twice (csrc/cpu/kept_outputs.cpp)."""
     g = torch.Generator().manual_seed(5)
     widths = [60000 + 1024 * k for k in range(35)]  # 35 sizes of float32 gradients, 2.4 to 3.8 MB
     p = torch.randn(10, widths[-1], generator=g)
@@ -301,7 +301,7 @@ def op_cases():
         ("kl_unbatched_no_state", ops.kl.default, (p[0], q[0], 1e-3, 1e-8, None, True, False)),
         ("kl_grad_unbatched_weights", ops.kl_grad.default,
          (torch.tensor(1.0, dtype=torch.float64), state_w[0], q[0, :2, :], p[0, :2, :], True)),
-        # a 168 KB state and a 2.4 MB gradient: on kept buffers (csrc/kept_outputs.h)
+        # a 168 KB state and a 2.4 MB gradient: on kept buffers (csrc/cpu/kept_outputs.h)
         ("kl_kept_state", ops.kl.default, (p_mid, q_mid, 1e-3, 1e-8, None, True)),
         ("kl_grad_kept_buffer", ops.kl_grad.default, (torch.tensor([-1.0], dtype=torch.float64), state_big, q_big,
                                                      p_big, True)),

@@ -19,7 +19,10 @@ fi
 stamp="$VENV/.kivi_fast_deps"
 deps="torch==2.13.0 scikit-build-core>=0.10 ninja numpy scipy tqdm matplotlib pytest hypothesis pyro-ppl==1.9.2"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
-  # torch is pinned exactly: an unpinned torch would pull a multi-GB CUDA build.
+  # torch is pinned exactly: an unpinned one would resolve the newest release (on this project's
+  # machines a CUDA build of several GB). Where the index serves 2.13.0 itself as a CUDA build,
+  # install the CPU wheel into $VENV first (pip's --index-url of PyTorch's CPU wheels): it satisfies
+  # the pin, and nothing more is fetched.
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet $deps
   echo "$deps" > "$stamp"
