@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kivi_fast
-from kivi_fast import cli
+from kivi_fast import cli, contrast
 from kivi_fast.experiments import grad_accuracy as ga
 
 
@@ -43,8 +43,8 @@ def _moment_matched(reps: int, n: int, d: int, seed: int) -> torch.Tensor:
     """Standard-normal draws shifted and mapped so that each draw's sample mean is 0 and its
     (maximum-likelihood) sample covariance I exactly."""
     eps = torch.randn(reps, n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    mean, chol, _ = ga.whitening(eps, shrink="never")
-    return ga._whiten(eps, mean, chol)
+    mean, chol, _ = contrast.whitening(eps, shrink="never")
+    return contrast.whiten(eps, mean, chol)
 
 
 @pytest.mark.parametrize("name", ["shift |m|=1.5", "iso s=0.05", "iso s=2", "corr s=0.2", "corr s=2", "blr x2"])
@@ -105,25 +105,25 @@ def test_shrinkage_intensity_matches_a_direct_computation():
         var_r = n / (n - 1) ** 3 * ((w - w.mean(0)) ** 2).sum(0)
         off = ~torch.eye(4, dtype=torch.bool)
         expected = min(1.0, float(var_r[off].sum() / r[off].pow(2).sum()))
-        assert float(ga.shrinkage_intensity(x)[b]) == pytest.approx(expected, rel=1e-10)
+        assert float(contrast.shrinkage_intensity(x)[b]) == pytest.approx(expected, rel=1e-10)
     # no correlation to keep: shrink (nearly) fully; a strong one seen in many samples: barely
     indep = torch.randn(1, 50, 20, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    assert float(ga.shrinkage_intensity(indep)) > 0.7
+    assert float(contrast.shrinkage_intensity(indep)) > 0.7
     corr = ga.random_correlation(20, 50.0, seed=0)
     strong = torch.randn(1, 2000, 20, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     strong = strong @ torch.linalg.cholesky(corr).T
-    assert float(ga.shrinkage_intensity(strong)) < 0.05
+    assert float(contrast.shrinkage_intensity(strong)) < 0.05
 
 
 def test_whitening_and_bandwidth_rules():
     q = torch.randn(3, 60, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3 + 1
     p = torch.randn(3, 80, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    mean, chol, rho = ga.whitening(q)
-    z = ga._whiten(q, mean, chol)
+    mean, chol, rho = contrast.whitening(q)
+    z = contrast.whiten(q, mean, chol)
     torch.testing.assert_close(z.mean(1), torch.zeros(3, 5, dtype=torch.float64))
     torch.testing.assert_close(z.transpose(1, 2) @ z / 60, torch.eye(5, dtype=torch.float64).expand(3, 5, 5))
     assert bool((rho == 0).all())
-    _, chol_small, rho_small = ga.whitening(q[:, :4])  # n <= d: shrunk, still a valid Cholesky factor
+    _, chol_small, rho_small = contrast.whitening(q[:, :4])  # n <= d: shrunk, still a valid Cholesky factor
     assert bool((rho_small > 0).all()) and bool(torch.isfinite(chol_small).all())
     med_q = kivi_fast.median_bandwidth(q)
     torch.testing.assert_close(ga.bandwidth("median", p, q), kivi_fast.median_bandwidth(torch.cat([p, q], 1)))

@@ -82,7 +82,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kivi_fast
-from kivi_fast.contrast import standard_normal_log_prob
+from kivi_fast.contrast import gaussian_contrast, standard_normal_log_prob, whiten, whitening
 
 from ..nn import PlanarFlow
 from . import runs
@@ -289,67 +289,14 @@ def bandwidth(rule: str, prior_z: torch.Tensor, q_z: torch.Tensor, factor: float
     return sigma * factor
 
 
-def shrinkage_intensity(x: torch.Tensor) -> torch.Tensor:
-    """Schaefer & Strimmer (2005) shrinkage intensity of the sample correlation toward the identity
-    (their target D: the covariance toward its diagonal), [B, n, d] -> [B] in [0, 1]:
-
-        lam* = sum_{i != j} Var(r_ij) / sum_{i != j} r_ij^2,
-
-    with r_ij the sample correlations and Var(r_ij) = n / (n - 1)^3 sum_k (w_kij - w_bar_ij)^2,
-    w_kij = y_ki y_kj, y the standardized samples (their Eq. on p. 12, target D). No gradient."""
-    x = x.detach()
-    n = x.shape[-2]
-    y = x - x.mean(-2, keepdim=True)
-    y = y / y.std(-2, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
-    mt = y.transpose(-1, -2)
-    w_bar = mt @ y / n                                   # mean_k w_kij
-    w_sq = (mt * mt) @ (y * y)                           # sum_k w_kij^2
-    var_r = n / (n - 1) ** 3 * (w_sq - n * w_bar.pow(2))
-    r = w_bar * n / (n - 1)
-    off = ~torch.eye(x.shape[-1], dtype=torch.bool, device=x.device)
-    num = (var_r * off).sum((-2, -1))
-    den = (r.pow(2) * off).sum((-2, -1))
-    return (num / den.clamp_min(torch.finfo(x.dtype).tiny)).clamp(0.0, 1.0)
-
-
-def whitening(q_z: torch.Tensor, shrink: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample mean [B, 1, d], Cholesky factor C [B, d, d] of the (maximum-likelihood) sample covariance
-    and the shrinkage intensity used [B]. ``shrink``: "auto" shrinks toward the diagonal
-    (:func:`shrinkage_intensity`) only when n <= d, where the covariance is singular; "always"; "never".
-    Mean and C keep their gradient w.r.t. q_z; the intensity is held fixed."""
-    n, d = q_z.shape[-2], q_z.shape[-1]
-    mean = q_z.mean(-2, keepdim=True)
-    xc = q_z - mean
-    cov = xc.transpose(-1, -2) @ xc / n
-    if shrink == "always" or (shrink == "auto" and n <= d):
-        rho = shrinkage_intensity(q_z)
-    else:
-        rho = torch.zeros(q_z.shape[:-2], dtype=q_z.dtype)
-    r = rho[..., None, None]
-    cov = (1 - r) * cov + r * torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
-    return mean, torch.linalg.cholesky(cov), rho
-
-
-def _whiten(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
-    """C^{-1} (x - mean) per row: [B, n, d]."""
-    return torch.linalg.solve_triangular(chol, (x - mean).transpose(-1, -2), upper=False).transpose(-1, -2)
-
-
 def full_contrast_kl(q_z: torch.Tensor, prior_eps: torch.Tensor, lam: float, *, rule: str = "median",
                      factor: float = 1.0, shrink: str = "auto", clip: float = 1e-8) -> torch.Tensor:
-    """KL(q || N(0, I)) with adaptive contrast by a full-covariance Gaussian r = N(m_hat, S_hat):
-
-        KL(q || p) = KIVI(prior_eps, C^{-1} (z - m_hat)) + mean_j [log r(z_j) - log p(z_j)],
-
-    m_hat, S_hat = C C^T the sample mean and covariance (:func:`whitening`; both keep their gradient),
-    prior_eps [B, n_p, d] standard-normal samples. For a Gaussian (or any affine family) the whitened
-    samples do not depend on q's parameters, so the kernel term carries no gradient and the second,
-    analytic term gives it; for other q the kernel term carries the non-Gaussian rest."""
-    mean, chol, _ = whitening(q_z, shrink)
-    z_hat = _whiten(q_z, mean, chol)
+    """``adaptive_contrast_kl(contrast="full")`` against N(0, I) with given contrast samples
+    ``prior_eps`` [B, n_p, d] and the bandwidth of ``rule`` on them and the whitened q (the library's
+    :func:`kivi_fast.contrast.gaussian_contrast`, so the study measures the library's math)."""
+    z_hat, log_r = gaussian_contrast(q_z, "full", shrink)
     sigma = bandwidth(rule, prior_eps, z_hat, factor)
     kernel_part = kivi_fast.kl(prior_eps, z_hat, lam, clip=clip, bandwidth=sigma)
-    log_r = standard_normal_log_prob(z_hat) - chol.diagonal(dim1=-2, dim2=-1).log().sum(-1, keepdim=True)
     return kernel_part + (log_r - standard_normal_log_prob(q_z)).mean(-1)
 
 
@@ -359,7 +306,7 @@ def whitened_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, rule: s
     invariant under one invertible map of both; the gradient flows through q's samples only)."""
     with torch.no_grad():
         mean, chol, _ = whitening(q_z)
-    p_hat, q_hat = _whiten(prior_z, mean, chol), _whiten(q_z, mean, chol)
+    p_hat, q_hat = whiten(prior_z, mean, chol), whiten(q_z, mean, chol)
     return kivi_fast.kl(p_hat, q_hat, lam, clip=clip, bandwidth=bandwidth(rule, p_hat, q_hat, factor))
 
 
