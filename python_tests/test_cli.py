@@ -12,18 +12,18 @@ from kivi_fast.experiments.options import HelpFormatter, plural
 # per command, bad arguments (split at spaces): each must stop at the argument check
 BAD_ARGUMENTS = {
     "uci": "--splits=25 | --splits=abc | --splits=5-3 | --epochs=0 | --epochs=-5 | --epochs=1.5 | --samples=1 | "
-           "--lam=0 | --lr=-1 | --lr=nan | --batch-size=0 | --eval-every=0 | --threads=0 | --checkpoint-seconds=-1 | "
+           "--lam=0 | --lam=1e-12 | --lr=-1 | --lr=nan | --batch-size=0 | --eval-every=0 | --threads=0 | --checkpoint-seconds=-1 | "
            "--dataset=year | --dataset=mnist | --seed=-1 | --n-hidden=0 | --eval-samples=0",
-    "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --bandwidth=-1 | "
+    "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --clip=1 | --bandwidth=-1 | "
            "--bandwidth=abc | --grad-clip=-1 | --eval-samples=1 | --bin-width=0 | --threads=0",
     "uci-batch": "yacht:kivi --workers=0 | yacht:kivi --minutes=0 | yacht:kivi --checkpoint-seconds=-1 | "
                  "boston:kivi:25 | mnist:kivi | boston:svgd | boston | year:kivi",
     "uci-kl-probe": "--epochs=0 | --every=0 | --reps=0 | --split=20 | --split=-1 | --threads=0",
-    "blr": "--epochs=0 | --n-data=0 | --batch-size=0 | --lr=0 | --kivi-samples=1 | --vi-samples=0 | --lam=0 | "
+    "blr": "--epochs=0 | --n-data=0 | --batch-size=0 | --lr=0 | --kivi-samples=1 | --vi-samples=0 | --lam=0 | --lam=1e-30 | --clip=2 | "
            "--hmc-chains=0 | --hmc-samples=3 | --hmc-warmup=-1 | --hmc-step-size=0 | --hmc-leapfrog=0 | "
            "--eval-samples=1",
-    "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --lr=0 | --log-every=0 | --eval-samples=1",
-    "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --reps=0 | --clip=0 | --flow-truth-samples=1",
+    "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --clip=1e10 | --lr=0 | --log-every=0 | --eval-samples=1",
+    "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --lams 1e-3 1e-11 | --reps=0 | --clip=0 | --clip=1.5 | --flow-truth-samples=1",
     "boston-posterior": "--epochs=0 | --samples=1 | --lam=0 | --plot-samples=1 | --split=20",
 }
 BAD = [(command, case.split()) for command, cases in BAD_ARGUMENTS.items() for case in cases.split(" | ")]

@@ -43,7 +43,8 @@ from ..contrast import standard_normal_log_prob
 from ..nn import FactorizedGaussian, stochastic_net_2d
 from . import runs
 from .hmc import hmc_sample, split_r_hat
-from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_float,
+                      positive_int)
 from .sample_metrics import mmd2_rbf, moment_gaps
 
 NAME = "blr"
@@ -136,8 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vi-samples", type=positive_int, default=100, help="factorized VI's samples per step")
     parser.add_argument("--kivi-samples", type=int_at_least(2), default=1000,
                         help="KIVI's q samples per step (and as many prior samples)")
-    parser.add_argument("--lam", type=positive_float, default=0.1, help="KIVI's ridge coefficient lambda")
-    parser.add_argument("--clip", type=positive_float, default=1e-8, help="KIVI's lower clip of the density ratio")
+    parser.add_argument("--lam", type=kivi_lam, default=0.1, help="KIVI's ridge coefficient lambda")
+    parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the density ratio")
     parser.add_argument("--adaptive-contrast", action="store_true",
                         help="estimate KIVI's KL term with adaptive contrast (App. D) instead of against the "
                              "prior directly (not the paper's setting for this experiment)")

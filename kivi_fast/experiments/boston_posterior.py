@@ -26,7 +26,7 @@ import torch
 
 from ..nn.generator import INITS
 from . import datasets, regression, runs
-from .options import (UsageError, add_common, apply_quick, int_at_least, nonnegative_int, plural, positive_float,
+from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_lam, nonnegative_int, plural,
                       positive_int)
 
 NAME = "boston-posterior"
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", type=nonnegative_int, default=0, help="which of the 20 standard Boston splits")
     parser.add_argument("--epochs", type=positive_int, default=3000, help="training epochs (paper: 3000 for Boston)")
     parser.add_argument("--samples", type=int_at_least(2), default=100, help="n_p = n_q = M during training")
-    parser.add_argument("--lam", type=positive_float, default=1e-3, help="KIVI's ridge coefficient lambda")
+    parser.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient lambda")
     parser.add_argument("--generator-init", default="glorot", choices=INITS,
                         help="initialization of KIVI's implicit posterior (see kivi-fast uci)")
     parser.add_argument("--plot-samples", type=int_at_least(2), default=100, help="posterior samples of W_1 drawn")

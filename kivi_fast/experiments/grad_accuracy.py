@@ -86,7 +86,8 @@ from kivi_fast.contrast import gaussian_contrast, standard_normal_log_prob, whit
 
 from ..nn import PlanarFlow
 from . import runs
-from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_float,
+                      positive_int)
 
 NAME = "grad-accuracy"
 RULES = ("median", "median-q", "svgd", "silverman")
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rules", choices=RULES, nargs="+", default=list(RULES), help="bandwidth rules")
     parser.add_argument("--factors", type=positive_float, nargs="+", default=[0.5, 2.0],
                         help="multiples of each rule's bandwidth (plain; every estimator with --grid full)")
-    parser.add_argument("--lams", type=positive_float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1],
+    parser.add_argument("--lams", type=kivi_lam, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1],
                         help="ridge coefficients lam")
     parser.add_argument("--ns", type=int_at_least(2), nargs="+", default=[50, 100, 200],
                         help="posterior sample sizes n_q of the n_q sweep")
@@ -125,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every n_q")
     parser.add_argument("--condition", type=float_at_least_one, default=50.0,
                         help="condition number of the corr cases' correlation matrix")
-    parser.add_argument("--clip", type=positive_float, default=1e-8, help="lower clip of the density ratio")
+    parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="lower clip of the density ratio")
     parser.add_argument("--flow-truth-samples", type=int_at_least(2000), default=200_000,
                         help="Monte Carlo draws for the planar flow's true gradient")
     add_common(parser, name=NAME, quick="a small grid that runs in seconds")

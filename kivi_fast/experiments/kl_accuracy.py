@@ -38,7 +38,7 @@ import kivi_fast
 
 from ..nn import PlanarFlow, gaussian_kl_to_standard_normal
 from . import runs
-from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .options import add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_int
 
 NAME = "kl-accuracy"
 FAMILIES = ("N(0,I)", "shift |mu|=1.5", "narrow s=0.5", "wide s=2", "planar flow")
@@ -50,10 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dims", type=positive_int, nargs="+", default=[1, 2, 8, 32], help="dimensions d")
     parser.add_argument("--ns", type=int_at_least(2), nargs="+", default=[50, 100, 200, 500],
                         help="sample sizes n = n_p = n_q")
-    parser.add_argument("--lams", type=positive_float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1],
+    parser.add_argument("--lams", type=kivi_lam, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1],
                         help="ridge coefficients lambda")
     parser.add_argument("--reps", type=positive_int, default=10, help="repetitions per cell (fresh samples)")
-    parser.add_argument("--clip", type=positive_float, default=1e-8, help="lower clip of the density ratio")
+    parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="lower clip of the density ratio")
     parser.add_argument("--flow-truth-samples", type=int_at_least(2), default=200_000,
                         help="Monte Carlo draws for the planar flow's true KL")
     add_common(parser, name=NAME, quick="a small grid that runs in seconds")

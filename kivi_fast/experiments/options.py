@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from .._validate import MIN_LAM
+
 
 class UsageError(Exception):
     """A bad combination of arguments found after parsing (e.g. a split the data set does not have)."""
@@ -57,6 +59,16 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     return _number(float, text, "a number >= 0", lambda v: v >= 0)
+
+
+def kivi_lam(text: str) -> float:
+    """KIVI's ridge coefficient: the estimator's own range (kivi_fast._validate.MIN_LAM and above)."""
+    return _number(float, text, f"a number >= {MIN_LAM:g} (KIVI's lam)", lambda v: v >= MIN_LAM)
+
+
+def kivi_clip(text: str) -> float:
+    """KIVI's lower clip of the density ratio, in (0, 1)."""
+    return _number(float, text, "a number in (0, 1)", lambda v: 0 < v < 1)
 
 
 def apply_quick(args, settings: dict) -> None:

@@ -24,7 +24,8 @@ import kivi_fast
 
 from ..nn import MLPGenerator, stochastic_net_2d
 from . import runs
-from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_float,
+                      positive_int)
 from .sample_metrics import mmd2_rbf, moment_gaps
 
 NAME = "reverse-ablation"
@@ -37,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=1000, help="Adam steps of each variant")
     parser.add_argument("--samples", type=int_at_least(2), default=1000,
                         help="q samples per step (and as many prior samples)")
-    parser.add_argument("--lam", type=positive_float, default=0.1,
+    parser.add_argument("--lam", type=kivi_lam, default=0.1,
                         help="KIVI's ridge coefficient lambda (as in the logistic regression)")
-    parser.add_argument("--clip", type=positive_float, default=1e-8, help="KIVI's lower clip of the density ratio")
+    parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the density ratio")
     parser.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate")
     parser.add_argument("--log-every", type=positive_int, default=50,
                         help="steps between the distance measurements (and the last step)")

@@ -77,8 +77,8 @@ import kivi_fast
 
 from ..nn import FactorizedGaussian, MLPGenerator
 from . import runs
-from .options import (add_common, apply_quick, int_at_least, nonnegative_float, nonnegative_int, plural,
-                      positive_float, positive_int)
+from .options import (add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
+                      nonnegative_int, plural, positive_float, positive_int)
 
 # the target: equal-weight mixture of N(-3, 1) and N(3, 1)
 MIX_WEIGHTS = (0.5, 0.5)
@@ -310,8 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hidden activation of the KIVI generator")
     parser.add_argument("--s0", type=positive_float, default=3.0,
                         help="std of the N(0, s0^2) reference that KIVI's KL is taken against")
-    parser.add_argument("--lam", type=positive_float, default=0.003, help="KIVI ridge coefficient lambda")
-    parser.add_argument("--clip", type=positive_float, default=1e-8, help="KIVI ratio clipping threshold")
+    parser.add_argument("--lam", type=kivi_lam, default=0.003, help="KIVI ridge coefficient lambda")
+    parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI ratio clipping threshold")
     parser.add_argument("--bandwidth", type=_bandwidth, default=0.5,
                         help="KIVI kernel bandwidth: a positive number or 'median' (the paper's heuristic, "
                              "which here shrinks each mode into a spike; see the module docstring)")

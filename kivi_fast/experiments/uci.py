@@ -34,8 +34,8 @@ import kivi_fast
 from ..nn import bnn
 from ..nn.generator import INITS
 from . import datasets, regression, runs
-from .options import (UsageError, add_common, apply_quick, nonnegative_float, nonnegative_int, plural, positive_float,
-                      positive_int, int_at_least)
+from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_lam, nonnegative_float,
+                      nonnegative_int, plural, positive_float, positive_int)
 
 QUICK_EPOCHS = 10
 
@@ -148,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training epochs per split (default: the paper's, 3000 under 1000 data points, else 500)")
     p.add_argument("--samples", type=int_at_least(2), default=100,
                    help="posterior and prior samples per step, n_p = n_q = M (paper: 100)")
-    p.add_argument("--lam", type=positive_float, default=1e-3, help="KIVI's ridge coefficient lambda")
+    p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient lambda")
     p.add_argument("--batch-size", type=positive_int, default=100, help="minibatch size")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate")
     p.add_argument("--n-hidden", type=positive_int, default=None,
