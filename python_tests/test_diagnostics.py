@@ -3,6 +3,7 @@ and a --quick smoke run of each subcommand (blr, reverse-ablation, kl-accuracy, 
 
 from __future__ import annotations
 
+import json
 
 import numpy as np
 import pytest
@@ -135,3 +136,11 @@ def test_quick_smoke_run_writes_its_files(command, files, tmp_path, capsys):
     for name in files:
         assert (run_dir / name).stat().st_size > 0, name
     assert capsys.readouterr().out.strip()
+
+
+def test_blr_with_full_contrast_records_it(tmp_path):
+    run_dir = tmp_path / "blr"
+    args = ["blr", "--quick", "--no-progress", "--adaptive-contrast", "--contrast", "full", "--run-dir", str(run_dir)]
+    assert cli.main(args) == 0
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["config"]["contrast"] == "full" and metrics["config"]["adaptive_contrast"]
