@@ -323,7 +323,7 @@ def run(args) -> int:
     }
     runs.write_json(out / "metrics.json", report)
     runs.write_json(out / "training.json", {"factorized VI": vi_history, "KIVI": kivi_history})
-    contrast = f", {args.contrast} adaptive contrast" if args.adaptive_contrast else ""
+    contrast = f", {args.contrast} contrast" if args.adaptive_contrast else ""
     kivi_title = f"(e) KIVI (lam={args.lam:g}{contrast})"
     plot_figure(out / "blr.png", data, grid, vi, samples, grid_window, kivi_title)
 
