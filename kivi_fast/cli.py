@@ -23,6 +23,7 @@ COMMANDS = {
     "kl-accuracy": "accuracy of the KL estimate against known KLs (Gaussians, a planar flow)",
     "grad-accuracy": "accuracy of the KL estimate's gradient against known gradients, per estimator choice",
     "boston-posterior": "parallel-coordinates picture of Boston posteriors and |mu|/sigma",
+    "amortized": "amortized encoders vs. the exact posterior of a linear-Gaussian model (diagnostic)",
 }
 
 

@@ -1,0 +1,99 @@
+"""Tests of ``kivi-fast amortized``: the exact posterior of its linear-Gaussian model, the Gaussian
+encoder's closed-form KL, its evaluation, and its command line (--quick writes its files; bad values are
+usage errors). No training test: training to the target takes minutes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kivi_fast import cli
+from kivi_fast.experiments import amortized as am
+
+
+def test_exact_posterior_matches_conditioning_the_joint_gaussian():
+    # (z, x) is jointly Gaussian: cov(z) = I, cov(x, z) = W, cov(x) = W W^T + s^2 I. Conditioning gives
+    # mu = W^T cov(x)^{-1} (x - b), Sigma = I - W^T cov(x)^{-1} W (the covariance form, not the precision form).
+    model = am.LinearGaussian.from_seed(3, 0.7, 0.4)
+    x = model.sample(5, torch.Generator().manual_seed(1)).double()
+    W, b = model.W.double(), model.b.double()
+    cov_x = W @ W.T + 0.4 ** 2 * torch.eye(am.OBSERVED, dtype=torch.float64)
+    gain = torch.linalg.solve(cov_x, W).T
+    mu, sigma = am.exact_posterior(model.W, model.b, model.s, x)
+    torch.testing.assert_close(mu, (x - b) @ gain.T)
+    torch.testing.assert_close(sigma, torch.eye(am.LATENT, dtype=torch.float64) - gain @ W)
+
+
+def test_exact_posterior_matches_the_likelihood_times_prior():
+    # log p(z | x) - log p(z) - log p(x | z) is constant in z: check at random z.
+    model = am.LinearGaussian.from_seed(0, 0.5, 0.5)
+    x = model.sample(1, torch.Generator().manual_seed(2)).double()
+    mu, sigma = am.exact_posterior(model.W, model.b, model.s, x)
+    post = torch.distributions.MultivariateNormal(mu[0], sigma)
+    z = torch.randn(1, 6, am.LATENT, dtype=torch.float64)
+    model64 = am.LinearGaussian(model.W.double(), model.b.double(), model.s)
+    rest = post.log_prob(z[0]) + 0.5 * z[0].pow(2).sum(-1) - model64.log_likelihood(x, z)[0]
+    torch.testing.assert_close(rest, rest[:1].expand_as(rest))
+
+
+def test_gaussian_encoder_kl_equals_torch_distributions():
+    encoder = am.GaussianEncoder(16).double()
+    x = torch.randn(7, am.OBSERVED, dtype=torch.float64)
+    m, L = encoder.moments(x)
+    q = torch.distributions.MultivariateNormal(m, scale_tril=L)
+    p = torch.distributions.MultivariateNormal(torch.zeros(am.LATENT, dtype=torch.float64),
+                                               scale_tril=torch.eye(am.LATENT, dtype=torch.float64))
+    torch.testing.assert_close(am.kl_term("gaussian", encoder, x, None, 1e-3, 1e-8, None),
+                               torch.distributions.kl_divergence(q, p))
+
+
+def test_gaussian_kl_between_and_evaluate_on_the_exact_posterior():
+    gen = torch.Generator().manual_seed(0)
+    m_q, m_p = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 4, generator=gen,
+                                                                                  dtype=torch.float64)
+    A = torch.randn(3, 4, 4, generator=gen, dtype=torch.float64)
+    cov_q = A @ A.transpose(1, 2) + 0.5 * torch.eye(4, dtype=torch.float64)
+    cov_p = torch.eye(4, dtype=torch.float64) * 2.0
+    want = torch.distributions.kl_divergence(torch.distributions.MultivariateNormal(m_q, cov_q),
+                                             torch.distributions.MultivariateNormal(m_p, cov_p))
+    torch.testing.assert_close(am.gaussian_kl_between(m_q, cov_q, m_p, cov_p), want)
+
+    # an encoder that samples the exact posterior scores near 0 error, ratios near 1
+    model = am.LinearGaussian.from_seed(0, 0.5, 0.5)
+    x = model.sample(20, torch.Generator().manual_seed(3))
+    mu, sigma = am.exact_posterior(model.W, model.b, model.s, x)
+    chol = torch.linalg.cholesky(sigma)
+    rows = {tuple(r.tolist()): m for r, m in zip(x.double(), mu)}
+
+    def exact(chunk, n, g):
+        eps = torch.randn(chunk.shape[0], n, am.LATENT, generator=g, dtype=torch.float64)
+        return torch.stack([rows[tuple(r.tolist())] for r in chunk.double()]).unsqueeze(1) + eps @ chol.T
+
+    m = am.evaluate(exact, x, mu, sigma, 4000, seed=0)
+    assert m["mean_error"] < 0.06 and all(0.93 < r < 1.07 for r in m["var_ratios"]) and m["gaussian_kl"] < 0.01
+    assert am.meets_target(m)
+
+
+def test_quick_run_writes_its_files(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["amortized", "--quick", "--no-progress", "--run-dir", str(run_dir)]) == 0
+    data = json.loads((run_dir / "results.json").read_text())
+    assert {r["method"] for r in data["runs"]} == set(am.METHODS) and len(data["runs"]) == 4
+    assert (run_dir / "variance_ratios.png").stat().st_size > 0
+    table = (run_dir / "table.md").read_text()
+    assert "| gaussian | exact KL |" in table and "| ac-full | 0.01 |" in table
+    assert "| plain | 0.01 |" in capsys.readouterr().out
+    # a rerun with the same settings reuses the runs it holds
+    assert cli.main(["amortized", "--quick", "--no-progress", "--run-dir", str(run_dir)]) == 0
+    assert json.loads((run_dir / "results.json").read_text())["runs"] == data["runs"]
+
+
+@pytest.mark.parametrize("bad", ["--lams=0", "--lams=1e-12", "--clip=1", "--seeds=0", "--steps=-1", "--samples=1",
+                                 "--lr=0", "--noise-std=nan", "--methods=vae", "--eval-samples=1"])
+def test_bad_values_are_usage_errors(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["amortized", bad, "--no-progress", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "usage:" in capsys.readouterr().err
