@@ -18,7 +18,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 # size 1/lam, so the error grows like 1/lam: against a 40-digit oracle of the same formula (n = 20 to
 # 200, d = 3 and 8, q = p and shifted) every backend's float64 estimate is off by at most 2e-6
 # (relative) at lam = 1e-10, by up to 5e-5 at 1e-12, 4e-3 at 1e-14 and 0.4 at 1e-16, where it changes
-# sign. python_tests/test_errors.py checks the floor against that oracle.
+# sign (bench/lam_floor.py). python_tests/test_errors.py checks the floor against that oracle.
 MIN_LAM = 1e-10
 
 
