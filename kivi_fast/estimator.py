@@ -31,9 +31,10 @@ def _warn_if_mostly_clipped(clipped: torch.Tensor, clip: float) -> None:
     # Reading the fraction copies it to the host: done for CPU tensors only, where that is free. On
     # other devices it would stall the stream at every call, and under torch.compile it is a
     # data-dependent branch, so the check is skipped there.
-    if clipped.device.type != "cpu" or torch.compiler.is_compiling():
+    if not clipped.is_cpu or torch.compiler.is_compiling():
         return
-    if bool((clipped > 0.5).any()):
+    worst = clipped.item() if clipped.dim() == 0 else clipped.max().item()
+    if worst > 0.5:
         # One text for every call: Python then shows the warning once per call site, not every step.
         warnings.warn(
             "kivi_fast.kl: more than half of the posterior samples' fitted ratios fell below clip and were "
