@@ -11,15 +11,15 @@ this file. Set ``KIVI_FAST_BACKEND=reference`` to force the reference even when 
 
 from __future__ import annotations
 
-from . import reference
-from ._validate import check_finite as _validate_finite
-
 import glob
 import importlib.util
 import os
 import warnings
 
 import torch
+
+from . import reference
+from ._validate import check_finite as _validate_finite
 
 ENV_VAR = "KIVI_FAST_BACKEND"
 _LIB_STEM = "_kivi_fast_ops"
@@ -68,8 +68,6 @@ def backend() -> str:
 class CompiledOps:
     """The compiled torch ops (``torch.ops.kivi_fast``, csrc/): CPU kernels, device-generic elsewhere."""
 
-    name = "cpp"
-
     @staticmethod
     def kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state):
         value, _state, _sigma, clipped = torch.ops.kivi_fast.kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state)
@@ -94,8 +92,6 @@ class CompiledOps:
 
 class ReferenceOps:
     """The pure-PyTorch reference (kivi_fast/reference.py), on the same batched arguments."""
-
-    name = "reference"
 
     @staticmethod
     def kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state):

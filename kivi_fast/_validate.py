@@ -103,6 +103,23 @@ def check_min_samples(name: str, x: torch.Tensor, least: int, why: str) -> None:
         raise ValueError(f"{name} must hold at least {least} samples {why}, got shape {tuple(x.shape)}")
 
 
+def kl_arguments(prior_z, q_z, lam, clip, bandwidth) -> tuple[float, float, torch.Tensor | None]:
+    """The checks of a KL estimate, for both backends' ``kl``: (lam, clip, bandwidth tensor or None)."""
+    check_pair("prior_z", prior_z, "q_z", q_z)
+    check_min_samples("prior_z", prior_z, 2, "to fit a density ratio")
+    check_min_samples("q_z", q_z, 2, "to fit a density ratio")
+    lam, clip = check_lam(lam), check_clip(clip)
+    return lam, clip, bandwidth_tensor(bandwidth, q_z.shape[0] if q_z.dim() == 3 else None, q_z)
+
+
+def fit_arguments(numer, denom, bandwidth) -> torch.Tensor | None:
+    """The checks of a density-ratio fit, for both backends' ``DensityRatio.fit``: the bandwidth tensor."""
+    check_pair("numer", numer, "denom", denom)
+    check_min_samples("numer", numer, 2, "to fit a density ratio")
+    check_min_samples("denom", denom, 2, "to fit a density ratio")
+    return bandwidth_tensor(bandwidth, numer.shape[0] if numer.dim() == 3 else None, numer)
+
+
 def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.Tensor | None:
     """None for the median heuristic; otherwise a float64 tensor of shape [B] (batched) or [1].
 

@@ -70,13 +70,9 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: flo
     The fit and the evaluation run in float64 internally, because evaluating the fitted ratio cancels
     terms of size ~1/lam; float32 inputs give float32 results within 1e-3 of float64's.
     """
-    _validate.check_pair("prior_z", prior_z, "q_z", q_z)
-    _validate.check_min_samples("prior_z", prior_z, 2, "to fit a density ratio")
-    _validate.check_min_samples("q_z", q_z, 2, "to fit a density ratio")
-    lam, clip = _validate.check_lam(lam), _validate.check_clip(clip)
+    lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    sigma = _validate.bandwidth_tensor(bandwidth, q_z.shape[0] if q_z.dim() == 3 else None, q_z)
     # without a gradient to come the op skips what only the backward needs
     grad_state = q_z.requires_grad and torch.is_grad_enabled()
     # unbatched samples go in as they are (the op takes them): no view nodes in the graph
@@ -102,12 +98,9 @@ class DensityRatio:
         self.bandwidth = bandwidth
 
     def fit(self, numer: torch.Tensor, denom: torch.Tensor) -> "DensityRatio":
-        _validate.check_pair("numer", numer, "denom", denom)
-        _validate.check_min_samples("numer", numer, 2, "to fit a density ratio")
-        _validate.check_min_samples("denom", denom, 2, "to fit a density ratio")
+        sigma = _validate.fit_arguments(numer, denom, self.bandwidth)
         self.batched = numer.dim() == 3
         num, den = _batched(numer).detach(), _batched(denom).detach()
-        sigma = _validate.bandwidth_tensor(self.bandwidth, num.shape[0] if self.batched else None, num)
         self._alpha, self._sigma = impl().fit(num, den, self.lam, sigma)
         self.beta = 1.0 / (self.lam * num.shape[1])
         self._numer, self._denom = num, den

@@ -114,11 +114,10 @@ class DensityRatio:
         self.bandwidth = bandwidth
 
     def fit(self, numer: torch.Tensor, denom: torch.Tensor) -> "DensityRatio":
-        _validate.check_pair("numer", numer, "denom", denom)
+        sigma = _validate.fit_arguments(numer, denom, self.bandwidth)
         self.batched = numer.dim() == 3
         num = (numer if self.batched else numer[None]).detach()
         den = (denom if self.batched else denom[None]).detach()
-        sigma = _validate.bandwidth_tensor(self.bandwidth, num.shape[0] if self.batched else None, num)
         self.alpha, self.sigma = _fit64(num, den, self.lam, sigma)
         if not self.batched:
             self.alpha, self.sigma = self.alpha[0], self.sigma[0]
@@ -144,12 +143,8 @@ class DensityRatio:
 def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: float = 1e-8,
        bandwidth="median", reverse: bool = True) -> torch.Tensor:
     """KL(q || p) from samples; see :func:`kivi_fast.kl` for the full contract."""
-    _validate.check_pair("prior_z", prior_z, "q_z", q_z)
-    _validate.check_min_samples("prior_z", prior_z, 2, "to fit a density ratio")
-    _validate.check_min_samples("q_z", q_z, 2, "to fit a density ratio")
-    lam, clip = _validate.check_lam(lam), _validate.check_clip(clip)
+    lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     batched = q_z.dim() == 3
-    sigma = _validate.bandwidth_tensor(bandwidth, q_z.shape[0] if batched else None, q_z)
     b = (lambda t: t) if batched else (lambda t: t[None])
     value, _ = _kl_and_clipped(b(prior_z), b(q_z), lam, clip, sigma, reverse)
     return value if batched else value[0]

@@ -55,6 +55,8 @@ def test_one_sample_on_a_side_is_rejected(impl, n_p, n_q, name):
         kivi_fast.kl(P[:n_p], Q[:n_q])
     with pytest.raises(ValueError, match="must hold at least 2 samples to fit a density ratio"):
         kivi_fast.DensityRatio().fit(P[:n_p], Q[:n_q])
+    with pytest.raises(ValueError, match="must hold at least 2 samples to fit a density ratio"):
+        reference.DensityRatio().fit(P[:n_p], Q[:n_q])  # the oracle's own class holds the same rule
 
 
 def test_two_samples_on_each_side_is_the_smallest_valid_input(impl):
