@@ -1,4 +1,4 @@
-"""Benchmark on a GPU: kivi_fast.kl against the two pure-PyTorch sides (bench/pure_torch.py), on CUDA.
+"""Benchmark on a GPU: kivi_fast.kernel_kl against the two pure-PyTorch sides (bench/pure_torch.py), on CUDA.
 
     python bench/gpu.py                          # bench/run.py's shapes, float32 and float64
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json

@@ -1,9 +1,9 @@
-"""What kivi_fast.kl's Python side and autograd graph cost on top of the bare op, per call.
+"""What kivi_fast.kernel_kl's Python side and autograd graph cost on top of the bare op, per call.
 
     python bench/overhead.py [--shape 100x8] [--seconds 10]
 
 Times, alternately in one process (this VM's speed drifts between runs), float32, 1 thread:
-  - kl:      torch.autograd.grad(kivi_fast.kl(p, q), q), unbatched [n, d] samples (a training step);
+  - kl:      torch.autograd.grad(kivi_fast.kernel_kl(p, q), q), unbatched [n, d] samples (a training step);
   - op:      the same through torch.ops.kivi_fast.kl on [1, n, d] samples (no argument checks);
   - op fwd:  the op's forward alone, keeping the gradient state;
   - trivial: torch.autograd.grad((q * 2).sum(), q), the autograd engine's fixed cost here.
@@ -41,7 +41,7 @@ def main():
     ones = torch.ones(1)
     op = torch.ops.kivi_fast.kl
     calls = {
-        "kl": lambda: torch.autograd.grad(kivi_fast.kl(p, q), q),
+        "kl": lambda: torch.autograd.grad(kivi_fast.kernel_kl(p, q), q),
         "op": lambda: torch.autograd.grad(op(p1, q1, 1e-3, 1e-8, None, True, True)[0], q1, ones),
         "op fwd": lambda: op(p1, q1.detach(), 1e-3, 1e-8, None, True, True),
         "trivial": lambda: torch.autograd.grad((q * 2).sum(), q),

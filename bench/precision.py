@@ -5,7 +5,7 @@
 kivi_fast promises float32 results (the KL value and its gradient w.r.t. q_z) within 1e-3 relative of
 the float64 computation on the same float32 inputs. For each side of bench/run.py,
 
-- ``ours``: kivi_fast.kl;
+- ``ours``: kivi_fast.kernel_kl;
 - ``strong``: bench/pure_torch.py's strong side (float64 products, float32 only where measured safe);
 - ``fast``: bench/pure_torch.py's fast side (float32 throughout),
 
@@ -57,7 +57,7 @@ BENCH_SHAPES = "10x314000,100x700,100x51,100x8,128x100x8,1000x32,2000x32,100x500
 QUICK_BENCH_SHAPES = "100x8,128x100x8,100x700,1000x32"
 
 SIDES = {
-    "ours": lambda p, q: kivi_fast.kl(p, q, LAM),
+    "ours": lambda p, q: kivi_fast.kernel_kl(p, q, LAM),
     "strong": lambda p, q: pure_torch.kl(p, q, LAM, side="strong"),
     "fast": lambda p, q: pure_torch.kl(p, q, LAM, side="fast"),
 }

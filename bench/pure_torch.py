@@ -1,6 +1,6 @@
 """Two pure-PyTorch KIVI KLs, the baselines of bench/run.py: ``strong`` and ``fast``.
 
-Both compute what ``kivi_fast.kl(prior_z, q_z, lam)`` computes (reverse ratio, median bandwidth over all
+Both compute what ``kivi_fast.kernel_kl(prior_z, q_z, lam)`` computes (reverse ratio, median bandwidth over all
 n_p + n_q points with numpy's convention for an even count, lam on the diagonal of K_qq / n_q + lam I,
 clip, the paper's fixed-ratio gradient w.r.t. q_z), batched [B, n, d] -> [B] or unbatched [n, d] -> [],
 with PyTorch alone, as fast as we could make them:

@@ -1,4 +1,4 @@
-"""Benchmark: kivi_fast.kl ("ours") against two pure-PyTorch KIVI KLs (bench/pure_torch.py).
+"""Benchmark: kivi_fast.kernel_kl ("ours") against two pure-PyTorch KIVI KLs (bench/pure_torch.py).
 
 "strong" is the fastest pure PyTorch that meets kivi_fast's accuracy contract (float32 results within
 1e-3 of float64, bench/precision.py), "fast" the fastest in float32, which misses it on some inputs.
@@ -78,7 +78,7 @@ def make_inputs(b, n, d, batched, dtype, seed=0):
 
 
 def ours_kl(p, q):
-    return kivi_fast.kl(p, q, LAM)
+    return kivi_fast.kernel_kl(p, q, LAM)
 
 
 def strong_kl(p, q):
@@ -433,7 +433,7 @@ def main(argv=None) -> int:
             ([f"the machine was busy ({100 * (1 - idle0):.0f}% of the CPUs taken by other jobs before the run; "
               f"load average {load0[0]:.2f} -> {load1[0]:.2f} on {ncpu} CPUs)"] if busy else [])
             + (["'ours' ran on the reference backend, not the compiled ops"] if info["kivi_fast_backend"] != "cpp" else [])))
-    print(f"ours = kivi_fast.kl on the {info['kivi_fast_backend']} backend; strong, fast = bench/pure_torch.py's "
+    print(f"ours = kivi_fast.kernel_kl on the {info['kivi_fast_backend']} backend; strong, fast = bench/pure_torch.py's "
           "sides (strong meets the 1e-3 contract, fast is float32 throughout); ms = median wall time; "
           "x/ours = median over repetitions of the ratio of neighbouring calls (> 1: ours is faster); "
           "MB = peak RSS increase of one forward+backward (1 thread), the first call in a fresh process "

@@ -24,6 +24,7 @@ COMMANDS = {
     "grad-accuracy": "accuracy of the KL estimate's gradient against known gradients, per estimator choice",
     "boston-posterior": "parallel-coordinates picture of Boston posteriors and |mu|/sigma",
     "amortized": "amortized encoders vs. the exact posterior of a linear-Gaussian model (diagnostic)",
+    "client-loop": "a constant-learning-rate training loop over many seeds: how often KIVI ends on target",
 }
 
 

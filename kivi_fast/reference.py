@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from . import _validate
+from .contrast import DEFAULT_LAM, sample_contrast_kl
 from .contrast import adaptive_contrast_kl as _adaptive_contrast_kl
 
-__all__ = ["kl", "DensityRatio", "rbf_gram", "median_bandwidth", "adaptive_contrast_kl"]
+__all__ = ["kl", "kernel_kl", "DensityRatio", "rbf_gram", "median_bandwidth", "adaptive_contrast_kl"]
 
 
 def _sqdist(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -140,9 +141,9 @@ class DensityRatio:
         return torch.log(torch.clamp(self.ratio(z), min=clip))
 
 
-def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: float = 1e-8,
-       bandwidth="median", reverse: bool = True) -> torch.Tensor:
-    """KL(q || p) from samples; see :func:`kivi_fast.kl` for the full contract."""
+def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: float = 1e-8,
+              bandwidth="median", reverse: bool = True) -> torch.Tensor:
+    """The paper's estimator from samples; see :func:`kivi_fast.kernel_kl` for the full contract."""
     lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     batched = q_z.dim() == 3
     b = (lambda t: t) if batched else (lambda t: t[None])
@@ -150,6 +151,16 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: flo
     return value if batched else value[0]
 
 
-def adaptive_contrast_kl(q_z, log_prior=None, lam: float = 1e-3, **kwargs):
+def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, contrast: str = "auto",
+       clip: float = 1e-8, bandwidth="median", reverse: bool = True, generator=None) -> torch.Tensor:
+    """KL(q || p) from samples, by default with a Gaussian contrast; see :func:`kivi_fast.kl`."""
+    if contrast == "none":
+        return kernel_kl(prior_z, q_z, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
+    lam, clip, _ = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
+    return sample_contrast_kl(prior_z, q_z, lam, contrast=contrast, clip=clip, bandwidth=bandwidth, reverse=reverse,
+                              generator=generator, kernel_kl=kernel_kl, density_ratio=DensityRatio)
+
+
+def adaptive_contrast_kl(q_z, log_prior=None, lam: float = DEFAULT_LAM, **kwargs):
     """Adaptive-contrast KL on the reference backend; see :func:`kivi_fast.adaptive_contrast_kl`."""
-    return _adaptive_contrast_kl(q_z, log_prior, lam, kl_fn=kl, **kwargs)
+    return _adaptive_contrast_kl(q_z, log_prior, lam, kl_fn=kernel_kl, **kwargs)

@@ -1,14 +1,16 @@
 """Tests of ``kivi-fast amortized``: the exact posterior of its linear-Gaussian model, the Gaussian
 encoder's closed-form KL, its evaluation, and its command line (--quick writes its files; bad values are
-usage errors). No training test: training to the target takes minutes."""
+usage errors), and a short training of the library's recommended call on several seeds."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 
+import kivi_fast
 from kivi_fast import cli
 from kivi_fast.experiments import amortized as am
 
@@ -76,11 +78,31 @@ def test_gaussian_kl_between_and_evaluate_on_the_exact_posterior():
     assert am.meets_target(m)
 
 
+def test_the_default_adaptive_contrast_recovers_the_exact_posterior_on_every_seed():
+    """The VAE's setting in miniature, with the library's default call: an implicit encoder trained
+    600 steps (a third of the study's budget, at 3x its lr) on three seeds. Measured on an AMD EPYC:
+    mean errors 0.18-0.21 posterior std, variance ratios 0.97-1.09; the paper's settings (diagonal
+    contrast, lam = 1e-3) gave 0.39-0.79 and ratios 0.51-2.23 on the same seeds, plain kl 1.5-3.5."""
+    model = am.LinearGaussian.from_seed(0, 0.5, 0.5)
+    x = model.sample(64, torch.Generator().manual_seed(12345))
+    mu, sigma = am.exact_posterior(model.W, model.b, model.s, x)
+    # for these shapes (n = 100 > d = 4) the default is the full contrast at lam = 1e-2
+    z = torch.randn(3, 100, am.LATENT, dtype=torch.float64)
+    default = kivi_fast.adaptive_contrast_kl(z, generator=torch.Generator().manual_seed(1))
+    full = kivi_fast.adaptive_contrast_kl(z, None, 1e-2, contrast="full", generator=torch.Generator().manual_seed(1))
+    assert torch.equal(default, full)
+    args = types.SimpleNamespace(hidden=64, lr=3e-3, steps=600, batch=32, samples=100, clip=1e-8)
+    for seed in range(3):
+        encoder, _ = am.train(model, "ac-full", kivi_fast.contrast.DEFAULT_LAM, seed, args)
+        m = am.evaluate(encoder, x, mu, sigma, 1000, seed)
+        assert m["mean_error"] < 0.3 and all(0.8 < r < 1.25 for r in m["var_ratios"]), (seed, m)
+
+
 def test_quick_run_writes_its_files(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert cli.main(["amortized", "--quick", "--no-progress", "--run-dir", str(run_dir)]) == 0
     data = json.loads((run_dir / "results.json").read_text())
-    assert {r["method"] for r in data["runs"]} == set(am.METHODS) and len(data["runs"]) == 4
+    assert {r["method"] for r in data["runs"]} == set(am.METHODS) and len(data["runs"]) == len(am.METHODS)
     assert (run_dir / "variance_ratios.png").stat().st_size > 0
     table = (run_dir / "table.md").read_text()
     assert "| gaussian | exact KL |" in table and "| ac-full | 0.01 |" in table

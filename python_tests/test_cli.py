@@ -21,7 +21,9 @@ BAD_ARGUMENTS = {
     "uci-kl-probe": "--epochs=0 | --every=0 | --reps=0 | --split=20 | --split=-1 | --threads=0",
     "blr": "--epochs=0 | --n-data=0 | --batch-size=0 | --lr=0 | --kivi-samples=1 | --vi-samples=0 | --lam=0 | --lam=1e-30 | --clip=2 | "
            "--hmc-chains=0 | --hmc-samples=3 | --hmc-warmup=-1 | --hmc-step-size=0 | --hmc-leapfrog=0 | "
-           "--eval-samples=1",
+           "--eval-samples=1 | --kivi-seeds=0 | --contrast=spherical",
+    "client-loop": "--seeds=0 | --steps=0 | --lr=0 | --samples=1 | --dim=0 | --n-data=0 | --noise=nan | "
+                   "--settings=svgd | --eval-samples=1",
     "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --clip=1e10 | --lr=0 | --log-every=0 | --eval-samples=1",
     "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --lams 1e-3 1e-11 | --reps=0 | --clip=0 | --clip=1.5 | --flow-truth-samples=1",
     "boston-posterior": "--epochs=0 | --samples=1 | --lam=0 | --plot-samples=1 | --split=20",

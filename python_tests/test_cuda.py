@@ -47,8 +47,8 @@ def assert_close_rel(actual, expected, rtol):
 def test_kl_on_cuda_equals_the_reference_on_cpu(pr):
     p, q = make_samples(pr)
     kw = dict(lam=pr["lam"], reverse=pr["reverse"])
-    ours_v, ours_g = value_and_grad(kivi_fast.kl, p.to(CUDA), q.to(CUDA), **kw)
-    ref_v, ref_g = value_and_grad(reference.kl, p, q, **kw)
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)
+    ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
     assert ours_v.device.type == "cuda" and ours_g.device.type == "cuda" and ours_v.dtype == p.dtype
     # float32 inputs are fitted in float64 on both sides; cuBLAS and MKL sum in other orders
     rtol = 1e-5 if pr["dtype"] == torch.float32 else 1e-8
@@ -96,7 +96,7 @@ def test_a_training_step_on_cuda_matches_the_cpu_step():
     for device in ("cpu", "cuda"):
         model = copy.deepcopy(net).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        kivi_fast.kl(prior.to(device), model(eps.to(device))).backward()
+        kivi_fast.kernel_kl(prior.to(device), model(eps.to(device))).backward()
         opt.step()
         stepped[device] = [p.detach().cpu() for p in model.parameters()]
     for before, a, b in zip(net.parameters(), stepped["cpu"], stepped["cuda"]):
@@ -107,16 +107,16 @@ def test_a_training_step_on_cuda_matches_the_cpu_step():
 def test_mixed_devices_and_bad_input_raise_clear_errors():
     p, q = torch.randn(20, 3), torch.randn(20, 3)
     with pytest.raises(ValueError, match="same device"):
-        kivi_fast.kl(p.to(CUDA), q)
+        kivi_fast.kernel_kl(p.to(CUDA), q)
     bad = q.clone()
     bad[3, 1] = float("nan")
     with pytest.raises(ValueError, match="q_z"):
-        kivi_fast.kl(p.to(CUDA), bad.to(CUDA))
+        kivi_fast.kernel_kl(p.to(CUDA), bad.to(CUDA))
     with pytest.raises(ValueError, match="lam"):
-        kivi_fast.kl(p.to(CUDA), q.to(CUDA), lam=0.0)
+        kivi_fast.kernel_kl(p.to(CUDA), q.to(CUDA), lam=0.0)
 
 
 def test_torch_compile_on_cuda():
     p, q = torch.randn(2, 50, 4, device=CUDA), torch.randn(2, 50, 4, device=CUDA)
-    compiled = torch.compile(kivi_fast.kl, fullgraph=True)
-    torch.testing.assert_close(compiled(p, q), kivi_fast.kl(p, q))
+    compiled = torch.compile(kivi_fast.kernel_kl, fullgraph=True)
+    torch.testing.assert_close(compiled(p, q), kivi_fast.kernel_kl(p, q))

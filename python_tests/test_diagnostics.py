@@ -127,6 +127,7 @@ def _boston_available() -> bool:
     ("blr", ["blr.png", "metrics.json", "training.json"]),
     ("reverse-ablation", ["reverse_ablation.png", "metrics.json"]),
     ("kl-accuracy", ["kl_accuracy.png", "clipped.png", "results.json", "table.md"]),
+    ("client-loop", ["results.json", "table.md", "seeds.png"]),
     pytest.param("boston-posterior", ["boston_posterior.png", "posterior_stats.json"],
                  marks=pytest.mark.skipif(not _boston_available(), reason="Boston housing data not present")),
 ])
@@ -140,7 +141,8 @@ def test_quick_smoke_run_writes_its_files(command, files, tmp_path, capsys):
 
 def test_blr_with_full_contrast_records_it(tmp_path):
     run_dir = tmp_path / "blr"
-    args = ["blr", "--quick", "--no-progress", "--adaptive-contrast", "--contrast", "full", "--run-dir", str(run_dir)]
+    args = ["blr", "--quick", "--no-progress", "--contrast", "full", "--kivi-seeds", "2", "--run-dir", str(run_dir)]
     assert cli.main(args) == 0
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["config"]["contrast"] == "full" and metrics["config"]["adaptive_contrast"]
+    assert metrics["config"]["contrast"] == "full" and metrics["config"]["lam"] == 0.01
+    assert len(metrics["KIVI_over_seeds"]["cov_rel_error"]) == 2

@@ -45,14 +45,14 @@ BAD_SAMPLES = [
 def test_bad_samples(impl, case, reverse):
     _, args, error, message = case
     with pytest.raises(error, match=message):
-        kivi_fast.kl(**args, reverse=reverse)
+        kivi_fast.kernel_kl(**args, reverse=reverse)
 
 
 @pytest.mark.parametrize("n_p,n_q,name", [(1, 8, "prior_z"), (10, 1, "q_z"), (1, 1, "prior_z")])
 def test_one_sample_on_a_side_is_rejected(impl, n_p, n_q, name):
     """A ratio fitted to one sample estimates nothing: both sides need two (the documented minimum)."""
     with pytest.raises(ValueError, match=f"{name} must hold at least 2 samples to fit a density ratio"):
-        kivi_fast.kl(P[:n_p], Q[:n_q])
+        kivi_fast.kernel_kl(P[:n_p], Q[:n_q])
     with pytest.raises(ValueError, match="must hold at least 2 samples to fit a density ratio"):
         kivi_fast.DensityRatio().fit(P[:n_p], Q[:n_q])
     with pytest.raises(ValueError, match="must hold at least 2 samples to fit a density ratio"):
@@ -61,7 +61,7 @@ def test_one_sample_on_a_side_is_rejected(impl, n_p, n_q, name):
 
 def test_two_samples_on_each_side_is_the_smallest_valid_input(impl):
     for bandwidth in ("median", 1.0):
-        value = kivi_fast.kl(P[:2], Q[:2], bandwidth=bandwidth)
+        value = kivi_fast.kernel_kl(P[:2], Q[:2], bandwidth=bandwidth)
         assert value.shape == () and torch.isfinite(value)
 
 
@@ -86,16 +86,16 @@ def test_two_samples_on_each_side_is_the_smallest_valid_input(impl):
 ])
 def test_bad_parameters(impl, name, kwargs, error, message):
     with pytest.raises(error, match=message):
-        kivi_fast.kl(P, Q, **kwargs)
+        kivi_fast.kernel_kl(P, Q, **kwargs)
 
 
 def test_all_points_equal_asks_for_a_bandwidth(impl):
     same = torch.ones(6, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="median pairwise distance of the samples is 0.*bandwidth"):
-        kivi_fast.kl(same, same.clone())
+        kivi_fast.kernel_kl(same, same.clone())
     with pytest.raises(ValueError, match="median pairwise distance"):
         kivi_fast.median_bandwidth(same)
-    assert torch.isfinite(kivi_fast.kl(same, same.clone(), bandwidth=1.0))
+    assert torch.isfinite(kivi_fast.kernel_kl(same, same.clone(), bandwidth=1.0))
 
 
 def test_system_that_float64_cannot_factor_raises(impl):
@@ -128,7 +128,7 @@ def test_lam_at_its_floor_matches_a_high_precision_oracle(impl):
         alpha = -mpmath.lu_solve(k_qq / len(Q_) + lam_ * mpmath.eye(len(Q_)), rhs)
         r = [sum(alpha[i] * k_qq[i, j] for i in range(len(Q_))) + sum(k_qp[j]) / (lam_ * len(P_)) for j in range(len(Q_))]
         oracle = float(-sum(mpmath.log(max(v, mpmath.mpf(1e-8))) for v in r) / len(r))
-    value = float(kivi_fast.kl(p, q, lam=lam, bandwidth=sigma))
+    value = float(kivi_fast.kernel_kl(p, q, lam=lam, bandwidth=sigma))
     assert abs(value - oracle) <= 1e-5 * abs(oracle), (value, oracle)
 
 
@@ -136,20 +136,20 @@ def test_mostly_clipped_ratios_warn(impl):
     """lam = 1e10 shrinks the fitted ratio below the clip at every sample: the estimate is -log(clip),
     which says nothing about q, and the user is told so."""
     with pytest.warns(kivi_fast.ClippingWarning, match="more than half of the posterior samples"):
-        value = kivi_fast.kl(P, Q, lam=1e10)
+        value = kivi_fast.kernel_kl(P, Q, lam=1e10)
     torch.testing.assert_close(value, torch.tensor(-math.log(1e-8), dtype=torch.float64))
     with pytest.warns(kivi_fast.ClippingWarning):
-        kivi_fast.kl(P.expand(3, -1, -1), Q.expand(3, -1, -1), lam=1e10)
+        kivi_fast.kernel_kl(P.expand(3, -1, -1), Q.expand(3, -1, -1), lam=1e10)
     with warnings.catch_warnings(record=True) as seen:  # once per call site, not once per step
         warnings.simplefilter("default")
         for _ in range(3):
-            kivi_fast.kl(P, Q, lam=1e10)
+            kivi_fast.kernel_kl(P, Q, lam=1e10)
     assert sum(issubclass(w.category, kivi_fast.ClippingWarning) for w in seen) == 1
     g = torch.Generator().manual_seed(0)
     p, q = (torch.randn(100, 3, generator=g, dtype=torch.float64) for _ in range(2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kivi_fast.kl(p, q, lam=1e-3)  # q = p: at most 7% clipped over 200 draws, no warning
+        kivi_fast.kernel_kl(p, q, lam=1e-3)  # q = p: at most 7% clipped over 200 draws, no warning
 
 
 def test_density_ratio_errors(impl):
@@ -174,6 +174,8 @@ def test_adaptive_contrast_errors(impl):
     with pytest.raises(ValueError, match="at least 2 samples"):
         kivi_fast.adaptive_contrast_kl(Q[:1])
     with pytest.raises(ValueError, match="zero standard deviation"):
+        kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64), contrast="diagonal")
+    with pytest.raises(ValueError, match="q_z's sample covariance is singular"):
         kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="log_prior must map"):
         kivi_fast.adaptive_contrast_kl(Q, lambda z: z.sum())

@@ -139,7 +139,8 @@ def test_diag_contrast_with_the_median_rule_is_the_library_call():
     q = torch.randn(4, 50, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.3 + 1
     eps = torch.randn(4, 80, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     ours = ga.diag_contrast_kl(q, eps, 1e-3, prior_seed=9)
-    library = kivi_fast.adaptive_contrast_kl(q, None, 1e-3, n_prior=80, generator=torch.Generator().manual_seed(9))
+    library = kivi_fast.adaptive_contrast_kl(q, None, 1e-3, n_prior=80, contrast="diagonal",
+                                             generator=torch.Generator().manual_seed(9))
     torch.testing.assert_close(ours, library, rtol=1e-12, atol=1e-12)
 
 

@@ -65,10 +65,10 @@ def assert_close_rel(actual, expected, rtol):
 
 
 def assert_kl_equals_reference(p, q, rtol):
-    """Value and gradient of kivi_fast.kl against the reference, both settings of reverse."""
+    """Value and gradient of kivi_fast.kernel_kl against the reference, both settings of reverse."""
     for reverse in (True, False):
-        ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-        ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+        ours = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+        ref = value_and_grad(reference.kernel_kl, p, q, reverse=reverse)
         for a, b in zip(ours, ref):
             assert_close_rel(a, b, rtol)
 
@@ -101,8 +101,8 @@ def few_point_problems(draw):
 def test_kl_value_and_gradient_equal_reference(compiled, pr):
     p, q = make_samples(pr)
     kw = dict(lam=pr["lam"], reverse=pr["reverse"])
-    ours_v, ours_g = value_and_grad(kivi_fast.kl, p, q, **kw)
-    ref_v, ref_g = value_and_grad(reference.kl, p, q, **kw)
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+    ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
     assert ours_v.dtype == p.dtype and ours_v.shape == ref_v.shape
     rtol = 1e-5 if pr["dtype"] == torch.float32 else 1e-8
     assert_close_rel(ours_v, ref_v, rtol)
@@ -143,8 +143,8 @@ def test_given_bandwidth_equals_reference(compiled, bandwidth):
     p = torch.randn(3, 40, 5, generator=g, dtype=torch.float64)
     q = torch.randn(3, 30, 5, generator=g, dtype=torch.float64) + 0.3
     bw = torch.tensor([0.5, 1.0, 2.0]) if bandwidth == "tensor" else bandwidth
-    ours = value_and_grad(kivi_fast.kl, p, q, bandwidth=bw)
-    ref = value_and_grad(reference.kl, p, q, bandwidth=bw)
+    ours = value_and_grad(kivi_fast.kernel_kl, p, q, bandwidth=bw)
+    ref = value_and_grad(reference.kernel_kl, p, q, bandwidth=bw)
     for a, b in zip(ours, ref):
         assert_close_rel(a, b, 1e-9)
 
@@ -154,9 +154,9 @@ def test_cpu_and_generic_kernels_agree():
     p = torch.randn(4, 120, 50, generator=g)
     q = torch.randn(4, 90, 50, generator=g) * 0.5
     with implementation("cpu"):
-        a = value_and_grad(kivi_fast.kl, p, q)
+        a = value_and_grad(kivi_fast.kernel_kl, p, q)
     with implementation("generic"):
-        b = value_and_grad(kivi_fast.kl, p, q)
+        b = value_and_grad(kivi_fast.kernel_kl, p, q)
     for x, y in zip(a, b):
         assert_close_rel(x, y, 1e-6)
 
@@ -293,12 +293,12 @@ def test_projection_reading_the_upper_part_equals_reference(compiled, n_p, n_q, 
     # read of a lower part that the call below did not write would then be far off.
     with switched({torch.ops.kivi_fast_testing.set_gram_tiles: False}, threads):
         for reverse in (True, False):
-            value_and_grad(kivi_fast.kl, p, q, reverse=reverse, bandwidth=1e6)
+            value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse, bandwidth=1e6)
     with switched({torch.ops.kivi_fast_testing.set_gram_tiles: True}, threads):
         assert_kl_equals_reference(p, q, 1e-8)
         for reverse in (True, False):
-            with_state, _ = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-            assert torch.equal(kivi_fast.kl(p, q, reverse=reverse), with_state)
+            with_state, _ = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+            assert torch.equal(kivi_fast.kernel_kl(p, q, reverse=reverse), with_state)
 
 
 @pytest.mark.parametrize("n_den", [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33, 100, 255, 256])
@@ -308,8 +308,8 @@ def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
     The reverse ratio trick fits prior_z / q_z: the system is n_q x n_q."""
     pr = dict(n_p=40, n_q=n_den, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=n_den)
     p, q = make_samples(pr)
-    ours = value_and_grad(kivi_fast.kl, p, q, reverse=True)
-    ref = value_and_grad(reference.kl, p, q, reverse=True)
+    ours = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=True)
+    ref = value_and_grad(reference.kernel_kl, p, q, reverse=True)
     for a, b in zip(ours, ref):
         assert_close_rel(a, b, 1e-8)
 
@@ -350,9 +350,9 @@ def test_float32_factor_refined_in_float64_equals_reference(lam, threads, n_p):
     p, q = make_samples(pr)
     with implementation("cpu"), switched({}, threads):
         for reverse in (True, False):  # a 283-row system, then an n_p-row one
-            counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=reverse))
+            counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kernel_kl, p, q, lam=lam, reverse=reverse))
             assert counts[:3] == [1, 0, 0] and 2 <= counts[3] <= 5  # 3-4 solves here
-            ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=reverse)
+            ref = value_and_grad(reference.kernel_kl, p, q, lam=lam, reverse=reverse)
             for a, b in zip(ours, ref):
                 assert_close_rel(a, b, 1e-8 if lam == 1e-2 else 1e-7)
 
@@ -377,11 +377,11 @@ def test_system_float32_cannot_solve_is_solved_in_float64(lam, outcomes):
     p = base + 1e-4 * torch.randn(300, 3, generator=g, dtype=torch.float64)
     q = base + 1e-4 * (0.8 * torch.randn(40, 3, generator=g, dtype=torch.float64) + 0.3)
     with implementation("cpu"):  # reverse=False: the system is n_p x n_p
-        counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, lam=lam, reverse=False))
+        counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kernel_kl, p, q, lam=lam, reverse=False))
     assert counts[:3] in outcomes
     if counts[2] == 1:
         assert counts[3] <= 3  # without the halving test, dsposv's 31 solves
-    ref = value_and_grad(reference.kl, p, q, lam=lam, reverse=False)
+    ref = value_and_grad(reference.kernel_kl, p, q, lam=lam, reverse=False)
     for a, b in zip(ours, ref):
         assert_close_rel(a, b, 1e-5)
 
@@ -396,9 +396,9 @@ def test_float32_path_from_257_rows_and_a_zero_right_hand_side(n_p, expected):
     q = torch.randn(30, 2, generator=g, dtype=torch.float64) + 1e3
     kw = dict(lam=1e-3, bandwidth=1.0, reverse=False)  # the system is n_p x n_p
     with implementation("cpu"):
-        counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kl, p, q, **kw))
+        counts, ours = refined_solves(lambda: value_and_grad(kivi_fast.kernel_kl, p, q, **kw))
     assert counts == expected
-    ref = value_and_grad(reference.kl, p, q, **kw)
+    ref = value_and_grad(reference.kernel_kl, p, q, **kw)
     for a, b in zip(ours, ref):
         assert_close_rel(a, b, 1e-12)
 
@@ -411,8 +411,8 @@ def test_kernel_values_across_the_range_of_exp(compiled, reverse):
     t = torch.linspace(0.0, 1.0, 40, dtype=torch.float64).unsqueeze(1)
     p, q = t * 60.0, t * 60.0 + 0.37
     kw = dict(lam=0.1, bandwidth=1.0, reverse=reverse)
-    ours_v, ours_g = value_and_grad(kivi_fast.kl, p, q, **kw)
-    ref_v, ref_g = value_and_grad(reference.kl, p, q, **kw)
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+    ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
     assert_close_rel(ours_v, ref_v, 1e-12)
     assert_close_rel(ours_g, ref_g, 1e-11)
 
@@ -433,10 +433,10 @@ def test_value_without_a_gradient_is_the_same(compiled, batch, n, d, reverse, th
     q = torch.randn(batch, n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3
     with switched({}, threads):
         with torch.no_grad():
-            plain = kivi_fast.kl(p, q, reverse=reverse)
-        with_grad = kivi_fast.kl(p, q.clone().requires_grad_(True), reverse=reverse)
+            plain = kivi_fast.kernel_kl(p, q, reverse=reverse)
+        with_grad = kivi_fast.kernel_kl(p, q.clone().requires_grad_(True), reverse=reverse)
     assert torch.equal(plain, with_grad.detach())
-    torch.testing.assert_close(plain, reference.kl(p, q, reverse=reverse), rtol=1e-8, atol=0)
+    torch.testing.assert_close(plain, reference.kernel_kl(p, q, reverse=reverse), rtol=1e-8, atol=0)
 
 
 def clipped_samples(d, batched, dtype):
@@ -474,7 +474,7 @@ def test_kl_clipped_fraction_equals_a_count_on_the_reference(compiled, d, batche
 @pytest.mark.parametrize("reverse", [True, False])
 def test_kl_clipped_fraction_with_and_without_a_gradient(compiled, reverse):
     """The fraction does not depend on whether the op keeps a grad state, on autograd (it gets no
-    gradient, like the state and the bandwidth) or on a given bandwidth's path; kivi_fast.kl returns
+    gradient, like the state and the bandwidth) or on a given bandwidth's path; kivi_fast.kernel_kl returns
     the estimate alone."""
     p, q = clipped_samples(4, True, torch.float64)
     qg = q.clone().requires_grad_(True)
@@ -485,7 +485,7 @@ def test_kl_clipped_fraction_with_and_without_a_gradient(compiled, reverse):
     given = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, plain[2], reverse, False)
     assert torch.equal(given[3], plain[3])
     torch.autograd.grad(with_grad[0].sum(), qg)  # the fraction's missing gradient is no obstacle
-    value = kivi_fast.kl(p, qg, reverse=reverse)
+    value = kivi_fast.kernel_kl(p, qg, reverse=reverse)
     assert value.shape == (3,) and torch.equal(value.detach(), with_grad[0].detach())
 
 
@@ -503,8 +503,8 @@ def test_one_large_element_split_over_threads(compiled, reverse):
     pr = dict(n_p=750, n_q=750, d=3, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=7)
     p, q = make_samples(pr)
     with switched({}, threads=2):
-        ours = value_and_grad(kivi_fast.kl, p, q, reverse=reverse)
-    ref = value_and_grad(reference.kl, p, q, reverse=reverse)
+        ours = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+    ref = value_and_grad(reference.kernel_kl, p, q, reverse=reverse)
     assert_close_rel(ours[0], ref[0], 1e-8)
     assert_close_rel(ours[1], ref[1], 1e-7)
 
@@ -638,10 +638,10 @@ def test_kernel_matrix_above_32_mb_reused_between_calls():
     pr = dict(n_p=1100, n_q=1100, d=2, batch=None, dtype=torch.float64, scale=1.0, shift=0.3, seed=11)
     p, q = make_samples(pr)
     with implementation("cpu"):
-        assert torch.isfinite(kivi_fast.kl(*big))
-        first = value_and_grad(kivi_fast.kl, p, q)
-        second = value_and_grad(kivi_fast.kl, p, q)
-    ref = value_and_grad(reference.kl, p, q)
+        assert torch.isfinite(kivi_fast.kernel_kl(*big))
+        first = value_and_grad(kivi_fast.kernel_kl, p, q)
+        second = value_and_grad(kivi_fast.kernel_kl, p, q)
+    ref = value_and_grad(reference.kernel_kl, p, q)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     assert_close_rel(first[0], ref[0], 1e-8)
@@ -667,13 +667,13 @@ def test_distances_of_a_gram_larger_than_l3_written_by_row_tiles(ties):
     with switched({}, threads=1):
         with implementation("cpu"):
             assert_median_under_bracket_settings(x, expected, ties)
-            ours = value_and_grad(kivi_fast.kl, p, q)
-            ours_given = value_and_grad(kivi_fast.kl, p, q, bandwidth=1.7)  # no median: no count
+            ours = value_and_grad(kivi_fast.kernel_kl, p, q)
+            ours_given = value_and_grad(kivi_fast.kernel_kl, p, q, bandwidth=1.7)  # no median: no count
             x32 = x.float()
             sigma32 = kivi_fast.median_bandwidth(x32).item()  # the sample from float32 rows
         with implementation("generic"):
-            theirs = value_and_grad(kivi_fast.kl, p, q)
-            theirs_given = value_and_grad(kivi_fast.kl, p, q, bandwidth=1.7)
+            theirs = value_and_grad(kivi_fast.kernel_kl, p, q)
+            theirs_given = value_and_grad(kivi_fast.kernel_kl, p, q, bandwidth=1.7)
     # float32 samples give a float32 bandwidth: the exact median, rounded
     assert sigma32 == float(np.float32(np.median(pdist(x32.double().numpy()))))
     for a, b in ((ours, theirs), (ours_given, theirs_given)):

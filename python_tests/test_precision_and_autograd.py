@@ -15,7 +15,7 @@ def rel_err(actual, expected):
 
 def kl_and_grad(p, q, **kw):
     q = q.clone().requires_grad_(True)
-    value = kivi_fast.kl(p, q, **kw)
+    value = kivi_fast.kernel_kl(p, q, **kw)
     value.sum().backward()
     return value.detach(), q.grad
 
@@ -129,7 +129,7 @@ def test_an_undefined_output_gradient_gives_no_gradient(compiled):
     check_undefined_grad sends): no gradient for q_z, not zeros made up or an error."""
     p = torch.randn(20, 2, dtype=torch.float64)
     q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
-    blocked = torch._C._functions.UndefinedGrad()(kivi_fast.kl(p, q))
+    blocked = torch._C._functions.UndefinedGrad()(kivi_fast.kernel_kl(p, q))
     (grad,) = torch.autograd.grad(blocked, q, allow_unused=True, materialize_grads=False)
     assert grad is None
 
@@ -137,7 +137,7 @@ def test_an_undefined_output_gradient_gives_no_gradient(compiled):
 def test_prior_samples_get_no_gradient(impl):
     p = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
     q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
-    kivi_fast.kl(p, q).backward()
+    kivi_fast.kernel_kl(p, q).backward()
     assert p.grad is None and q.grad is not None
 
 
@@ -153,7 +153,7 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     p = torch.randn(n, d, generator=g, dtype=dtype)
     q = torch.randn(n, d, generator=g, dtype=dtype) * 0.8 + 0.1
 
-    def grad_of(qs, fn=kivi_fast.kl):
+    def grad_of(qs, fn=kivi_fast.kernel_kl):
         qs = qs.clone().requires_grad_(True)
         return torch.autograd.grad(fn(p, qs), qs)[0]
 
@@ -163,7 +163,7 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     assert g1.data_ptr() != g2.data_ptr()
     assert torch.equal(g1, g1_copy)  # the second call wrote elsewhere
     if n * n * d < 10**7:  # the oracle holds [n, 2 n, d] differences
-        assert rel_err(g2, grad_of(q * 1.01, reference.kl)) < (1e-5 if dtype == torch.float32 else 1e-8)
+        assert rel_err(g2, grad_of(q * 1.01, reference.kernel_kl)) < (1e-5 if dtype == torch.float32 else 1e-8)
     freed = g2.data_ptr()
     del g2
     # the forward takes its state from the same pool first: were the state's rounded size the
@@ -176,8 +176,8 @@ def test_large_gradients_are_their_own_memory_and_reused(compiled, n, d, dtype):
     g4 = grad_of(q * 1.01)  # a reused buffer is handed out once
     assert g4.data_ptr() != g3.data_ptr() and torch.equal(g3, g4)
     qs = q.clone().requires_grad_(True)
-    kivi_fast.kl(p, qs).backward()
-    kivi_fast.kl(p, qs).backward()
+    kivi_fast.kernel_kl(p, qs).backward()
+    kivi_fast.kernel_kl(p, qs).backward()
     assert torch.equal(qs.grad, 2 * g1_copy)
 
 
@@ -213,7 +213,7 @@ def test_the_kl_state_is_on_a_kept_buffer_and_reused():
         grads = []
         for _ in range(2):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                value = kivi_fast.kl(p64, qs)
+                value = kivi_fast.kernel_kl(p64, qs)
             grads.append(torch.autograd.grad(value, qs)[0])
             del value
         assert len(saved) == 2 and not saved[0][1] and saved[1][0] == saved[0][0]
@@ -235,7 +235,7 @@ def test_a_step_of_six_layers_takes_no_fresh_buffer():
         for _ in range(3):
             for q in qs:
                 q.grad = None  # zero_grad(set_to_none=True)
-            sum(kivi_fast.kl(p, q) for p, q in zip(ps, qs)).backward()
+            sum(kivi_fast.kernel_kl(p, q) for p, q in zip(ps, qs)).backward()
             counts.append(fresh())
     assert counts[0] > before  # the first step allocates (the counter counts)
     assert counts[1] == counts[0] and counts[2] == counts[0]
@@ -251,7 +251,7 @@ def test_kept_buffers_past_the_pool_limit(compiled):
 
     def grad(w):
         qs = q[:, :w].clone().requires_grad_(True)
-        return torch.autograd.grad(kivi_fast.kl(p[:, :w], qs), qs)[0]
+        return torch.autograd.grad(kivi_fast.kernel_kl(p[:, :w], qs), qs)[0]
 
     first = [grad(w).clone() for w in widths]  # each freed at once: the pool fills and evicts
     held = [grad(w) for w in widths]  # all alive together
@@ -295,7 +295,7 @@ def op_cases():
         ("kl_grad", ops.kl_grad.default, (torch.tensor([1.0, -2.0], dtype=torch.float64), state, q, p, True)),
         ("kl_grad_weights", ops.kl_grad.default,
          (torch.tensor([1.0, -2.0], dtype=torch.float64), state_w, q[..., :2, :], p[..., :2, :], True)),
-        # kl and kl_grad also take one unbatched pair (what kivi_fast.kl passes for [n, d] samples)
+        # kl and kl_grad also take one unbatched pair (what kivi_fast.kernel_kl passes for [n, d] samples)
         ("kl_unbatched", ops.kl.default, (p[0], qg[0].detach().requires_grad_(), 1e-3, 1e-8, None, False)),
         ("kl_grad_unbatched", ops.kl_grad.default, (torch.tensor(-2.0, dtype=torch.float64), state[1], q[1], p[1], True)),
         ("kl_unbatched_no_state", ops.kl.default, (p[0], q[0], 1e-3, 1e-8, None, True, False)),
@@ -322,13 +322,13 @@ def test_torch_compile_fullgraph(compiled, batched):
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def loss(prior, post):
-        return kivi_fast.kl(prior, post * 1.5, lam=1e-3).sum()
+        return kivi_fast.kernel_kl(prior, post * 1.5, lam=1e-3).sum()
 
     q1 = q.clone().requires_grad_(True)
     q2 = q.clone().requires_grad_(True)
     compiled_value = loss(p, q1)
     compiled_value.backward()
-    eager_value = kivi_fast.kl(p, q2 * 1.5, lam=1e-3).sum()
+    eager_value = kivi_fast.kernel_kl(p, q2 * 1.5, lam=1e-3).sum()
     eager_value.backward()
     torch.testing.assert_close(compiled_value, eager_value)
     torch.testing.assert_close(q1.grad, q2.grad)
@@ -339,7 +339,7 @@ def test_torch_compile_dynamic_shapes(compiled, reverse):
     # symbolic sizes reach the autograd formula (C++) when shapes are dynamic, as after a recompile
     @torch.compile(fullgraph=True, backend="aot_eager")
     def loss(prior, post):
-        return kivi_fast.kl(prior, post * 1.5, lam=1e-3, reverse=reverse).sum()
+        return kivi_fast.kernel_kl(prior, post * 1.5, lam=1e-3, reverse=reverse).sum()
 
     g = torch.Generator().manual_seed(3)
     for n_q in (7, 11):
@@ -351,7 +351,7 @@ def test_torch_compile_dynamic_shapes(compiled, reverse):
         q2 = q.clone().requires_grad_(True)
         value = loss(p, q1)
         value.backward()
-        expected = kivi_fast.kl(p, q2 * 1.5, lam=1e-3, reverse=reverse).sum()
+        expected = kivi_fast.kernel_kl(p, q2 * 1.5, lam=1e-3, reverse=reverse).sum()
         expected.backward()
         torch.testing.assert_close(value, expected)
         torch.testing.assert_close(q1.grad, q2.grad)

@@ -24,8 +24,8 @@ def test_permuting_samples_leaves_the_estimate_unchanged(impl, seed, d, reverse)
     perm_p, perm_q = torch.randperm(31, generator=g), torch.randperm(27, generator=g)
     q1 = q.clone().requires_grad_(True)
     q2 = q[perm_q].clone().requires_grad_(True)
-    a = kivi_fast.kl(p, q1, reverse=reverse)
-    b = kivi_fast.kl(p[perm_p], q2, reverse=reverse)
+    a = kivi_fast.kernel_kl(p, q1, reverse=reverse)
+    b = kivi_fast.kernel_kl(p[perm_p], q2, reverse=reverse)
     a.backward()
     b.backward()
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -40,8 +40,8 @@ def test_rotation_and_translation_leave_the_estimate_unchanged(impl, seed, d, of
     move = lambda x: x @ rotation.T + offset  # noqa: E731
     q1 = q.clone().requires_grad_(True)
     q2 = move(q).detach().requires_grad_(True)
-    a = kivi_fast.kl(p, q1)
-    b = kivi_fast.kl(move(p), q2)
+    a = kivi_fast.kernel_kl(p, q1)
+    b = kivi_fast.kernel_kl(move(p), q2)
     a.backward()
     b.backward()
     torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
@@ -56,12 +56,12 @@ def test_batched_equals_a_loop_of_unbatched(impl, dtype, reverse):
     p = torch.randn(5, 30, 4, generator=g, dtype=dtype)
     q = (torch.randn(5, 25, 4, generator=g, dtype=dtype) * torch.linspace(0.3, 2, 5, dtype=dtype)[:, None, None])
     qb = q.clone().requires_grad_(True)
-    batched = kivi_fast.kl(p, qb, reverse=reverse)
+    batched = kivi_fast.kernel_kl(p, qb, reverse=reverse)
     batched.sum().backward()
     assert batched.shape == (5,)
     for b in range(5):
         qi = q[b].clone().requires_grad_(True)
-        single = kivi_fast.kl(p[b], qi, reverse=reverse)
+        single = kivi_fast.kernel_kl(p[b], qi, reverse=reverse)
         single.backward()
         assert single.shape == ()
         torch.testing.assert_close(batched[b], single, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6)
@@ -72,7 +72,7 @@ def test_q_equal_p_shrinks_toward_zero_as_n_grows(impl):
     """Same distribution on both sides: the estimate's mean magnitude decreases with n."""
     errors = []
     for n in (25, 100, 400):
-        values = [kivi_fast.kl(*samples(seed, n, n, 2)).item() for seed in range(8)]
+        values = [kivi_fast.kernel_kl(*samples(seed, n, n, 2)).item() for seed in range(8)]
         errors.append(sum(abs(v) for v in values) / len(values))
     assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 0.1
@@ -83,7 +83,7 @@ def test_estimate_grows_with_the_true_kl(impl):
     shifts = [0.0, 0.5, 1.0, 1.5, 2.5]
     estimates = []
     for mu in shifts:
-        vals = [kivi_fast.kl(*samples(seed, 200, 200, 2, shift=mu)).item() for seed in range(4)]
+        vals = [kivi_fast.kernel_kl(*samples(seed, 200, 200, 2, shift=mu)).item() for seed in range(4)]
         estimates.append(sum(vals) / len(vals))
     assert all(a < b for a, b in zip(estimates, estimates[1:])), estimates
     # Not close to the true KL (mu^2) once q and p separate: the fitted p/q goes negative at q samples
@@ -106,7 +106,7 @@ def test_adaptive_contrast_on_a_gaussian_matches_the_exact_kl(impl):
     # The KIVI term of two standardized Gaussians carries a small positive bias (about 0.1-0.2 nats
     # at n = 200, d = 4; see test_q_equal_p_shrinks_toward_zero_as_n_grows).
     assert sum(estimates) / len(estimates) == pytest.approx(exact, rel=0.1)
-    plain = kivi_fast.kl(torch.randn(200, d, generator=g, dtype=torch.float64), z).item()
+    plain = kivi_fast.kernel_kl(torch.randn(200, d, generator=g, dtype=torch.float64), z).item()
     assert abs(sum(estimates) / len(estimates) - exact) < abs(plain - exact)
 
 
@@ -168,7 +168,7 @@ def test_full_contrast_gives_the_exact_gradient_for_a_correlated_gaussian(impl):
 
 def test_contrast_errors(impl):
     z = torch.randn(50, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="contrast must be one of 'diagonal', 'full'"):
+    with pytest.raises(ValueError, match="contrast must be one of 'auto', 'diagonal', 'full'"):
         kivi_fast.adaptive_contrast_kl(z, contrast="spherical")
     flat = torch.cat([z[:, :2], torch.ones(50, 1, dtype=torch.float64)], dim=1)  # no spread in one dimension
     with pytest.raises(ValueError, match="sample covariance is singular"):

@@ -7,7 +7,9 @@ The setup follows the paper's Appendix "Toy Experiments":
   adapted by dual averaging from 0.001, 100 chains x 200 iterations, the first 100 of each discarded);
 * factorized VI: N(mu, diag(sigma^2)), 100 samples per step, the KL term in closed form;
 * KIVI: the paper's stochastic network (:func:`kivi_fast.nn.stochastic_net_2d`), 1000 samples per step,
-  the KL term ``kivi_fast.kl(prior samples, q samples, lam=0.1, clip=1e-8)``.
+  the KL term ``kivi_fast.adaptive_contrast_kl(q samples)`` (the library's default: full-covariance
+  contrast, lam = 0.01), or with ``--contrast none`` the paper's ``kivi_fast.kernel_kl(prior samples,
+  q samples, lam=0.1, clip=1e-8)``.
 
 Both VI methods run 100 epochs with the paper's annealing lr = base * 100 / (100 + epoch - 1). The
 paper does not say what an epoch is; here it is one pass over the 200 data points in minibatches of
@@ -138,14 +140,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vi-samples", type=positive_int, default=100, help="factorized VI's samples per step")
     parser.add_argument("--kivi-samples", type=int_at_least(2), default=1000,
                         help="KIVI's q samples per step (and as many prior samples)")
-    parser.add_argument("--lam", type=kivi_lam, default=0.1, help="KIVI's ridge coefficient lambda")
+    parser.add_argument("--contrast", choices=("none",) + CONTRASTS, default="auto",
+                        help="KIVI's KL term: adaptive_contrast_kl with this contrast (auto, the library's "
+                             "default, is full here), or none: kl against prior samples (the paper's setting "
+                             "for this experiment)")
+    parser.add_argument("--lam", type=kivi_lam, default=None,
+                        help="KIVI's ridge coefficient lambda (default: 0.01, the library's, with adaptive "
+                             "contrast; 0.1, the paper's, with --contrast none)")
     parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the density ratio")
-    parser.add_argument("--adaptive-contrast", action="store_true",
-                        help="estimate KIVI's KL term with adaptive contrast (App. D) instead of against the "
-                             "prior directly (not the paper's setting for this experiment)")
-    parser.add_argument("--contrast", choices=CONTRASTS, default="diagonal",
-                        help="with --adaptive-contrast: the Gaussian contrasted with q, per-dimension (the "
-                             "paper's) or full-covariance")
+    parser.add_argument("--kivi-seeds", type=positive_int, default=1,
+                        help="train KIVI this many times (seeds --seed, --seed + 1, ...); the figure and the "
+                             "KIVI row show the first, metrics.json's KIVI_over_seeds all of them")
     parser.add_argument("--hmc-chains", type=positive_int, default=100, help="HMC chains, from prior draws")
     parser.add_argument("--hmc-warmup", type=nonnegative_int, default=100, help="adaptation iterations, discarded")
     parser.add_argument("--hmc-samples", type=int_at_least(4), default=100, help="kept iterations per chain")
@@ -193,6 +198,19 @@ def fit_vi(posterior, kl_term, data: LogisticData, *, epochs: int, batch_size: i
             sums["kl"] += float(kl.detach()) / len(batches)
         history.append({"epoch": epoch, "lr": lr * annealed_lr_factor(epoch), **sums})
     return history
+
+
+def fit_kivi(net, args, data: LogisticData, gen: torch.Generator, desc: str) -> list[dict]:
+    """Train the stochastic network ``net`` with KIVI's KL term as ``args`` set it."""
+    def kivi_kl(w):
+        if args.contrast != "none":
+            return kivi_fast.adaptive_contrast_kl(w, None, args.lam, contrast=args.contrast, clip=args.clip,
+                                                  generator=gen)
+        prior = torch.randn(args.kivi_samples, 2, generator=gen, dtype=w.dtype)
+        return kivi_fast.kernel_kl(prior, w, args.lam, clip=args.clip)
+
+    return fit_vi(net, kivi_kl, data, epochs=args.epochs, batch_size=args.batch_size, n_samples=args.kivi_samples,
+                  lr=args.lr, generator=gen, desc=desc, progress=not args.no_progress)
 
 
 def agreement_with_hmc(samples: torch.Tensor, hmc: torch.Tensor) -> dict:
@@ -271,29 +289,32 @@ def run(args) -> int:
                         desc="factorized VI", progress=not args.no_progress)
     timings["vi_s"] = time.time() - t0
 
-    t0 = time.time()
-    net = stochastic_net_2d()
-
-    def kivi_kl(w):
-        if args.adaptive_contrast:
-            return kivi_fast.adaptive_contrast_kl(w, None, args.lam, contrast=args.contrast, clip=args.clip,
-                                                  generator=gen)
-        prior = torch.randn(args.kivi_samples, 2, generator=gen, dtype=w.dtype)
-        return kivi_fast.kl(prior, w, args.lam, clip=args.clip)
-
-    kivi_history = fit_vi(net, kivi_kl, data, epochs=args.epochs, batch_size=args.batch_size,
-                          n_samples=args.kivi_samples, lr=args.lr, generator=gen, desc="KIVI",
-                          progress=not args.no_progress)
-    timings["kivi_s"] = time.time() - t0
-
+    if args.lam is None:
+        args.lam = 0.1 if args.contrast == "none" else kivi_fast.contrast.DEFAULT_LAM
     # Score each posterior on as many samples as the HMC reference holds (at most eval_samples).
     m = min(args.eval_samples, hmc_all.shape[0] // 2)
     perm = torch.randperm(hmc_all.shape[0], generator=gen)
     hmc_ref, hmc_other = hmc_all[perm[:m]], hmc_all[perm[m:2 * m]]
     with torch.no_grad():
-        samples = {"factorized VI": vi.sample(m, gen), "KIVI": net.sample(m, gen), "HMC": hmc_ref}
+        samples = {"factorized VI": vi.sample(m, gen), "HMC": hmc_ref}
+
+    # Each KIVI run has its own seed for its initialization and its noise: a run does not depend on
+    # what ran before it, so "--seed 5" reproduces the fifth run of "--seed 1 --kivi-seeds 5".
+    t0 = time.time()
+    over_seeds = []
+    for seed in range(args.seed, args.seed + args.kivi_seeds):
+        torch.manual_seed(seed)
+        seed_gen = torch.Generator().manual_seed(seed)
+        net = stochastic_net_2d()
+        history = fit_kivi(net, args, data, seed_gen, desc="KIVI" if seed == args.seed else f"KIVI, seed {seed}")
+        with torch.no_grad():
+            kivi_samples = net.sample(m, seed_gen)
+        over_seeds.append(agreement_with_hmc(kivi_samples, hmc_ref))
+        if seed == args.seed:
+            kivi_history, samples["KIVI"] = history, kivi_samples
+    timings["kivi_s"] = time.time() - t0
     metrics = {
-        "KIVI": agreement_with_hmc(samples["KIVI"], hmc_ref),
+        "KIVI": over_seeds[0],
         "factorized VI": agreement_with_hmc(samples["factorized VI"], hmc_ref),
         "HMC half vs. other half (noise floor)": agreement_with_hmc(hmc_other, hmc_ref),
     }
@@ -318,12 +339,16 @@ def run(args) -> int:
         "grid_quadrature": {"mean": exact["mean"].tolist(), "cov": exact["cov"].tolist()},
         "eval_samples": m,
         "agreement_with_hmc": metrics,
+        "KIVI_over_seeds": {"seeds": list(range(args.seed, args.seed + args.kivi_seeds)),
+                            "cov_rel_error": [r["cov_rel_error"] for r in over_seeds],
+                            "mean_error": [r["mean_error"] for r in over_seeds],
+                            "mmd2": [r["mmd2"] for r in over_seeds]},
         "final_elbo": {"factorized VI": vi_history[-1]["elbo"], "KIVI": kivi_history[-1]["elbo"]},
         "timings": timings,
     }
     runs.write_json(out / "metrics.json", report)
     runs.write_json(out / "training.json", {"factorized VI": vi_history, "KIVI": kivi_history})
-    contrast = f", {args.contrast} contrast" if args.adaptive_contrast else ""
+    contrast = f", {args.contrast} contrast" if args.contrast != "none" else ""
     kivi_title = f"(e) KIVI (lam={args.lam:g}{contrast})"
     plot_figure(out / "blr.png", data, grid, vi, samples, grid_window, kivi_title)
 
@@ -335,6 +360,10 @@ def run(args) -> int:
     for name, r in metrics.items():
         print(f"{name:<38}{r['mean_error']:>11.4f}{r['cov_error']:>13.5f}{r['cov_rel_error']:>13.3f}"
               f"{r['mmd2']:>11.5f}")
+    if args.kivi_seeds > 1:
+        errs = sorted(r["cov_rel_error"] for r in over_seeds)
+        print(f"KIVI over {args.kivi_seeds} seeds: rel cov err median {errs[len(errs) // 2]:.3f}, "
+              f"range {errs[0]:.3f}-{errs[-1]:.3f}")
     print(f"final ELBO: VI {vi_history[-1]['elbo']:.2f}, KIVI {kivi_history[-1]['elbo']:.2f}; "
           f"times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
     print(f"wrote {out}/blr.png, metrics.json, training.json")

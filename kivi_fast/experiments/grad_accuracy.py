@@ -35,17 +35,20 @@ Estimators (``variant.estimator``):
 
 * ``oracle``: -mean log(p/q)(z) with q's exact log-density: the reparameterized gradient with the
   true ratio, i.e. the noise floor of n_q samples, no density-ratio error.
-* ``plain``: ``kivi_fast.kl(prior, q, lam, bandwidth=sigma)`` with sigma from a bandwidth rule.
-* ``ac-diag``: ``kivi_fast.adaptive_contrast_kl`` (per-dimension standardization, today's).
+* ``plain``: ``kivi_fast.kernel_kl(prior, q, lam, bandwidth=sigma)`` with sigma from a bandwidth rule.
+* ``kl``: ``kivi_fast.kl(prior, q, lam)``, the library's default: a Gaussian contrast of both sample
+  sets (:func:`kivi_fast.contrast.sample_contrast_kl`), median rule on the whitened samples.
+* ``ac-diag``: ``kivi_fast.adaptive_contrast_kl(contrast="diagonal")`` (per-dimension
+  standardization, the paper's Appendix D).
 * ``ac-full``: adaptive contrast by a full-covariance Gaussian (:func:`full_contrast_kl`); the
   covariance is shrunk toward its diagonal when n_q <= d (``ac-full-shrink``: always), by the
   Schaefer & Strimmer (2005) intensity (:func:`shrinkage_intensity`).
-* ``whitened``: ``kivi_fast.kl`` on both sample sets mapped by q's sample whitening (held fixed, no
+* ``whitened``: ``kivi_fast.kernel_kl`` on both sample sets mapped by q's sample whitening (held fixed, no
   gradient through the map): KL is invariant under one invertible map applied to both (issue 27), and
   this amounts to a kernel with q's Mahalanobis metric.
 
 Bandwidth rules (:func:`bandwidth`), each times ``factor``: ``median`` (median distance over the
-n_p + n_q points, the paper's and the library's default), ``median-q`` (over q's points only),
+n_p + n_q points, the paper's and the library's), ``median-q`` (over q's points only),
 ``svgd`` (SVGD's h = med_q^2 / log n_q in exp(-r^2 / h) (Liu & Wang 2016, Sec. 5), i.e. in kivi's
 exp(-r^2 / (2 sigma^2)) sigma = med_q / sqrt(2 log n_q)), ``silverman`` (the normal-reference rule of
 Silverman 1986, Ch. 4, H = (4 / ((d + 2) n))^(2 / (d + 4)) S as in R's ks::Hns and kernelboot::bw.silv,
@@ -54,9 +57,9 @@ of q's samples).
 
 The default grid (``--grid default``) runs at the base n_q (``--base-n``, 100): plain with every rule x
 factor (1, 0.5x, 2x) x lam x n_p / n_q (1, 4); ``ac-diag`` and ``ac-full`` with every rule x lam x
-n_p / n_q; ``ac-full-shrink`` per lam; ``whitened`` per rule; the oracle per n_q. Then it runs the n_q
+n_p / n_q; ``kl`` (median) with every lam x n_p / n_q; ``ac-full-shrink`` per lam; ``whitened`` per rule; the oracle per n_q. Then it runs the n_q
 sweep (``--ns``) of the paper's setting (plain, median, lam 1e-3, n_p = n_q) and of the best variant of
-plain, ``ac-diag`` and ``ac-full`` (:func:`best_variants`: the highest median step cosine over the cells,
+plain, ``kl``, ``ac-diag`` and ``ac-full`` (:func:`best_variants`: the highest median step cosine over the cells,
 to 2 decimals; ties go to more good cells, then to the smaller worst rel. error). ``--grid full`` runs
 every combination instead, n_q included (about 10x longer: an hour on 2 cores).
 
@@ -82,7 +85,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kivi_fast
-from kivi_fast.contrast import gaussian_contrast, standard_normal_log_prob, whiten, whitening
+from kivi_fast.contrast import DEFAULT_LAM, GaussianFit, gaussian_contrast, standard_normal_log_prob, whiten, whitening
 
 from ..nn import PlanarFlow
 from . import runs
@@ -91,7 +94,7 @@ from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative
 
 NAME = "grad-accuracy"
 RULES = ("median", "median-q", "svgd", "silverman")
-ESTIMATORS = ("oracle", "plain", "ac-diag", "ac-full", "ac-full-shrink", "whitened")
+ESTIMATORS = ("oracle", "plain", "kl", "ac-diag", "ac-full", "ac-full-shrink", "whitened")
 ISO_SCALES = (0.05, 0.2, 0.5, 2.0)
 CORR_SCALES = (0.2, 1.0, 2.0)
 BLR_SCALES = (0.5, 1.0, 2.0)
@@ -296,19 +299,20 @@ def full_contrast_kl(q_z: torch.Tensor, prior_eps: torch.Tensor, lam: float, *, 
     ``prior_eps`` [B, n_p, d] and the bandwidth of ``rule`` on them and the whitened q (the library's
     :func:`kivi_fast.contrast.gaussian_contrast`, so the study measures the library's math)."""
     z_hat, log_r = gaussian_contrast(q_z, "full", shrink)
-    sigma = bandwidth(rule, prior_eps, z_hat, factor)
-    kernel_part = kivi_fast.kl(prior_eps, z_hat, lam, clip=clip, bandwidth=sigma)
+    eps_hat = GaussianFit(prior_eps, "full", shrink).whiten(prior_eps)  # as contrast.reference_draws
+    sigma = bandwidth(rule, eps_hat, z_hat, factor)
+    kernel_part = kivi_fast.kernel_kl(eps_hat, z_hat, lam, clip=clip, bandwidth=sigma)
     return kernel_part + (log_r - standard_normal_log_prob(q_z)).mean(-1)
 
 
 def whitened_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, rule: str = "median",
                 factor: float = 1.0, clip: float = 1e-8) -> torch.Tensor:
-    """``kivi_fast.kl`` after mapping both sample sets by q's sample whitening, the map held fixed (KL is
+    """``kivi_fast.kernel_kl`` after mapping both sample sets by q's sample whitening, the map held fixed (KL is
     invariant under one invertible map of both; the gradient flows through q's samples only)."""
     with torch.no_grad():
         mean, chol, _ = whitening(q_z)
     p_hat, q_hat = whiten(prior_z, mean, chol), whiten(q_z, mean, chol)
-    return kivi_fast.kl(p_hat, q_hat, lam, clip=clip, bandwidth=bandwidth(rule, p_hat, q_hat, factor))
+    return kivi_fast.kernel_kl(p_hat, q_hat, lam, clip=clip, bandwidth=bandwidth(rule, p_hat, q_hat, factor))
 
 
 def diag_contrast_kl(q_z: torch.Tensor, prior_eps: torch.Tensor, lam: float, *, rule: str = "median",
@@ -317,9 +321,10 @@ def diag_contrast_kl(q_z: torch.Tensor, prior_eps: torch.Tensor, lam: float, *, 
     seeded with ``prior_seed`` (they equal ``prior_eps``) and the bandwidth of ``rule`` on them and the
     standardized q (the standardization of adaptive_contrast_kl: std dividing by n)."""
     q_hat = (q_z - q_z.mean(-2, keepdim=True)) / q_z.std(-2, correction=0, keepdim=True)
-    sigma = bandwidth(rule, prior_eps, q_hat, factor)
-    return kivi_fast.adaptive_contrast_kl(q_z, None, lam, n_prior=prior_eps.shape[-2], clip=clip, bandwidth=sigma,
-                                          generator=torch.Generator().manual_seed(prior_seed))
+    eps_hat = GaussianFit(prior_eps, "diagonal").whiten(prior_eps)  # the draws as the library whitens them
+    sigma = bandwidth(rule, eps_hat, q_hat, factor)
+    return kivi_fast.adaptive_contrast_kl(q_z, None, lam, contrast="diagonal", n_prior=prior_eps.shape[-2], clip=clip,
+                                          bandwidth=sigma, generator=torch.Generator().manual_seed(prior_seed))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,7 +369,9 @@ def estimator_fn(variant: Variant, clip: float, prior_seed: int):
     if v.estimator == "oracle":
         return exact_kl_estimate
     if v.estimator == "plain":
-        return lambda p, q, _: kivi_fast.kl(p, q, v.lam, clip=clip, bandwidth=bandwidth(v.rule, p, q, v.factor))
+        return lambda p, q, _: kivi_fast.kernel_kl(p, q, v.lam, clip=clip, bandwidth=bandwidth(v.rule, p, q, v.factor))
+    if v.estimator == "kl":
+        return lambda p, q, _: kivi_fast.kl(p, q, v.lam, clip=clip, generator=torch.Generator().manual_seed(prior_seed))
     if v.estimator == "ac-diag":
         return lambda p, q, _: diag_contrast_kl(q, p, v.lam, rule=v.rule, factor=v.factor, clip=clip,
                                                 prior_seed=prior_seed)
@@ -443,11 +450,11 @@ def run_cell(case, case_index: int, variant: Variant, reps: int, clip: float, se
 # ----------------------------------------------------------------------------------------------------
 # The grid
 
-SWEPT = ("plain", "ac-diag", "ac-full")  # the estimators whose best configuration gets the n sweep
+SWEPT = ("plain", "kl", "ac-diag", "ac-full")  # the estimators whose best configuration gets the n sweep
 
 
 def paper_variant(args) -> Variant:
-    """The paper's setting (and the library's default): plain, median over all points, n_p = n_q."""
+    """The paper's setting: plain, median over all points, n_p = n_q."""
     return Variant("plain", "median", 1.0, args.base_lam, args.base_n, 1)
 
 
@@ -467,6 +474,7 @@ def first_pass_variants(args) -> list[Variant]:
     out += [Variant("plain", r, f, lam, n0, k) for r, f, lam, k in itertools.product(args.rules, factors, lams, ratios)]
     for est in ("ac-diag", "ac-full"):
         out += [Variant(est, r, 1.0, lam, n0, k) for r, lam, k in itertools.product(args.rules, lams, ratios)]
+    out += [Variant("kl", "median", 1.0, lam, n0, k) for lam, k in itertools.product(lams, ratios)]
     out += [Variant("ac-full-shrink", "median", 1.0, lam, n0, 1) for lam in lams]
     out += [Variant("whitened", r, 1.0, args.base_lam, n0, 1) for r in args.rules]
     return list(dict.fromkeys(out))
@@ -538,6 +546,9 @@ def key_variants(rows: list[dict], args) -> dict[str, str]:
            "plain, paper (median, lam, n_p = n_q)": paper_variant(args).name}
     for est in ("ac-diag", "ac-full"):
         out[f"{est}, median, lam {lam0:g}"] = Variant(est, "median", 1.0, lam0, n0, 1).name
+    out[f"kl, the library's default (lam {DEFAULT_LAM:g})"] = Variant("kl", "median", 1.0, DEFAULT_LAM, n0, 1).name
+    out[f"ac-full, the library's default for n > d (lam {DEFAULT_LAM:g})"] = Variant(
+        "ac-full", "median", 1.0, DEFAULT_LAM, n0, 1).name
     for est, v in best_variants(rows, n0).items():
         if est in SWEPT:
             out[f"best {est}: {v.method} lam={v.lam:g} n_p={v.n_p}"] = v.name

@@ -1,4 +1,4 @@
-"""``kivi-fast kl-accuracy``: how close is ``kivi_fast.kl`` to the true KL(q || N(0, I))? (a diagnostic)
+"""``kivi-fast kl-accuracy``: how close is ``kivi_fast.kernel_kl`` to the true KL(q || N(0, I))? (a diagnostic)
 
 The paper's "Accuracy of KL Estimation" compares the estimate with the ground truth for a normalizing
 flow posterior. Here the comparison runs over a grid instead of a training run, with the prior p = N(0, I):
@@ -7,13 +7,17 @@ flow posterior. Here the comparison runs over a grid instead of a training run, 
   in every d), narrow N(0, 0.5^2 I) and wide N(0, 2^2 I) (KL grows linearly with d), and a planar flow
   (:class:`kivi_fast.nn.PlanarFlow`, 4 tanh layers, exact density; true KL by Monte Carlo on 200k draws);
 * d in {1, 2, 8, 32}, n = n_p = n_q in {50, 100, 200, 500}, lam in {1e-4, 1e-3, 1e-2, 1e-1};
-* plain: ``kivi_fast.kl(prior, q, lam)`` (reverse ratio, median bandwidth, clip 1e-8), and adaptive
-  contrast: ``kivi_fast.adaptive_contrast_kl(q, None, lam)`` (q standardized first, App. D).
+* plain: ``kivi_fast.kernel_kl(prior, q, lam)`` (reverse ratio, median bandwidth, clip 1e-8), the
+  paper's estimator; kl: ``kivi_fast.kl(prior, q, lam)``, the library's default (a Gaussian contrast of
+  both sample sets; its clipped fraction is that of its posterior-side fit, as for ac-full); and adaptive
+  contrast (App. D), ``kivi_fast.adaptive_contrast_kl(q, None, lam, contrast=...)``: ``ac-diag`` (q
+  standardized per dimension, the paper's) and ``ac-full`` (q whitened by its sample covariance; the
+  library's default ``contrast="auto"`` is this one wherever n > d, i.e. on this whole grid).
 
 Each cell is repeated ``--reps`` times with fresh samples and reports bias (mean estimate - true),
 standard deviation, RMSE and the fraction of q samples whose fitted reverse ratio p/q was at or below
-the clip (``DensityRatio(lam).fit(prior, q).ratio(q) <= clip``, on the standardized samples for
-adaptive contrast). Nothing here is tuned: the numbers are what the estimator gives.
+the clip (``DensityRatio(lam).fit(prior, q).ratio(q) <= clip``, on the standardized or whitened
+samples for adaptive contrast). Nothing here is tuned: the numbers are what the estimator gives.
 
 The median bandwidth does not depend on lam, so it is computed once per sample set
 (``kivi_fast.median_bandwidth`` of the pooled samples, exactly what ``bandwidth="median"`` computes)
@@ -36,13 +40,16 @@ from tqdm.auto import tqdm
 
 import kivi_fast
 
+from ..contrast import GaussianFit, gaussian_contrast
 from ..nn import PlanarFlow, gaussian_kl_to_standard_normal
 from . import runs
 from .options import add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_int
 
 NAME = "kl-accuracy"
 FAMILIES = ("N(0,I)", "shift |mu|=1.5", "narrow s=0.5", "wide s=2", "planar flow")
-METHODS = ("plain", "adaptive contrast")
+METHODS = ("plain", "kl", "ac-diag", "ac-full")
+STYLES = ("-", "-.", "--", ":")  # the line style of each method in the figures
+CONTRAST = {"ac-diag": "diagonal", "ac-full": "full"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,12 +103,6 @@ class Family:
         return self.mu + eps * self.log_std.exp()
 
 
-def _standardized(q: torch.Tensor) -> torch.Tensor:
-    """(q - mean) / std per batch element and dimension: the standardization of
-    :func:`kivi_fast.contrast.adaptive_contrast_kl` (std divides by n), to count its clipped ratios."""
-    return (q - q.mean(-2, keepdim=True)) / q.std(-2, correction=0, keepdim=True)
-
-
 def _chunks(reps: int, n: int, d: int, budget_bytes: float = 2.0e8):
     """Split the repetitions so that a batched pairwise-difference tensor stays under the budget."""
     per_rep = (2 * n) ** 2 * d * 8
@@ -120,17 +121,21 @@ def estimate_cell(family: Family, n: int, lams, reps: int, clip: float, seed: in
         q = family.sample(b, n, gen)
         prior = torch.randn(b, n, d, generator=gen, dtype=torch.float64)
         contrast_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-        # The contrast samples adaptive_contrast_kl will draw from a generator seeded with contrast_seed.
+        # The N(0, I) draws adaptive_contrast_kl and kl will make from a generator seeded with contrast_seed.
         eps = torch.randn(b, n, d, generator=torch.Generator().manual_seed(contrast_seed), dtype=torch.float64)
-        q_hat = _standardized(q)
-        pairs = {"plain": (prior, q), "adaptive contrast": (eps, q_hat)}
+        pairs = {"plain": (prior, q)}
+        for m, contrast in CONTRAST.items():  # both sides whitened as the library does (contrast.reference_draws)
+            pairs[m] = (GaussianFit(eps, contrast).whiten(eps), gaussian_contrast(q, contrast)[0])
+        pairs["kl"] = pairs["ac-full"]  # kl draws the same eps from the same seed and whitens q the same way
         sigmas = {m: kivi_fast.median_bandwidth(torch.cat([p_, q_], dim=1)) for m, (p_, q_) in pairs.items()}
         for lam in lams:
-            est_plain = kivi_fast.kl(prior, q, lam, clip=clip, bandwidth=sigmas["plain"])
-            est_ac = kivi_fast.adaptive_contrast_kl(q, None, lam, clip=clip, bandwidth=sigmas["adaptive contrast"],
-                                                    generator=torch.Generator().manual_seed(contrast_seed))
-            estimates[("plain", lam)].append(est_plain)
-            estimates[("adaptive contrast", lam)].append(est_ac)
+            estimates[("plain", lam)].append(kivi_fast.kernel_kl(prior, q, lam, clip=clip, bandwidth=sigmas["plain"]))
+            estimates[("kl", lam)].append(kivi_fast.kl(prior, q, lam, clip=clip,
+                                                       generator=torch.Generator().manual_seed(contrast_seed)))
+            for m, contrast in CONTRAST.items():
+                estimates[(m, lam)].append(kivi_fast.adaptive_contrast_kl(
+                    q, None, lam, contrast=contrast, clip=clip, bandwidth=sigmas[m],
+                    generator=torch.Generator().manual_seed(contrast_seed)))
             for m, (p_, q_) in pairs.items():
                 ratio = kivi_fast.DensityRatio(lam, sigmas[m]).fit(p_, q_).ratio(q_)
                 clipped[(m, lam)].append((ratio <= clip).double().mean(-1))
@@ -162,21 +167,21 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def summary_table(rows: list[dict], lam: float, n: int) -> str:
-    """A compact view: one line per (q, d), bias +- std of both methods at one lam and one n."""
+    """A compact view: one line per (q, d), bias +- std of each method at one lam and one n."""
     pick = {(r["family"], r["d"], r["method"]): r for r in rows if r["lam"] == lam and r["n"] == n}
     lines = [f"bias +- std at lam={lam:g}, n={n} (clipped fraction in brackets)",
-             "| q | d | true KL | plain | adaptive contrast |", "|---|---|---|---|---|"]
+             "| q | d | true KL | " + " | ".join(METHODS) + " |", "|---|---|---|" + "---|" * len(METHODS)]
     for fam, d in dict.fromkeys((k[0], k[1]) for k in pick):
         cells = []
         for m in METHODS:
             r = pick[(fam, d, m)]
             cells.append(f"{r['bias']:+.3f} +- {r['std']:.3f} [{r['clipped_fraction']:.2f}]")
-        lines.append(f"| {fam} | {d} | {pick[(fam, d, METHODS[0])]['true_kl']:.3f} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {fam} | {d} | {pick[(fam, d, METHODS[0])]['true_kl']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot_estimates(path, rows, families, dims, lams) -> None:
-    """Mean estimate +- std vs. n, one panel per (q, d); solid = plain, dashed = adaptive contrast."""
+    """Mean estimate +- std vs. n, one panel per (q, d); a line style per method (STYLES)."""
     plt = runs.matplotlib_pyplot()
     fig, axes = plt.subplots(len(families), len(dims), figsize=(3.3 * len(dims), 2.5 * len(families)),
                              squeeze=False)
@@ -188,7 +193,7 @@ def plot_estimates(path, rows, families, dims, lams) -> None:
             ax.set_visible(False)
             continue
         for lam, color in zip(lams, colors):
-            for m, style in zip(METHODS, ("-", "--")):
+            for m, style in zip(METHODS, STYLES):
                 rs = sorted((r for r in cell if r["lam"] == lam and r["method"] == m), key=lambda r: r["n"])
                 ax.errorbar([r["n"] for r in rs], [r["mean_estimate"] for r in rs], [r["std"] for r in rs],
                             color=color, ls=style, marker="o", ms=3, lw=1.2, capsize=2,
@@ -205,7 +210,7 @@ def plot_estimates(path, rows, families, dims, lams) -> None:
             ax.set_ylabel("KL estimate")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("KIVI KL estimate vs. truth (black), mean +- std over repetitions\n"
-                 "solid: plain, dashed: adaptive contrast", fontsize=10)
+                 "solid: plain, dash-dot: kl, dashed: ac-diag, dotted: ac-full", fontsize=10)
     runs.save_figure(fig, path, dpi=80)
 
 
@@ -216,7 +221,7 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
     fig, axes = plt.subplots(1, len(families), figsize=(3.2 * len(families), 2.8), squeeze=False)
     for ax, fam in zip(axes[0], families):
         for d in dims:
-            for m, style in zip(METHODS, ("-", "--")):
+            for m, style in zip(METHODS, STYLES):
                 rs = sorted((r for r in rows if r["family"] == fam and r["d"] == d and r["n"] == n
                              and r["method"] == m), key=lambda r: r["lam"])
                 ax.plot([r["lam"] for r in rs], [r["clipped_fraction"] for r in rs], ls=style, marker="o", ms=3,
@@ -224,7 +229,7 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
         ax.set(xscale="log", ylim=(-0.03, 1.03), title=fam, xlabel="lam")
     axes[0][0].set_ylabel(f"clipped fraction (n={n})")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("fraction of q samples whose fitted ratio p/q <= clip\n(solid: plain, dashed: adaptive contrast)",
+    fig.suptitle("fraction of q samples whose fitted ratio p/q <= clip\n(solid: plain, dash-dot: kl, dashed: ac-diag, dotted: ac-full)",
                  fontsize=10)
     runs.save_figure(fig, path, dpi=80)
 

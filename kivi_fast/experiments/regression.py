@@ -15,10 +15,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..contrast import DEFAULT_LAM
 from ..nn import FactorizedGaussian, MLPGenerator, bnn
 from . import datasets, runs
 
-METHODS = ("kivi", "kivi-ac", "factorized")
+METHODS = ("kivi", "kivi-ac", "kivi-contrast", "factorized")
 
 # The paper's table of implicit posteriors (Appendix "Details of Experiments / Regression"): per data
 # set and layer, (noise dim, hidden sizes..., output) with "N" the number of weights of that layer.
@@ -97,9 +98,16 @@ def parse_splits(text: str | None, n: int | None = None) -> list[int]:
     return sorted(out)
 
 
-def build_model(dataset: str, n_features: int, method: str, n_hidden: int, lam: float, n_samples: int,
+def default_lam(method: str) -> float:
+    """The paper's lam = 1e-3 for its methods; the library's default for ``kivi-contrast``."""
+    return DEFAULT_LAM if method == "kivi-contrast" else 1e-3
+
+
+def build_model(dataset: str, n_features: int, method: str, n_hidden: int, lam: float | None, n_samples: int,
                 generator_init: str = "glorot") -> bnn.RegressionBNN:
-    """The BNN (D, hidden, 1) with the posterior of ``method`` for each of its two weight matrices."""
+    """The BNN (D, hidden, 1) with the posterior of ``method`` for each of its two weight matrices
+    (``lam`` None: :func:`default_lam`)."""
+    lam = default_lam(method) if lam is None else lam
     layer_sizes = (n_features, n_hidden, 1)
     dims = [(n_in + 1) * n_out for n_in, n_out in zip(layer_sizes[:-1], layer_sizes[1:])]
     if method == "factorized":

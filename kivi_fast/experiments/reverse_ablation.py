@@ -3,7 +3,7 @@
 The stochastic network of the 2-D logistic regression (:func:`kivi_fast.nn.stochastic_net_2d`) is trained
 to minimize only the KIVI estimate of KL(q || N(0, I)), so the right answer is q = N(0, I):
 
-* with the trick: ``kivi_fast.kl(prior, q, lam, reverse=True)`` fits p/q and returns -E_q log(p/q);
+* with the trick: ``kivi_fast.kernel_kl(prior, q, lam, reverse=True)`` fits p/q and returns -E_q log(p/q);
 * without it: ``reverse=False`` fits q/p, whose squared loss is weighted by p rather than by q.
 
 Both runs start from the same initial network and see the same random numbers. The figure shows the
@@ -64,7 +64,7 @@ def train(net: MLPGenerator, reverse: bool, args, generator: torch.Generator, de
     for step in tqdm(range(1, args.steps + 1), desc=desc, disable=args.no_progress):
         q = net.sample(args.samples, generator)
         prior = torch.randn(args.samples, 2, generator=generator)
-        loss = kivi_fast.kl(prior, q, args.lam, clip=args.clip, reverse=reverse)
+        loss = kivi_fast.kernel_kl(prior, q, args.lam, clip=args.clip, reverse=reverse)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -13,7 +13,7 @@ ELBO = -KL(q || p) exactly (0 is the best possible value).
 
       KL(q || p) = KL(q || N(0, s0^2)) + E_q[log N(z; 0, s0^2) - log p(z)],
 
-  the first term by ``kivi_fast.kl(s0 * randn(n_p, 1), q_samples, lam=0.003, clip=1e-8,
+  the first term by ``kivi_fast.kernel_kl(s0 * randn(n_p, 1), q_samples, lam=0.003, clip=1e-8,
   bandwidth=0.5)`` (the paper's lambda and clipping threshold, the reverse ratio trick), the second by
   Monte Carlo. ``--contrast adaptive`` uses ``kivi_fast.adaptive_contrast_kl`` (the reference is a
   Gaussian fitted to q) instead; it fits less well here (KL ~0.3): the bandwidth then applies to the
@@ -144,7 +144,7 @@ def kivi_kl(q_z: torch.Tensor, args, generator: torch.Generator) -> torch.Tensor
         return kivi_fast.adaptive_contrast_kl(q_z, lambda z: target_log_prob(z[..., 0]), lam=args.lam,
                                               clip=args.clip, bandwidth=args.bandwidth, generator=generator)
     prior_z = args.s0 * torch.randn(args.n_samples, 1, generator=generator)
-    kl_reference = kivi_fast.kl(prior_z, q_z, lam=args.lam, clip=args.clip, bandwidth=args.bandwidth)
+    kl_reference = kivi_fast.kernel_kl(prior_z, q_z, lam=args.lam, clip=args.clip, bandwidth=args.bandwidth)
     z = q_z[:, 0]
     return kl_reference + (normal_log_prob(z, 0.0, args.s0) - target_log_prob(z)).mean()
 

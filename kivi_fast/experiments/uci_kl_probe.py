@@ -67,7 +67,7 @@ def probe_init(model: bnn.RegressionBNN, data: datasets.Split, batch_size: int, 
                 sd, mean_abs = _spread(w)
                 layers.append({"d": w.shape[1], "q_sd": sd, "q_abs_mean": mean_abs, "bandwidth": float(fit.sigma),
                                "clipped_fraction": float((ratio <= 1e-8).double().mean()),
-                               "kl_estimate": float(kivi_fast.kl(prior, w, model.lam))})
+                               "kl_estimate": float(kivi_fast.kernel_kl(prior, w, model.lam))})
     return {"layers": layers, "grad_norm_log_lik": g_lik, "grad_norm_kl": g_kl}
 
 

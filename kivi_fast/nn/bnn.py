@@ -27,7 +27,7 @@ import kivi_fast
 
 LOG_2PI = math.log(2 * math.pi)
 PRIOR_PRECISION = (6.0, 6.0)  # Gamma(shape, rate) prior on the noise precision (App. E)
-KL_METHODS = ("kivi", "kivi-ac", "factorized")
+KL_METHODS = ("kivi", "kivi-ac", "kivi-contrast", "factorized")
 
 
 # ---- the noise precision ------------------------------------------------------------------------
@@ -114,12 +114,15 @@ class RegressionBNN(nn.Module):
 
     ``posteriors[l]`` is any module with ``sample(n) -> [n, (n_in + 1) n_out]`` (row-major
     [n_in + 1, n_out], bias row last). ``kl_method`` says how KL(q(W_l) || N(0, I)) is computed:
-    "kivi" (the paper: :func:`kivi_fast.kl` between n_p prior and n_q posterior samples), "kivi-ac"
-    (:func:`kivi_fast.adaptive_contrast_kl`, App. D, per layer) or "factorized" (closed form).
+    "kivi" (the paper: :func:`kivi_fast.kernel_kl` between n_p prior and n_q posterior samples), "kivi-ac"
+    (:func:`kivi_fast.adaptive_contrast_kl`, App. D, per layer, with ``contrast``: "diagonal" by
+    default, the paper's, which the UCI results use; "auto" is the library's default),
+    "kivi-contrast" (:func:`kivi_fast.kl` with its default Gaussian contrast) or "factorized" (closed
+    form).
     """
 
     def __init__(self, layer_sizes: Sequence[int], posteriors: Sequence[nn.Module], kl_method: str = "kivi",
-                 lam: float = 1e-3, n_prior: int = 100):
+                 lam: float = 1e-3, n_prior: int = 100, contrast: str = "diagonal"):
         super().__init__()
         if kl_method not in KL_METHODS:
             raise ValueError(f"kl_method must be one of {KL_METHODS}, got {kl_method!r}")
@@ -128,7 +131,7 @@ class RegressionBNN(nn.Module):
             raise ValueError(f"need one posterior per layer ({len(self.shapes)}), got {len(posteriors)}")
         self.posteriors = nn.ModuleList(posteriors)
         self.precision = GammaPrecision()
-        self.kl_method, self.lam, self.n_prior = kl_method, float(lam), int(n_prior)
+        self.kl_method, self.lam, self.n_prior, self.contrast = kl_method, float(lam), int(n_prior), contrast
 
     def sample_weights(self, n: int) -> list[torch.Tensor]:
         """n flat samples per layer, [n, (n_in + 1) n_out] each."""
@@ -143,11 +146,13 @@ class RegressionBNN(nn.Module):
             return [q.kl_to_standard_normal() for q in self.posteriors]
         kls = []
         for w in flat:
-            if self.kl_method == "kivi":
+            if self.kl_method in ("kivi", "kivi-contrast"):
                 prior = torch.randn(self.n_prior, w.shape[1], dtype=w.dtype, device=w.device)
-                kls.append(kivi_fast.kl(prior, w, self.lam))
+                kl = kivi_fast.kernel_kl if self.kl_method == "kivi" else kivi_fast.kl
+                kls.append(kl(prior, w, self.lam))
             else:
-                kls.append(kivi_fast.adaptive_contrast_kl(w, None, self.lam, n_prior=self.n_prior))
+                kls.append(kivi_fast.adaptive_contrast_kl(w, None, self.lam, n_prior=self.n_prior,
+                                                            contrast=self.contrast))
         return kls
 
     def elbo(self, x: torch.Tensor, y: torch.Tensor, n_data: int, n_samples: int = 100) -> dict[str, torch.Tensor]:
