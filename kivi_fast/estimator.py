@@ -107,8 +107,8 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
         clip, reverse: as in :func:`kernel_kl` (``reverse`` applies to the posterior's kernel term).
         bandwidth: "median" or a number or tensor, as in :func:`kernel_kl`; with a contrast it is in
             the units of the whitened samples.
-        generator: draws the N(0, I) samples of the contrast (n_p of them); with it the estimate is
-            reproducible. Unused with ``contrast="none"``.
+        generator: a torch.Generator on q_z's device for the contrast's N(0, I) draws (n_p of them);
+            with it the estimate is reproducible. Unused with ``contrast="none"``.
 
     Returns a tensor of shape [] (or [B]) in the dtype of the inputs. The prior samples get no gradient.
     The value reads high where q is much wider than p: the prior's kernel term then extrapolates

@@ -57,11 +57,12 @@ of q's samples).
 
 The default grid (``--grid default``) runs at the base n_q (``--base-n``, 100): plain with every rule x
 factor (1, 0.5x, 2x) x lam x n_p / n_q (1, 4); ``ac-diag`` and ``ac-full`` with every rule x lam x
-n_p / n_q; ``kl`` (median) with every lam x n_p / n_q; ``ac-full-shrink`` per lam; ``whitened`` per rule; the oracle per n_q. Then it runs the n_q
-sweep (``--ns``) of the paper's setting (plain, median, lam 1e-3, n_p = n_q) and of the best variant of
-plain, ``kl``, ``ac-diag`` and ``ac-full`` (:func:`best_variants`: the highest median step cosine over the cells,
-to 2 decimals; ties go to more good cells, then to the smaller worst rel. error). ``--grid full`` runs
-every combination instead, n_q included (about 10x longer: an hour on 2 cores).
+n_p / n_q; ``kl`` (median) with every lam x n_p / n_q; ``ac-full-shrink`` per lam; ``whitened`` per
+rule; the oracle per n_q. Then it runs the n_q sweep (``--ns``) of the paper's setting (plain,
+median, lam 1e-3, n_p = n_q) and of the best variant of plain, ``kl``, ``ac-diag`` and ``ac-full``
+(:func:`best_variants`: the highest median step cosine over the cells, to 2 decimals; ties go to
+more good cells, then to the smaller worst rel. error). ``--grid full`` runs every combination
+instead, n_q included (about 10x longer: an hour on 2 cores).
 
 Outputs: ``results.json`` (every cell, one line each: the fields of ``cell_columns``, case and variant as
 indices into ``cases`` and ``variants``), ``table.md`` (the key variants, overall and by regime, per case

@@ -229,7 +229,8 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
         ax.set(xscale="log", ylim=(-0.03, 1.03), title=fam, xlabel="lam")
     axes[0][0].set_ylabel(f"clipped fraction (n={n})")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("fraction of q samples whose fitted ratio p/q <= clip\n(solid: plain, dash-dot: kl, dashed: ac-diag, dotted: ac-full)",
+    fig.suptitle("fraction of q samples whose fitted ratio p/q <= clip\n"
+                 "(solid: plain, dash-dot: kl, dashed: ac-diag, dotted: ac-full)",
                  fontsize=10)
     runs.save_figure(fig, path, dpi=80)
 
