@@ -59,3 +59,13 @@ def impl(request):
 def compiled(request):
     with implementation(request.param):
         yield request.param
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for a training loop of small tensors, as the experiments run (runs.begin):
+    with two threads on a busy 2-core machine such a loop spends most of its time waiting."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

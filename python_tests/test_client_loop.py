@@ -19,7 +19,7 @@ from kivi_fast.experiments import client_loop
 
 
 @pytest.mark.parametrize("setting,on_target", [("ac", 7), ("kl", 6)])
-def test_the_defaults_recover_the_posterior_on_most_seeds(setting, on_target):
+def test_the_defaults_recover_the_posterior_on_most_seeds(setting, on_target, one_thread):
     results = client_loop.train(setting, list(range(8)), eval_samples=10000)
     assert sum(r["meets_target"] for r in results) >= on_target, results
     assert statistics.median(r["mean_error"] for r in results) < 0.15, results
