@@ -39,9 +39,10 @@ def _warn_if_mostly_clipped(clipped: torch.Tensor, clip: float) -> None:
     if worst > 0.5:
         # One text for every call: Python then shows the warning once per call site, not every step.
         warnings.warn(
-            "kivi_fast.kl: more than half of the posterior samples' fitted ratios fell below clip and were "
-            "clipped; the estimate is then dominated by -log(clip) and does not measure q. Lower lam, or "
-            "pass a bandwidth that suits the samples' scale (kivi_fast.DensityRatio shows the fitted ratios).",
+            "kivi_fast.kernel_kl (also inside kl and adaptive_contrast_kl): more than half of the posterior "
+            "samples' fitted ratios fell below clip and were clipped; the estimate is then dominated by "
+            "-log(clip) and does not measure q. Lower lam, or pass a bandwidth that suits the samples' scale "
+            "(kivi_fast.DensityRatio shows the fitted ratios).",
             ClippingWarning, stacklevel=3)
 
 
