@@ -16,12 +16,12 @@ either exceeds 1e-3. Two sets of problems, both float32, lam = 1e-3:
 1. ``draws``: posteriors q = shift + spread N(0, I) against a prior N(0, I), the situation of a trained
    BNN layer (weights moved off the prior's mean, with a smaller spread): shifts 0 / 3 / 20, spreads
    1 / 0.2 / 0.05, 3 seeds, 7 shapes (189 problems). The oracle is the test oracle
-   ``kivi_fast.reference.kl`` in float64 (coordinate differences, no GEMM); it materializes [N, N, d]
+   ``kivi_fast.reference.kernel_kl`` in float64 (coordinate differences, no GEMM); it materializes [N, N, d]
    differences, so (100, 2000) and (10, 20000) stand in for the wide layers.
 2. ``bench shapes``: bench/run.py's shapes, with its own inputs (``make_inputs``, seed 0) and the same
    27 (shift, spread, seed) draws as above; each element of a batched shape counts as one problem. The
    oracle is the strong side run on the inputs converted to float64 (float64 throughout: Gram, fit
-   and the backward's product), which part 1 checks against ``kivi_fast.reference.kl``
+   and the backward's product), which part 1 checks against ``kivi_fast.reference.kernel_kl``
    (``strong f64 vs reference``: within 6e-10) — the reference cannot hold these shapes' [N, N, d].
 """
 
@@ -112,7 +112,7 @@ def measure_draws() -> list[dict]:
     rows = []
     for (n, d), shift, spread, seed in itertools.product(SHAPES, SHIFTS, SPREADS, SEEDS):
         p, q = draw((1, n, d, False), shift, spread, seed)
-        v64, g64 = value_and_grad(lambda a, b: reference.kl(a, b, LAM), p.double(), q.double())
+        v64, g64 = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p.double(), q.double())
         row = {"shape": f"({n}, {d})", "shift": shift, "spread": spread, "seed": seed}
         for name, fn in SIDES.items():
             ve, ge = rel_errors(*value_and_grad(fn, p, q), v64, g64)
@@ -185,10 +185,10 @@ def main(argv=None) -> int:
     out = {"backend": kivi_fast.backend(), "lam": LAM, "contract": CONTRACT, "torch": torch.__version__}
     if not args.skip_draws:
         print(f"part 1: {len(SHAPES) * len(SHIFTS) * len(SPREADS) * len(SEEDS)} drawn problems against "
-              "kivi_fast.reference.kl", file=sys.stderr, flush=True)
+              "kivi_fast.reference.kernel_kl", file=sys.stderr, flush=True)
         draws = measure_draws()
         s1 = summary(draws, list(SIDES) + ["strong f64 vs reference"])
-        print("\n### Drawn problems, oracle kivi_fast.reference.kl (float64)\n")
+        print("\n### Drawn problems, oracle kivi_fast.reference.kernel_kl (float64)\n")
         print(table(s1, list(SIDES) + ["strong f64 vs reference"]))
         out["draws_summary"], out["draws"] = s1, draws
     shapes = (QUICK_BENCH_SHAPES if args.quick else BENCH_SHAPES).split(",")

@@ -115,7 +115,7 @@ def ours_runnable(b, n, d, max_ref_gb: float) -> bool:
 # Self-check: both implementations agree with the oracle on small shapes (value and gradient).
 
 def self_check(check_ours: bool) -> None:
-    """Each side against kivi_fast.reference.kl, value and gradient (relative, 2-norm for the gradient):
+    """Each side against kivi_fast.reference.kernel_kl, value and gradient (relative, 2-norm for the gradient):
     float64 to 1e-8; float32 to 1e-3 (the contract) for ours and strong, to 1e-2 for fast, which is not
     held to the contract (bench/precision.py counts its misses)."""
     cases = [(1, 30, 5, False), (3, 12, 4, True), (1, 20, 300, False), (1, 100, 8, False), (1, 300, 6, False),
@@ -123,13 +123,13 @@ def self_check(check_ours: bool) -> None:
     for dtype in (torch.float64, torch.float32):
         for b, n, d, batched in cases:
             p, q = make_inputs(b, n, d, batched, dtype, seed=1)
-            want, want_g = call(lambda p_, q_: reference.kl(p_, q_, LAM), p, q, True)
+            want, want_g = call(lambda p_, q_: reference.kernel_kl(p_, q_, LAM), p, q, True)
             for name, fn in IMPLS.items():
                 if name == "ours" and not check_ours:
                     continue
                 rtol = 1e-8 if dtype == torch.float64 else (1e-2 if name == "fast" else 1e-3)
                 got, got_g = call(fn, p, q, True)
-                what = f"{name} vs kivi_fast.reference.kl on {shape_name(b, n, d, batched)} {dtype}"
+                what = f"{name} vs kivi_fast.reference.kernel_kl on {shape_name(b, n, d, batched)} {dtype}"
                 assert got.dtype == dtype and got_g.dtype == dtype, what + ": dtype"
                 err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
                 gerr = ((got_g.double() - want_g.double()).norm() / want_g.double().norm()).item()
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     if not args.no_check:
         t0 = time.perf_counter()
         self_check(check_ours=True)
-        print(f"self-check passed: ours, strong and fast agree with kivi_fast.reference.kl (value and "
+        print(f"self-check passed: ours, strong and fast agree with kivi_fast.reference.kernel_kl (value and "
               f"gradient; float64 1e-8, float32 1e-3 (fast 1e-2) relative) [{time.perf_counter() - t0:.1f} s]")
 
     rates = {}
