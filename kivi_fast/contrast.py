@@ -118,6 +118,7 @@ class GaussianFit:
                 raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
         else:
             self.mean, self.chol, _ = whitening(x, shrink, name)
+        self.shrunk = not self.diagonal and (shrink == "always" or (shrink == "auto" and x.shape[-2] <= x.shape[-1]))
 
     def whiten(self, x: torch.Tensor) -> torch.Tensor:
         """S^{-1/2} (x - mean) per row: the map under which the fitted Gaussian is N(0, I)."""
@@ -143,7 +144,7 @@ class GaussianFit:
         if self.diagonal:
             return 0.5 * d * (torch.special.digamma(torch.tensor((n - 1) / 2, dtype=torch.float64)).item()
                               + math.log(2 / n))
-        if n <= d:
+        if self.shrunk or n <= d:
             return 0.0
         half = torch.tensor([(n - i) / 2 for i in range(1, d + 1)], dtype=torch.float64)
         return 0.5 * (torch.special.digamma(half).sum().item() + d * math.log(2 / n))
