@@ -29,6 +29,7 @@ results/diagnostics/README.md (grad-accuracy, amortized, client-loop, kl-accurac
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -68,6 +69,11 @@ def shrinkage_intensity(x: torch.Tensor) -> torch.Tensor:
     return (num / den.clamp_min(torch.finfo(x.dtype).tiny)).clamp(0.0, 1.0)
 
 
+def shrinks(shrink: str, n: int, d: int) -> bool:
+    """Whether :func:`whitening` shrinks the covariance of n samples in d dimensions."""
+    return shrink == "always" or (shrink == "auto" and n <= d)
+
+
 def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z"
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample mean [..., 1, d], Cholesky factor C [..., d, d] of the maximum-likelihood sample
@@ -78,7 +84,7 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z"
     mean = q_z.mean(-2, keepdim=True)
     xc = q_z - mean
     cov = xc.transpose(-1, -2) @ xc / n
-    if shrink == "always" or (shrink == "auto" and n <= d):
+    if shrinks(shrink, n, d):
         rho = shrinkage_intensity(q_z)
     else:
         rho = torch.zeros(q_z.shape[:-2], dtype=q_z.dtype, device=q_z.device)
@@ -111,6 +117,7 @@ class GaussianFit:
 
     def __init__(self, x: torch.Tensor, contrast: str, shrink: str = "auto", name: str = "q_z"):
         self.diagonal = contrast == "diagonal"
+        self.n, self.d = x.shape[-2], x.shape[-1]
         if self.diagonal:
             self.mean = x.mean(-2, keepdim=True)
             self.std = x.std(-2, correction=0, keepdim=True)  # divides by n: the maximum-likelihood fit
@@ -118,7 +125,7 @@ class GaussianFit:
                 raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
         else:
             self.mean, self.chol, _ = whitening(x, shrink, name)
-        self.shrunk = not self.diagonal and (shrink == "always" or (shrink == "auto" and x.shape[-2] <= x.shape[-1]))
+        self.shrunk = not self.diagonal and shrinks(shrink, self.n, self.d)
 
     def whiten(self, x: torch.Tensor) -> torch.Tensor:
         """S^{-1/2} (x - mean) per row: the map under which the fitted Gaussian is N(0, I)."""
@@ -129,25 +136,31 @@ class GaussianFit:
         scale = self.std[..., 0, :] if self.diagonal else self.chol.diagonal(dim1=-2, dim2=-1)
         return scale.log().sum(-1, keepdim=True)
 
-    def precision_factor(self, n: int, d: int) -> float:
+    def precision_factor(self) -> float:
         """c with E[c S_hat^{-1}] = S^{-1} for n Gaussian samples (inverse-Wishart mean): the plug-in
         precision is too large by n / (n - d - 2) (full) or n / (n - 3) (diagonal); 1 where that is
         undefined."""
-        k = 3 if self.diagonal else d + 2
-        return (n - k) / n if n > k else 1.0
+        k = 3 if self.diagonal else self.d + 2
+        return (self.n - k) / self.n if self.n > k else 1.0
 
-    def log_det_bias(self, n: int, d: int) -> float:
+    def log_det_bias(self) -> float:
         """E[log |det S_hat^{1/2}|] - log |det S^{1/2}| for n Gaussian samples: the plug-in covariance
         is too small in log-determinant (n S_hat ~ Wishart(n - 1, S)), so a KL that uses it reads high
         by ~d (d + 1) / (4 n) nats (full) or ~d / (2 n) (diagonal). A constant: the gradient is
         unchanged. 0 where the formula does not hold (a shrunk covariance, n <= d)."""
-        if self.diagonal:
-            return 0.5 * d * (torch.special.digamma(torch.tensor((n - 1) / 2, dtype=torch.float64)).item()
-                              + math.log(2 / n))
-        if self.shrunk or n <= d:
+        if not self.diagonal and (self.shrunk or self.n <= self.d):
             return 0.0
-        half = torch.tensor([(n - i) / 2 for i in range(1, d + 1)], dtype=torch.float64)
-        return 0.5 * (torch.special.digamma(half).sum().item() + d * math.log(2 / n))
+        return _log_det_bias(self.n, self.d, self.diagonal)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_det_bias(n: int, d: int, diagonal: bool) -> float:
+    """:meth:`GaussianFit.log_det_bias`'s value, cached: a training loop asks for the same (n, d) every step."""
+    if diagonal:
+        return 0.5 * d * (torch.special.digamma(torch.tensor((n - 1) / 2, dtype=torch.float64)).item()
+                          + math.log(2 / n))
+    half = torch.tensor([(n - i) / 2 for i in range(1, d + 1)], dtype=torch.float64)
+    return 0.5 * (torch.special.digamma(half).sum().item() + d * math.log(2 / n))
 
 
 def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "auto"
@@ -156,10 +169,9 @@ def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "
     r's log-density at them ([..., n]), its log-determinant corrected for the plug-in bias
     (:meth:`GaussianFit.log_det_bias`), so that its mean estimates E_q[log r] without that bias. Both
     keep their gradient w.r.t. q_z. ``shrink``: see :func:`whitening` (full contrast only)."""
-    n, d = q_z.shape[-2], q_z.shape[-1]
-    fit = GaussianFit(q_z, resolve_contrast(contrast, n, d), shrink)
+    fit = GaussianFit(q_z, resolve_contrast(contrast, q_z.shape[-2], q_z.shape[-1]), shrink)
     z_hat = fit.whiten(q_z)
-    return z_hat, standard_normal_log_prob(z_hat) - fit.log_det_scale() + fit.log_det_bias(n, d)
+    return z_hat, standard_normal_log_prob(z_hat) - fit.log_det_scale() + fit.log_det_bias()
 
 
 def reference_draws(shape, contrast: str, device, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -187,16 +199,15 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     contrast = resolve_contrast(contrast, n, d)
     # float64 throughout, as the kernel fits: the Gaussian terms cancel large parts of each other
     dtype, q64, p64 = q_z.dtype, q_z.double(), prior_z.detach().double()
-    fit_q, fit_p = GaussianFit(q64, contrast), GaussianFit(p64, contrast, name="prior_z")
-    q_hat, q_in_p = fit_q.whiten(q64), fit_p.whiten(q64)
+    q_hat, log_r_q = gaussian_contrast(q64, contrast)
+    fit_p = GaussianFit(p64, contrast, name="prior_z")
+    q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)
     kernel_q = kernel_kl(eps, q_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
-    n_q, n_p = q_z.shape[-2], prior_z.shape[-2]
-    log_r_q = standard_normal_log_prob(q_hat) - fit_q.log_det_scale() + fit_q.log_det_bias(n_q, d)
     # E_q[log r_p] with r_p's true moments, estimated without the plug-in biases of S_hat's inverse,
     # of its log-determinant and of m_hat (whose error adds d / n_p to the quadratic form)
-    quad = fit_p.precision_factor(n_p, d) * q_in_p.pow(2).sum(-1) - d / n_p
-    log_r_p = (-0.5 * quad - 0.5 * d * math.log(2 * math.pi) - fit_p.log_det_scale() + fit_p.log_det_bias(n_p, d))
+    quad = fit_p.precision_factor() * q_in_p.pow(2).sum(-1) - d / fit_p.n
+    log_r_p = -0.5 * quad - 0.5 * d * math.log(2 * math.pi) - fit_p.log_det_scale() + fit_p.log_det_bias()
     prior_rest = density_ratio(lam, bandwidth).fit(fit_p.whiten(p64), eps).log_ratio(q_in_p, clip)
     return (kernel_q + (log_r_q - log_r_p - prior_rest).mean(-1)).to(dtype)
 
