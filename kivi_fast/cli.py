@@ -24,6 +24,9 @@ COMMANDS = {
     "grad-accuracy": "accuracy of the KL estimate's gradient against known gradients, per estimator choice",
     "boston-posterior": "parallel-coordinates picture of Boston posteriors and |mu|/sigma",
     "amortized": "amortized encoders vs. the exact posterior of a linear-Gaussian model (diagnostic)",
+    "vae": "the VAE on statically binarized MNIST with an implicit encoder (Sec. 5.3)",
+    "vae-ais": "test log-likelihood of trained vae runs by annealed importance sampling",
+    "vae-report": "collect vae runs into results/vae/: curves of all methods, summary.json, a table",
     "client-loop": "a constant-learning-rate training loop over many seeds: how often KIVI ends on target",
 }
 

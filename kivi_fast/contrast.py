@@ -178,7 +178,11 @@ def reference_draws(shape, contrast: str, device, generator: Optional[torch.Gene
     """N(0, I) draws [..., n, d] in float64, whitened by their own fitted Gaussian like the samples
     they are compared with: both sets then have exactly zero mean and unit covariance (or variances),
     and the kernel fit does not mistake the whitening for a difference between the laws."""
-    eps = torch.randn(shape, dtype=torch.float64, device=device, generator=generator)
+    return whiten_reference(torch.randn(shape, dtype=torch.float64, device=device, generator=generator), contrast)
+
+
+def whiten_reference(eps: torch.Tensor, contrast: str) -> torch.Tensor:
+    """N(0, I) draws whitened by their own fitted Gaussian (see :func:`reference_draws`)."""
     return GaussianFit(eps, contrast, name="the N(0, I) draws").whiten(eps)
 
 
@@ -223,6 +227,7 @@ def adaptive_contrast_kl(
     bandwidth="median",
     reverse: bool = True,
     generator: Optional[torch.Generator] = None,
+    reference_z: Optional[torch.Tensor] = None,
     kl_fn: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """KL(q || p) with adaptive contrast; ``kl_fn`` is the KIVI estimator to use for the first term.
@@ -233,6 +238,8 @@ def adaptive_contrast_kl(
     contrast: "auto" (default: "full" when n > d, else "diagonal"), "diagonal" (per-dimension
         Gaussian, the paper's) or "full" (full-covariance Gaussian).
     n_prior: number of N(0, I) samples contrasted with the whitened q samples (default n).
+    reference_z: those N(0, I) samples [..., n_prior, d], drawn by the caller (e.g. one stream of draws
+        shared by several processes); default: drawn here with ``generator``. Whitened like the q samples.
     """
     _validate.check_samples("q_z", q_z)
     n = q_z.shape[-2]
@@ -244,9 +251,16 @@ def adaptive_contrast_kl(
     q64 = q_z.double()
     z_hat, log_contrast = gaussian_contrast(q64, contrast)
 
-    shape = list(q_z.shape)
-    shape[-2] = n if n_prior is None else n_prior
-    eps = reference_draws(shape, resolve_contrast(contrast, n, q_z.shape[-1]), q_z.device, generator)
+    resolved = resolve_contrast(contrast, n, q_z.shape[-1])
+    if reference_z is None:
+        shape = list(q_z.shape)
+        shape[-2] = n if n_prior is None else n_prior
+        eps = reference_draws(shape, resolved, q_z.device, generator)
+    else:
+        if n_prior is not None or generator is not None:
+            raise ValueError("pass either reference_z or n_prior/generator, not both")
+        _validate.check_pair("reference_z", reference_z, "q_z", q_z)
+        eps = whiten_reference(reference_z.detach().double(), resolved)
     kl_whitened = kl_fn(eps, z_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
 
     log_p = standard_normal_log_prob(q64) if log_prior is None else log_prior(q_z)

@@ -206,7 +206,8 @@ def adaptive_contrast_kl(q_z, log_prior=None, lam: float = DEFAULT_LAM, **kwargs
     Gaussian q equals the true ratio's, and a diagonal one otherwise; ``contrast="diagonal",
     lam=1e-3`` is the paper's form. The defaults come from the grad-accuracy and amortized studies
     (results/diagnostics/README.md). ``log_prior`` maps [..., n, d] to [..., n]; None means N(0, I).
-    Keyword arguments: ``contrast``, ``n_prior``, ``clip``, ``bandwidth``, ``reverse``, ``generator``
+    Keyword arguments: ``contrast``, ``n_prior``, ``clip``, ``bandwidth``, ``reverse``, ``generator``,
+    ``reference_z``
     (see :func:`kivi_fast.contrast.adaptive_contrast_kl`).
     """
     return _adaptive_contrast_kl(q_z, log_prior, lam, kl_fn=kernel_kl, **kwargs)

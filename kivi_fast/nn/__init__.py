@@ -1,4 +1,4 @@
-"""Variational posteriors and Bayesian-network layers for a training loop of your own.
+"""Variational posteriors, Bayesian-network layers and the VAE, for a training loop of your own.
 
 Each posterior is an ``nn.Module`` with ``sample(n) -> [n, d]`` (reparameterized), ready for
 :func:`kivi_fast.kl`:
@@ -12,7 +12,9 @@ Each posterior is an ``nn.Module`` with ``sample(n) -> [n, d]`` (reparameterized
 - :class:`PlanarFlow`: explicit, a planar normalizing flow whose density is exact.
 
 :mod:`kivi_fast.nn.bnn` holds the BNN for regression of the paper's Sec. 4 / App. E
-(:class:`RegressionBNN`, its Gamma noise precision and test metrics), one posterior per weight matrix.
+(:class:`RegressionBNN`, its Gamma noise precision and test metrics), one posterior per weight matrix;
+:mod:`kivi_fast.nn.vae` the VAE of Sec. 5.3 (:func:`build_vae`: an implicit or Gaussian encoder, a
+Bernoulli decoder, the KL by KIVI or in closed form).
 """
 
 from .bnn import GammaPrecision, RegressionBNN, mlp_forward
@@ -20,7 +22,9 @@ from .flows import PlanarFlow
 from .gaussian import FactorizedGaussian, gaussian_kl_to_standard_normal
 from .generator import MLPGenerator, NoiseInjection, stochastic_net_2d
 from .mmnn import MMNN, MatrixMultiplicationLayer
+from .vae import VAE, BernoulliDecoder, GaussianEncoder, ImplicitEncoder, build_vae
 
 __all__ = ["MLPGenerator", "NoiseInjection", "stochastic_net_2d", "MMNN", "MatrixMultiplicationLayer",
            "FactorizedGaussian", "gaussian_kl_to_standard_normal", "PlanarFlow", "RegressionBNN",
-           "GammaPrecision", "mlp_forward"]
+           "GammaPrecision", "mlp_forward", "VAE", "BernoulliDecoder", "GaussianEncoder", "ImplicitEncoder",
+           "build_vae"]

@@ -1,0 +1,74 @@
+"""What the paper's trainers share: the device argument and torch.distributed's process group.
+
+Multi-process training (``torchrun --nproc-per-node K -m kivi_fast.cli <command> ...``) runs one
+process per shard of every global batch under DistributedDataParallel: gloo on CPU, NCCL on CUDA (one
+GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the same code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import distributed as dist
+
+from .options import UsageError
+
+
+def device_of(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: this torch has no usable CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {text!r}")
+    return device
+
+
+class Distributed:
+    """This process's place among ``torchrun``'s (rank, world size); a single process is rank 0 of 1."""
+
+    def __init__(self, device: torch.device):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank, self.device = 0, device
+        if self.world > 1:
+            if device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            self.rank = dist.get_rank()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, batch: int) -> tuple[int, int]:
+        per = batch // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def share(self, value):
+        """Rank 0's ``value`` (a picklable object) on every rank."""
+        if self.world == 1:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()

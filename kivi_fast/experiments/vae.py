@@ -1,0 +1,343 @@
+"""``kivi-fast vae``: the paper's VAE on statically binarized MNIST (Sec. 5.3, App. D and F).
+
+Model (:func:`kivi_fast.nn.vae.build_vae`): decoder 8 -> 500 -> 500 -> 784 (ReLU, Bernoulli logits);
+encoder 784 -> 500 -> 500 -> 8, implicit (500-dimensional N(0, diag(s^2)) noise added to the first
+hidden layer, s trainable) for ``--method kivi|kivi-ac``, Gaussian (mean and log std) for ``gaussian``.
+The ELBO of a minibatch: the reconstruction term from M = 1 sample, the KL of the whole minibatch one
+batched call on q_z [B, n_q, 8]:
+
+* ``kivi``: ``kivi_fast.kernel_kl(prior [B, n_p, 8], q_z, lam, clip)``, the paper's estimator;
+* ``kivi-ac``: ``kivi_fast.adaptive_contrast_kl(q_z, None, lam, contrast=--contrast, clip)``, the
+  paper's KIVI with adaptive contrast (App. D) with the default ``--contrast diagonal``;
+* ``gaussian``: the plain VAE, KL in closed form.
+
+The paper's settings are the defaults: n_p = n_q = 100, lam = 1e-3, clip = 1e-8, batch 128, Adam, lr 1e-3
+halved every 200 epochs, 3000 epochs on the 50,000 training images. ``--train-images N`` trains on the
+first N (a random sample: the training rows are a random permutation of MNIST's); the epochs that do
+not fill a batch drop the rest (each epoch reshuffles).
+
+Every ``--eval-every`` epochs the ELBO of ``--eval-images`` fixed training and test images (the
+estimator's KL for the implicit encoders, as the paper's Fig. 4b; 10 samples for the reconstruction
+term). ``kivi-fast vae-ais`` estimates the test log-likelihood of a finished run by AIS.
+
+Run folder: ``config.json``, ``history.json`` (the curves), ``checkpoint.pt`` (every
+``--checkpoint-every`` seconds and at the end; rerunning with the same ``--run-dir`` resumes exactly,
+and a larger ``--epochs`` trains on), ``curves.png``, ``samples.png``, ``reconstructions.png``,
+``results.json`` (final ELBOs, time per epoch, the KL's share of a step, the device).
+
+Several processes: ``torchrun --nproc-per-node 2 -m kivi_fast.cli vae ...`` trains with
+DistributedDataParallel (gloo on CPU, NCCL on CUDA); each process takes its rows of every global
+batch, and the random draws are made for the global batch and sliced, so the parameters follow a
+single process's on the same batches (to float tolerance). Rank 0 writes the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
+from . import runs
+from .mnist_data import load_binarized_mnist
+from .training import Distributed, device_of
+from .options import UsageError, add_common, apply_quick, kivi_clip, kivi_lam, int_at_least, nonnegative_float, positive_float, positive_int
+
+NAME = "vae"
+PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
+QUICK = {"epochs": 1, "train_images": 512, "eval_images": 64, "n_q": 20, "n_p": 20}
+CONFIG_KEYS = ("method", "train_images", "batch", "lr", "lr_halve_every", "n_q", "n_p", "lam", "clip", "contrast",
+               "seed", "eval_images", "eval_every", "world_size")
+CHECKPOINT_KEYS = ("config", "model", "optimizer", "epoch", "step", "perm", "data_rng", "draw_rng", "history",
+                   "train_seconds")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=KL_ESTIMATORS, default="kivi-ac",
+                   help="kivi: implicit encoder, the paper's estimator; kivi-ac: with adaptive contrast "
+                        "(the paper's VAE setting); gaussian: the plain VAE")
+    p.add_argument("--epochs", type=positive_int, default=3000, help="epochs (the paper: 3000)")
+    p.add_argument("--train-images", type=int_at_least(2), default=50000,
+                   help="train on the first N of the 50,000 training images")
+    p.add_argument("--batch", type=positive_int, default=128, help="global minibatch size")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam's initial learning rate")
+    p.add_argument("--lr-halve-every", type=positive_int, default=200, help="halve the learning rate every N epochs")
+    p.add_argument("--n-q", type=int_at_least(2), default=100, help="encoder samples per data point for the KL")
+    p.add_argument("--n-p", type=int_at_least(2), default=100, help="N(0, I) samples per data point for the KL")
+    p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient (the paper's)")
+    p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
+    p.add_argument("--contrast", choices=("diagonal", "full", "auto"), default="diagonal",
+                   help="kivi-ac's Gaussian contrast: diagonal is the paper's; full/auto the library's default")
+    p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
+    p.add_argument("--eval-every", type=positive_int, default=1, help="ELBO curves every N epochs")
+    p.add_argument("--eval-images", type=positive_int, default=1000,
+                   help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
+    p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
+    p.add_argument("--data-dir", default=None, help="folder holding binarized_mnist/ (default: the checkout's data/)")
+    add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
+
+
+def learning_rate(args, epoch: int) -> float:
+    return args.lr * 0.5 ** (epoch // args.lr_halve_every)
+
+
+@torch.no_grad()
+def evaluate_elbo(model, x: torch.Tensor, generator: torch.Generator, n_rec: int = 10, chunk: int = 100) -> dict:
+    """Mean ELBO, reconstruction term and KL over the rows of x (the estimator's KL for implicit encoders)."""
+    rec_sum = kl_sum = 0.0
+    for lo in range(0, x.shape[0], chunk):
+        xb = x[lo:lo + chunk]
+        n_q = max(model.n_q, n_rec) if model.kl_estimator != "gaussian" else n_rec
+        draws = model.draws(xb.shape[0], generator, xb.device, n_q=n_q)
+        rec, kl = model(xb, draws, n_rec=n_rec)
+        rec_sum += float(rec.sum())
+        kl_sum += float(kl.sum())
+    n = x.shape[0]
+    return {"elbo": (rec_sum - kl_sum) / n, "reconstruction": rec_sum / n, "kl": kl_sum / n}
+
+
+def check_args(args) -> None:
+    if args.train_images > 50000:
+        raise UsageError(f"--train-images: the training set has 50000 images, got {args.train_images}")
+    if args.batch > args.train_images:
+        raise UsageError(f"--batch {args.batch} is larger than --train-images {args.train_images}")
+    if args.method == "kivi-ac" and args.contrast == "full" and args.n_q <= 8:
+        raise UsageError("--contrast full needs --n-q > 8 (the latent dimension)")
+
+
+def run(args) -> int:
+    apply_quick(args, QUICK)
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    device = device_of(args.device)
+    comm = Distributed(device)
+    if args.batch % comm.world:
+        raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
+    # every rank resumes from rank 0's folder
+    run_dir = Path(comm.share(str(runs.run_folder(args.out, f"{NAME}-{args.method}", args.run_dir)) if comm.main
+                              else None))
+    result = train(args, run_dir, comm)
+    if comm.main and result is not None:
+        print(summary_line(result))
+    comm.close()
+    return 0
+
+
+def config_of(args, world: int) -> dict:
+    config = {k: getattr(args, k) for k in CONFIG_KEYS if k != "world_size"}
+    config["world_size"] = world
+    return config
+
+
+def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
+    """Train (or resume) into ``run_dir``; returns results.json's content at the end (rank 0), None when
+    stopped early by ``max_steps`` (steps of this call: a test's interruption)."""
+    comm = comm or Distributed(device_of(args.device))
+    device = comm.device
+    run_dir = Path(run_dir)
+    if comm.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    x_train_all, _, x_test_all = load_binarized_mnist(args.data_dir)
+    x_train = x_train_all[:args.train_images].to(device)
+    eval_rng = torch.Generator().manual_seed(12345)  # the same evaluation images for every run
+    eval_train = x_train[torch.randperm(x_train.shape[0], generator=eval_rng)[:args.eval_images].to(device)]
+    eval_test = x_test_all[torch.randperm(x_test_all.shape[0], generator=eval_rng)[:args.eval_images]].to(device)
+
+    torch.manual_seed(args.seed)
+    model = build_vae(args.method, n_q=args.n_q, n_p=args.n_p, lam=args.lam, clip=args.clip,
+                      contrast=args.contrast).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    data_rng = torch.Generator().manual_seed(args.seed)
+    draw_rng = torch.Generator(device=device).manual_seed(args.seed + 1)
+    config = config_of(args, comm.world)
+    steps_per_epoch = args.train_images // args.batch
+    epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
+
+    ckpt_path = run_dir / "checkpoint.pt"
+    state = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    if state is not None:
+        differs = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+        if differs:
+            raise runs.CheckpointError(f"{ckpt_path} was made with other settings ({differs}: checkpoint's, "
+                                       "this run's); use another --run-dir")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, step, perm, history = state["epoch"], state["step"], state["perm"], state["history"]
+        train_seconds = state["train_seconds"]
+        data_rng.set_state(state["data_rng"])
+        draw_rng.set_state(state["draw_rng"])
+    if comm.main:
+        runs.write_json(run_dir / "config.json", {**config, "epochs": args.epochs, "device": str(device),
+                                                  "machine": runs.machine()})
+    net = comm.wrap(model)
+    lo, hi = comm.shard(args.batch)
+
+    def save():
+        if comm.main:
+            runs.save_checkpoint(ckpt_path, {
+                "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "epoch": epoch, "step": step, "perm": perm, "data_rng": data_rng.get_state(),
+                "draw_rng": draw_rng.get_state().cpu(), "history": history, "train_seconds": train_seconds})
+            runs.write_json(run_dir / "history.json", history)
+
+    total = args.epochs * steps_per_epoch
+    done_here = 0
+    last_save = time.monotonic()
+    bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step),
+               desc=f"vae {args.method}", disable=args.no_progress or not comm.main, unit="step")
+    running = None
+    while epoch < args.epochs:
+        if perm is None:
+            perm = torch.randperm(args.train_images, generator=data_rng)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args, epoch)
+        model.train()
+        while step < steps_per_epoch:
+            if max_steps is not None and done_here >= max_steps:
+                save()
+                bar.close()
+                return None
+            t0 = time.perf_counter()
+            idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
+            draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
+            rec, kl = net(x_train[idx], draws)
+            loss = (kl - rec).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            value = -float(loss.detach())  # also waits for the device: the step's time is its own
+            if not math.isfinite(value):
+                save()
+                raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last checkpoint "
+                                    f"is in {run_dir}")
+            train_seconds += time.perf_counter() - t0
+            running = value if running is None else 0.98 * running + 0.02 * value
+            step += 1
+            done_here += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, elbo=f"{running:.1f}")
+            if args.checkpoint_every == 0 or time.monotonic() - last_save >= args.checkpoint_every:
+                save()
+                last_save = time.monotonic()
+        epoch, step, perm = epoch + 1, 0, None
+        if comm.main and (epoch % args.eval_every == 0 or epoch == args.epochs):
+            model.eval()
+            g = torch.Generator(device=device).manual_seed(args.seed + 7)
+            tr, te = evaluate_elbo(model, eval_train, g), evaluate_elbo(model, eval_test, g)
+            history.append({"epoch": epoch, "train_seconds": train_seconds, "train": tr, "test": te,
+                            "lr": learning_rate(args, epoch - 1)})
+            if not args.no_progress:
+                bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
+                          f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
+        if epoch == args.epochs or time.monotonic() - last_save >= args.checkpoint_every:
+            save()
+            last_save = time.monotonic()
+    bar.close()
+    comm.barrier()
+    if not comm.main:
+        return None
+    return finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test_all, device, comm.world)
+
+
+def step_profile(model, x: torch.Tensor, generator: torch.Generator, repeats: int = 5) -> dict:
+    """Median seconds of a training step (forward + backward) and of its KL alone (forward + backward
+    through the encoder samples), on one global batch x."""
+    def sync():
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+
+    full, kl_only = [], []
+    for _ in range(repeats):
+        draws = model.draws(x.shape[0], generator, x.device)
+        sync()
+        t0 = time.perf_counter()
+        rec, kl = model(x, draws)
+        (kl - rec).mean().backward()
+        sync()
+        full.append(time.perf_counter() - t0)
+        z = model.encoder(x, draws["noise"].shape[1], draws["noise"]).detach().requires_grad_()
+        sync()
+        t0 = time.perf_counter()
+        model.kl(x, z, draws.get("prior")).mean().backward()
+        sync()
+        kl_only.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return {"step_seconds": med(full), "kl_seconds": med(kl_only), "kl_share": med(kl_only) / med(full)}
+
+
+def finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test, device, world: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(args.seed + 11)
+    epochs = history[-1]["epoch"] if history else args.epochs
+    profile = step_profile(model, x_test[:args.batch].to(device), g)
+    result = {
+        "method": args.method, "epochs": epochs, "train_images": args.train_images,
+        "final": {"train_elbo": history[-1]["train"]["elbo"], "test_elbo": history[-1]["test"]["elbo"],
+                  "train_kl": history[-1]["train"]["kl"], "test_kl": history[-1]["test"]["kl"]},
+        "seconds_per_epoch": train_seconds / max(1, epochs), "steps_per_epoch": steps_per_epoch,
+        "step_profile": profile, "device": str(device), "machine": runs.machine(),
+        "config": {**config_of(args, world), "epochs": args.epochs},
+    }
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+    runs.write_json(run_dir / "results.json", result)
+    plot_curves({args.method: history}, run_dir / "curves.png")
+    plot_images(model, x_test, run_dir, g)
+    return result
+
+
+def summary_line(result: dict) -> str:
+    f = result["final"]
+    return (f"vae {result['method']}: {result['epochs']} epochs on {result['train_images']} images, ELBO train "
+            f"{f['train_elbo']:.2f}, test {f['test_elbo']:.2f} (gap {f['train_elbo'] - f['test_elbo']:.2f}); "
+            f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; test log-likelihood: kivi-fast "
+            "vae-ais <this run folder>")
+
+
+def plot_curves(histories: dict, path) -> None:
+    """Train (dashed) and test (solid) ELBO against epochs, one colour per method (the paper's Fig. 4b)."""
+    plt = runs.matplotlib_pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (method, history) in enumerate(histories.items()):
+        epochs = [h["epoch"] for h in history]
+        color = f"C{i}"
+        ax.plot(epochs, [h["train"]["elbo"] for h in history], "--", color=color, label=f"{method} train")
+        ax.plot(epochs, [h["test"]["elbo"] for h in history], "-", color=color, label=f"{method} test")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("ELBO (nats per image)")
+    values = [h[s]["elbo"] for hs in histories.values() for h in hs for s in ("train", "test")]
+    if values:
+        top = max(values)
+        ax.set_ylim(max(min(values), top - 40), top + 2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    runs.save_figure(fig, path)
+
+
+@torch.no_grad()
+def plot_images(model, x_test: torch.Tensor, run_dir, generator: torch.Generator, n: int = 64) -> None:
+    """samples.png: decoder means at N(0, I) draws; reconstructions.png: test images (odd rows) and the
+    decoder means at one encoder sample each (even rows)."""
+    plt = runs.matplotlib_pyplot()
+    device = next(model.parameters()).device
+    z = torch.randn(n, model.encoder.z_dim, generator=generator, device=device)
+    samples = torch.sigmoid(model.decoder.logits(z)).cpu()
+    pick = torch.randperm(x_test.shape[0], generator=torch.Generator().manual_seed(3))[:32]
+    x = x_test[pick].to(device)
+    noise = model.draws(x.shape[0], generator, device, n_q=1)["noise"]
+    recon = torch.sigmoid(model.decoder.logits(model.encoder(x, 1, noise)[:, 0])).cpu()
+    pairs = torch.stack([x.cpu().view(4, 8, 784), recon.view(4, 8, 784)], 1).reshape(64, 784)
+    for images, name, title in ((samples, "samples.png", "samples (decoder means)"),
+                                (pairs, "reconstructions.png", "test images / reconstructions")):
+        grid = images.view(8, 8, 28, 28).permute(0, 2, 1, 3).reshape(8 * 28, 8 * 28)
+        fig, ax = plt.subplots(figsize=(4, 4))
+        ax.imshow(grid.numpy(), cmap="gray", vmin=0, vmax=1)
+        ax.set_axis_off()
+        ax.set_title(f"{model.kl_estimator}: {title}", fontsize=9)
+        runs.save_figure(fig, run_dir / name)

@@ -1,0 +1,116 @@
+"""``kivi-fast vae-report RUN...``: collect finished ``vae`` runs (and their ``vae-ais``) into ``--results``.
+
+Writes, per method, ``<method>/`` with the run's results.json, history.json, ais.json and PNGs (no
+checkpoint); ``curves.png``, the train and test ELBO of every method on one figure (the paper's Fig. 4b);
+``summary.json``, per method: epochs, training images, final train and test ELBO and their gap, the best
+test ELBO and its epoch, the AIS test log-likelihood with its settings (and the IWAE check), time per
+epoch, the KL's share of a step, the device; and each method's AIS difference to ``gaussian`` on the same
+images with its paired standard error; ``table.md``, the same beside the paper's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+from . import runs
+from .options import UsageError, add_common
+from .vae import PAPER, plot_curves
+
+FILES = ("results.json", "history.json", "ais.json", "config.json", "samples.png", "reconstructions.png",
+         "curves.png")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="run folders of kivi-fast vae (one per method)")
+    p.add_argument("--results", default="results/vae", help="folder to write")
+    add_common(p, out=False, quick="skip the figure (curves.png)", progress="(no effect: nothing to wait for)")
+
+
+def load_run(folder: Path) -> dict:
+    if not (folder / "results.json").exists():
+        raise runs.RunError(f"{folder} holds no results.json: not a finished kivi-fast vae run")
+    run = {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
+    ais = folder / "ais.json"
+    run["ais.json"] = json.loads(ais.read_text()) if ais.exists() else None
+    return run
+
+
+def summarize(run: dict) -> dict:
+    result, history, ais = run["results.json"], run["history.json"], run["ais.json"]
+    best = max(history, key=lambda h: h["test"]["elbo"])
+    f = result["final"]
+    out = {
+        "epochs": result["epochs"], "train_images": result["train_images"],
+        "final_train_elbo": f["train_elbo"], "final_test_elbo": f["test_elbo"],
+        "final_gap": f["train_elbo"] - f["test_elbo"], "final_train_kl": f["train_kl"],
+        "best_test_elbo": best["test"]["elbo"], "best_test_epoch": best["epoch"],
+        "seconds_per_epoch": result["seconds_per_epoch"], "kl_share_of_step": result["step_profile"]["kl_share"],
+        "step_seconds": result["step_profile"]["step_seconds"], "device": result.get("gpu", result["device"]),
+        "machine": result["machine"], "config": result["config"],
+    }
+    if ais:
+        out["ais"] = {k: ais[k] for k in ("ais_log_likelihood", "ais_standard_error", "acceptance", "settings",
+                                          "epoch", "seconds", "device") if k in ais}
+        for k in ("iwae_log_likelihood", "iwae_k", "ais_minus_iwae", "ais_minus_iwae_standard_error"):
+            if k in ais:
+                out["ais"][k] = ais[k]
+    return out
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    return {"difference": mean, "standard_error": sd / math.sqrt(len(d)), "images": len(d)}
+
+
+def run(args) -> int:
+    loaded = {}
+    for folder in map(Path, args.runs):
+        r = load_run(folder)
+        method = r["results.json"]["method"]
+        if method in loaded:
+            raise UsageError(f"two runs of method {method!r}: give one run per method")
+        loaded[method] = (folder, r)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"paper_ais_test_ll": PAPER, "methods": {}}
+    for method, (folder, r) in loaded.items():
+        (out / method).mkdir(exist_ok=True)
+        for name in FILES:
+            if (folder / name).exists():
+                shutil.copyfile(folder / name, out / method / name)
+        summary["methods"][method] = summarize(r)
+    base = loaded.get("gaussian", (None, {"ais.json": None}))[1]["ais.json"]
+    for method, (_, r) in loaded.items():
+        ais = r["ais.json"]
+        if method != "gaussian" and ais and base and ais["settings"] == base["settings"]:
+            summary["methods"][method]["ais_minus_gaussian"] = paired(ais["per_image"], base["per_image"])
+    runs.write_json(out / "summary.json", summary)
+    if not args.quick:
+        plot_curves({m: r["history.json"] for m, (_, r) in loaded.items()}, out / "curves.png")
+    table = markdown_table(summary)
+    (out / "table.md").write_text(table)
+    print(table)
+    return 0
+
+
+def markdown_table(summary: dict) -> str:
+    rows = ["| method | epochs | train images | ELBO train | ELBO test | gap | best test ELBO (epoch) | "
+            "AIS test LL | AIS - gaussian (paired) | paper AIS (3000 epochs, 50k) | s/epoch | KL share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for method, s in summary["methods"].items():
+        ais = s.get("ais")
+        ll = f"{ais['ais_log_likelihood']:.2f} ± {ais['ais_standard_error']:.2f}" if ais else "-"
+        diff = s.get("ais_minus_gaussian")
+        d = f"{diff['difference']:+.2f} ± {diff['standard_error']:.2f}" if diff else "-"
+        paper = summary["paper_ais_test_ll"].get(method)
+        rows.append(f"| {method} | {s['epochs']} | {s['train_images']} | {s['final_train_elbo']:.2f} | "
+                    f"{s['final_test_elbo']:.2f} | {s['final_gap']:.2f} | {s['best_test_elbo']:.2f} "
+                    f"({s['best_test_epoch']}) | {ll} | {d} | {paper if paper is not None else '-'} | "
+                    f"{s['seconds_per_epoch']:.1f} | {100 * s['kl_share_of_step']:.0f}% |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,232 @@
+"""Tests of the VAE (Sec. 5.3): its pieces against torch.distributions, AIS against a model whose
+marginal likelihood is exact, exact resume, the 2-process run against one process, the command lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import kivi_fast
+from kivi_fast import cli
+from kivi_fast.experiments import ais, runs
+from kivi_fast.experiments import vae as vae_cmd
+from kivi_fast.nn.vae import BernoulliDecoder, ImplicitEncoder, build_vae, slice_draws
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_decoder_log_likelihood_is_the_bernoulli_log_pmf():
+    decoder = BernoulliDecoder(3, (7,), 11).double()
+    z = torch.randn(4, 5, 3, dtype=torch.float64)
+    x = (torch.rand(4, 1, 11) < 0.5).double()
+    expected = torch.distributions.Bernoulli(logits=decoder.logits(z)).log_prob(x.expand(4, 5, 11)).sum(-1)
+    torch.testing.assert_close(decoder.log_likelihood(x, z), expected)
+
+
+def test_gaussian_encoder_density_and_kl_match_torch_distributions():
+    torch.manual_seed(0)
+    model = build_vae("gaussian", x_dim=12, hidden=(9, 9), z_dim=3).double()
+    x = torch.rand(6, 12, dtype=torch.float64)
+    mean, log_std = model.encoder.moments(x)
+    q = torch.distributions.Normal(mean, log_std.exp())
+    z = model.encoder(x, 4)
+    torch.testing.assert_close(model.encoder.log_prob(x, z), q.log_prob(z.transpose(0, 1)).sum(-1).T)
+    p = torch.distributions.Normal(torch.zeros_like(mean), torch.ones_like(mean))
+    torch.testing.assert_close(model.kl(x, z, None), torch.distributions.kl_divergence(q, p).sum(-1))
+
+
+def test_implicit_encoder_injects_its_noise_into_the_first_hidden_layer():
+    torch.manual_seed(0)
+    enc = ImplicitEncoder(10, (6, 5), 2).double()
+    x = torch.rand(3, 10, dtype=torch.float64)
+    noise = torch.randn(3, 4, 6, dtype=torch.float64)
+    h = torch.relu(enc.first(x))[:, None, :] + enc.log_noise_std.exp() * noise
+    torch.testing.assert_close(enc(x, 4, noise), enc.rest(h))
+    with torch.no_grad():
+        enc.log_noise_std.fill_(-60.0)  # no noise: every sample of one x is the same point
+    z = enc(x, 4)
+    torch.testing.assert_close(z, z[:, :1].expand_as(z))
+
+
+def test_vae_kl_is_the_library_call_on_the_draws():
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(2)
+    for method in ("kivi", "kivi-ac"):
+        model = build_vae(method, x_dim=12, hidden=(9, 9), z_dim=3, n_q=20, n_p=30)
+        x = torch.rand(4, 12)
+        draws = model.draws(4, g, "cpu")
+        assert draws["noise"].shape == (4, 20, 9) and draws["prior"].shape == (4, 30, 3)
+        z = model.encoder(x, 20, draws["noise"])
+        expected = (kivi_fast.kernel_kl(draws["prior"], z, 1e-3) if method == "kivi" else
+                    kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=draws["prior"]))
+        torch.testing.assert_close(model(x, draws)[1], expected)
+        # a shard's rows of the draws give that shard's rows of the result
+        rec, kl = model(x[1:3], slice_draws(draws, 1, 3))
+        torch.testing.assert_close(kl, expected[1:3])
+
+
+def test_reference_z_is_what_the_generator_would_draw():
+    q = torch.randn(3, 40, 4, dtype=torch.float64) * 0.7 + 0.2
+    with_generator = kivi_fast.adaptive_contrast_kl(q, generator=torch.Generator().manual_seed(5))
+    eps = torch.randn(3, 40, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(kivi_fast.adaptive_contrast_kl(q, reference_z=eps), with_generator)
+    with pytest.raises(ValueError, match="reference_z"):
+        kivi_fast.adaptive_contrast_kl(q, reference_z=eps, generator=torch.Generator())
+    with pytest.raises(ValueError, match="reference_z"):
+        kivi_fast.adaptive_contrast_kl(q, reference_z=eps[:, :, :3])
+
+
+def linear_gaussian(seed: int, n: int = 24, d: int = 3, D: int = 10, s: float = 0.8):
+    """A decoder with an exact marginal: z ~ N(0, I), x = W z + b + N(0, s^2 I), so p(x) = N(b, W W^T + s^2 I)."""
+    g = torch.Generator().manual_seed(seed)
+    W, b = torch.randn(D, d, generator=g, dtype=torch.float64), torch.randn(D, generator=g, dtype=torch.float64)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) @ W.T + b + s * torch.randn(n, D, generator=g,
+                                                                                    dtype=torch.float64)
+    exact = torch.distributions.MultivariateNormal(b, W @ W.T + s * s * torch.eye(D, dtype=torch.float64)).log_prob(x)
+
+    def log_likelihood(z):
+        r = (x[:, None, :] - z @ W.T - b) / s
+        return -0.5 * r.pow(2).sum(-1) - D * math.log(s) - 0.5 * D * math.log(2 * math.pi)
+
+    return log_likelihood, exact, (W, b, s, x)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ais_recovers_the_exact_marginal_likelihood_of_a_linear_gaussian_model(seed):
+    log_likelihood, exact, _ = linear_gaussian(seed)
+    r = ais.ais_log_likelihood(log_likelihood, exact.shape[0], 3, chains=16, steps=1000, leapfrog=5,
+                               generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    err = r["log_likelihood"] - exact
+    # measured over seeds 0-2: per-image error mean -0.01 to 0.02, standard deviation 0.1, so the mean of
+    # 24 images is within 0.06 (3 standard errors); 300 temperatures leave -0.04 to -0.13
+    assert abs(float(err.mean())) < 0.06, float(err.mean())
+    assert float(err.abs().max()) < 0.5, float(err.abs().max())
+    assert 0.5 < r["acceptance"] < 0.8
+
+
+def test_ais_with_few_temperatures_reads_low_and_iwae_with_the_exact_posterior_is_exact():
+    log_likelihood, exact, (W, b, s, x) = linear_gaussian(3)
+    short = ais.ais_log_likelihood(log_likelihood, exact.shape[0], 3, chains=4, steps=3, leapfrog=1,
+                                   generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert float((short["log_likelihood"] - exact).mean()) < -0.5  # the bound is loose with 3 temperatures
+    # with q = p(z | x) every importance weight is p(x): the IWAE bound is exact at any k
+    cov = torch.linalg.inv(torch.eye(3, dtype=torch.float64) + W.T @ W / s ** 2)
+    mean = (x - b) @ W @ cov / s ** 2
+    post = torch.distributions.MultivariateNormal(mean, cov)
+    g = torch.Generator().manual_seed(1)
+    chol = torch.linalg.cholesky(cov)
+    sample = lambda m: mean[:, None, :] + torch.randn(x.shape[0], m, 3, generator=g, dtype=torch.float64) @ chol.T  # noqa: E731
+    iw = ais.iwae_log_likelihood(log_likelihood, sample, lambda z: post.log_prob(z.transpose(0, 1)).T, k=7, chunk=3)
+    torch.testing.assert_close(iw, exact)
+
+
+def vae_args(tmp_path, **kw) -> types.SimpleNamespace:
+    parser = cli.build_parser()[1]["vae"]
+    argv = ["--train-images", "96", "--batch", "32", "--n-q", "10", "--n-p", "10", "--epochs", "2",
+            "--eval-images", "16", "--no-progress", "--run-dir", str(tmp_path)]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return parser.parse_args(argv)
+
+
+def final_params(run_dir) -> dict:
+    return runs.load_checkpoint(Path(run_dir) / "checkpoint.pt")["model"]
+
+
+@pytest.mark.parametrize("method", ["kivi-ac", "gaussian"])
+def test_an_interrupted_run_resumes_exactly(method, tmp_path, one_thread):
+    straight = vae_args(tmp_path / "straight", method=method)
+    vae_cmd.train(straight, tmp_path / "straight")
+    broken = vae_args(tmp_path / "broken", method=method)
+    assert vae_cmd.train(broken, tmp_path / "broken", max_steps=4) is None  # stopped mid-epoch 2
+    state = runs.load_checkpoint(tmp_path / "broken" / "checkpoint.pt")
+    assert (state["epoch"], state["step"]) == (1, 1)
+    result = vae_cmd.train(vae_args(tmp_path / "broken", method=method), tmp_path / "broken")
+    a, b = final_params(tmp_path / "straight"), final_params(tmp_path / "broken")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert result["epochs"] == 2 and (tmp_path / "broken" / "samples.png").exists()
+    history = json.loads((tmp_path / "broken" / "history.json").read_text())
+    assert [h["epoch"] for h in history] == [1, 2]
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path, one_thread):
+    vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
+    with pytest.raises(runs.CheckpointError, match="other settings"):
+        vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1, lr=0.01), tmp_path)
+
+
+def test_two_processes_follow_one_process(tmp_path):
+    common = ["--method", "kivi-ac", "--train-images", "64", "--batch", "16", "--n-q", "10", "--n-p", "10",
+              "--epochs", "1", "--eval-images", "8", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "kivi_fast.cli", "vae", *common, "--run-dir", str(tmp_path / "one")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "kivi_fast.cli", "vae", *common, "--run-dir", str(tmp_path / "two")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+    a, b = final_params(tmp_path / "one"), final_params(tmp_path / "two")
+    start = build_vae("kivi-ac").state_dict()
+    moved = 0
+    for k in a:
+        # Adam moves every weight by about lr = 1e-3 a step, whatever its gradient's size, so a weight whose
+        # gradient is ~0 may move differently when the two gradients differ by rounding (summed in another
+        # order): allow a few such weights, each within a quarter of one step; a wrong shard or draw would
+        # move most weights by a whole step
+        diff = (a[k] - b[k]).abs()
+        assert float(diff.max()) < 2.5e-4, k
+        assert float((diff > 1e-6).double().mean()) < 1e-3, k
+        moved += int(not torch.equal(a[k], start[k]))
+    assert moved > 0  # the runs trained (4 steps of Adam moved the parameters)
+
+
+def test_the_command_lines_write_their_files(tmp_path, capsys):
+    assert cli.main(["vae", "--quick", "--method", "kivi", "--no-progress", "--run-dir", str(tmp_path)]) == 0
+    for name in ("config.json", "history.json", "results.json", "curves.png", "samples.png", "reconstructions.png"):
+        assert (tmp_path / name).exists(), name
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["epochs"] == 1 and 0 < result["step_profile"]["kl_share"] < 1
+    assert cli.main(["vae-ais", "--quick", "--no-progress", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "ais.json").read_text())
+    assert out["settings"]["steps"] == 20 and -800 < out["ais_log_likelihood"] < 0
+    assert "AIS test log-likelihood" in capsys.readouterr().out
+    # a second method, then the report: one figure, summary.json, the paired AIS difference
+    other = tmp_path / "gaussian"
+    assert cli.main(["vae", "--quick", "--method", "gaussian", "--no-progress", "--run-dir", str(other)]) == 0
+    assert cli.main(["vae-ais", "--quick", "--no-progress", str(other)]) == 0
+    report = tmp_path / "report"
+    assert cli.main(["vae-report", str(tmp_path), str(other), "--results", str(report)]) == 0
+    summary = json.loads((report / "summary.json").read_text())
+    assert set(summary["methods"]) == {"kivi", "gaussian"} and (report / "curves.png").exists()
+    kivi = summary["methods"]["kivi"]
+    assert kivi["ais_minus_gaussian"]["images"] == 8 and kivi["ais"]["settings"]["chains"] == 2
+    assert "iwae_log_likelihood" in summary["methods"]["gaussian"]["ais"]
+    assert (report / "gaussian" / "samples.png").exists() and not (report / "gaussian" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["vae", "--train-images", "60000"], "50000"),
+    (["vae", "--batch", "0"], "positive integer"),
+    (["vae", "--lam", "0"], "lam"),
+    (["vae", "--device", "tpu"], "--device"),
+    (["vae", "--method", "avb"], "invalid choice"),
+])
+def test_bad_values_are_usage_errors(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--run-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ais_on_a_folder_that_is_no_run_says_so(tmp_path, capsys):
+    assert cli.main(["vae-ais", "--quick", str(tmp_path)]) == 1
+    assert "not a kivi-fast vae run folder" in capsys.readouterr().err
