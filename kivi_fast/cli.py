@@ -27,6 +27,7 @@ COMMANDS = {
     "vae": "the VAE on statically binarized MNIST with an implicit encoder (Sec. 5.3)",
     "vae-ais": "test log-likelihood of trained vae runs by annealed importance sampling",
     "vae-report": "collect vae runs into results/vae/: curves of all methods, summary.json, a table",
+    "mnist": "BNN classification on MNIST with MMNN implicit posteriors, BBB and PC baselines (Sec. 5.2.2)",
     "client-loop": "a constant-learning-rate training loop over many seeds: how often KIVI ends on target",
 }
 

@@ -69,6 +69,14 @@ class Distributed:
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def gather(self, value) -> list:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [value]
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,304 @@
+"""``kivi-fast mnist``: BNN classification on MNIST (the paper's Sec. 5.2.2, App. F).
+
+Network 784 -> L -> L -> 10 (ReLU, biases as an extra input row, N(0, I) prior on every weight), one
+posterior per weight matrix (:class:`kivi_fast.nn.classification.ClassificationBNN`):
+
+* ``kivi``: MMNN implicit posteriors as App. F gives them (30 x 30 noise, two hidden matrix layers of
+  N x N, 30 x N for the last matrix; N = 500 for L = 400, else 800), the KL of each layer
+  ``kivi_fast.kernel_kl`` between n_p = 10 prior and the n_q = M = 10 posterior samples the likelihood
+  uses, lam = 1e-3, clip = 1e-8 (the KL shapes (10, 314000), (10, 160400), (10, 4010) for L = 400);
+* ``bbb``: Bayes-by-Backprop, a factorized Gaussian per weight, KL in closed form;
+* ``pc``: the prior-contrastive method, the same MMNNs, each layer's KL estimated by a logistic-regression
+  discriminator (trained alongside on the same posterior samples and as many prior draws).
+
+Training: batch 100, Adam, lr 1e-3 halved every 100 epochs, 300 epochs, on the first 50,000 training
+images (the last 10,000 validate). Every ``--eval-every`` epochs: validation and test error of the
+posterior predictive (``--eval-samples`` weight draws). Run folder: ``config.json``, ``history.json``
+(per epoch: the training lower bound per image, its log-likelihood and KL parts, the errors),
+``checkpoint.pt`` (every ``--checkpoint-every`` seconds; rerunning with the same ``--run-dir`` resumes
+exactly), ``curves.png``, ``results.json`` (test and validation error at the end and at the best
+validation epoch, time per epoch, peak memory, the device).
+
+Several processes: ``torchrun --nproc-per-node K -m kivi_fast.cli mnist ...`` (DistributedDataParallel):
+each process takes its shard of every global batch and draws its own posterior samples; the gradients
+are averaged, so the parameters stay equal on every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
+from . import runs
+from .mnist_data import load_mnist
+from .options import UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
+    positive_float, positive_int
+from .training import Distributed, device_of
+
+NAME = "mnist"
+PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Gaussian posterior)
+    "kivi": {400: 1.29, 800: 1.22, 1200: 1.27}, "bbb": {400: 1.82, 800: 1.99, 1200: 2.04}}
+QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
+CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
+               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "world_size")
+CHECKPOINT_KEYS = ("config", "model", "optimizer", "epoch", "step", "perm", "data_rng", "rng", "history",
+                   "train_seconds")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=POSTERIORS, default="kivi",
+                   help="kivi: MMNN posteriors, KIVI's KL; bbb: Bayes-by-Backprop (factorized Gaussian); "
+                        "pc: MMNN posteriors, a logistic-regression discriminator's KL")
+    p.add_argument("--hidden", type=positive_int, default=400, help="hidden units L per layer (the paper: 400, 800, 1200)")
+    p.add_argument("--mmnn-hidden", type=positive_int, default=None,
+                   help="the MMNN's hidden matrix size N (default: App. F's, 500 for L <= 400, else 800)")
+    p.add_argument("--epochs", type=positive_int, default=300, help="epochs (the paper: 300)")
+    p.add_argument("--train-images", type=int_at_least(2), default=50000, help="train on the first N of 50,000")
+    p.add_argument("--batch", type=positive_int, default=100, help="global minibatch size")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam's initial learning rate")
+    p.add_argument("--lr-halve-every", type=positive_int, default=100, help="halve the learning rate every N epochs")
+    p.add_argument("--samples", type=int_at_least(2), default=10, help="posterior samples per step (n_q = M)")
+    p.add_argument("--n-p", type=int_at_least(2), default=10, help="prior samples per layer for KIVI's KL")
+    p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient (the paper's)")
+    p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
+    p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
+    p.add_argument("--eval-every", type=positive_int, default=1, help="test and validation error every N epochs")
+    p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
+    p.add_argument("--eval-samples", type=positive_int, default=10, help="weight draws of the posterior predictive")
+    p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
+    p.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: the checkout's data/)")
+    add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
+
+
+def learning_rate(args, epoch: int) -> float:
+    return args.lr * 0.5 ** (epoch // args.lr_halve_every)
+
+
+def config_of(args, world: int) -> dict:
+    return {**{k: getattr(args, k) for k in CONFIG_KEYS if k != "world_size"}, "world_size": world}
+
+
+def build(args) -> ClassificationBNN:
+    return ClassificationBNN((784, args.hidden, args.hidden, 10), args.method, mmnn_hidden=args.mmnn_hidden,
+                             lam=args.lam, clip=args.clip, n_prior=args.n_p)
+
+
+@torch.no_grad()
+def error_rate(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, samples: int, chunk: int = 1000) -> float:
+    """Test error (fraction) of the posterior predictive: class probabilities averaged over ``samples``
+    weight draws, the same draws for every image."""
+    flat = model.sample_weights(samples)
+    wrong = 0
+    for lo in range(0, x.shape[0], chunk):
+        probs = model.logits(x[lo:lo + chunk], flat).softmax(-1).mean(0)
+        wrong += int((probs.argmax(-1) != y[lo:lo + chunk]).sum())
+    return wrong / x.shape[0]
+
+
+def check_args(args) -> None:
+    if args.train_images > 50000:
+        raise UsageError(f"--train-images: the training set has 50000 images, got {args.train_images}")
+    if args.batch > args.train_images:
+        raise UsageError(f"--batch {args.batch} is larger than --train-images {args.train_images}")
+    if args.eval_images > 10000:
+        raise UsageError(f"--eval-images: the validation and test sets have 10000 images, got {args.eval_images}")
+
+
+def run(args) -> int:
+    apply_quick(args, QUICK)
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    comm = Distributed(device_of(args.device))
+    if args.batch % comm.world:
+        raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
+    run_dir = Path(comm.share(str(runs.run_folder(args.out, f"{NAME}-{args.hidden}-{args.method}", args.run_dir))
+                              if comm.main else None))
+    result = train(args, run_dir, comm)
+    if comm.main and result is not None:
+        print(f"mnist L = {args.hidden} {args.method}: {result['epochs']} epochs, test error "
+              f"{100 * result['test_error']:.2f}% (validation {100 * result['valid_error']:.2f}%), "
+              f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; {run_dir}")
+    comm.close()
+    return 0
+
+
+def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
+    """Train (or resume) into ``run_dir``; results.json's content at the end (rank 0), None when stopped by
+    ``max_steps`` (steps of this call: a test's interruption)."""
+    comm = comm or Distributed(device_of(args.device))
+    device, run_dir = comm.device, Path(run_dir)
+    if comm.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    data = load_mnist(args.data_dir)
+    x_train, y_train = data["x_train"][:args.train_images].to(device), data["y_train"][:args.train_images].to(device)
+    evals = {s: (data[f"x_{s}"][:args.eval_images].to(device), data[f"y_{s}"][:args.eval_images].to(device))
+             for s in ("valid", "test")}
+
+    torch.manual_seed(args.seed)
+    model = build(args).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    data_rng = torch.Generator().manual_seed(args.seed)
+    # each process its own posterior samples (torch's default generator of the device)
+    torch.manual_seed(args.seed + 1000 * (comm.rank + 1))
+    config = config_of(args, comm.world)
+    steps_per_epoch = args.train_images // args.batch
+    epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
+
+    ckpt_path = run_dir / "checkpoint.pt"
+    state = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    if state is not None:
+        differs = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+        if differs:
+            raise runs.CheckpointError(f"{ckpt_path} was made with other settings ({differs}: checkpoint's, "
+                                       "this run's); use another --run-dir")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, step, perm, history = state["epoch"], state["step"], state["perm"], state["history"]
+        train_seconds = state["train_seconds"]
+        data_rng.set_state(state["data_rng"])
+        set_rng_state(state["rng"][comm.rank] if comm.world > 1 else state["rng"], device)
+    if comm.main:
+        runs.write_json(run_dir / "config.json", {**config, "epochs": args.epochs, "device": str(device),
+                                                  "weights": n_weights((784, args.hidden, args.hidden, 10)),
+                                                  "machine": runs.machine()})
+    net = comm.wrap(model)
+    lo, hi = comm.shard(args.batch)
+    epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
+
+    def save():
+        rng = comm.gather(rng_state(device))
+        if comm.main:
+            runs.save_checkpoint(ckpt_path, {
+                "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "epoch": epoch, "step": step, "perm": perm, "data_rng": data_rng.get_state(),
+                "rng": rng if comm.world > 1 else rng[0], "history": history, "train_seconds": train_seconds,
+                "epoch_sums": dict(epoch_sums)})
+            runs.write_json(run_dir / "history.json", history)
+
+    if state is not None and "epoch_sums" in state:
+        epoch_sums.update(state["epoch_sums"])
+    total = args.epochs * steps_per_epoch
+    done_here, last_save = 0, time.monotonic()
+    bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step), unit="step",
+               desc=f"mnist L={args.hidden} {args.method}", disable=args.no_progress or not comm.main)
+    while epoch < args.epochs:
+        if perm is None:
+            perm = torch.randperm(args.train_images, generator=data_rng)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args, epoch)
+        while step < steps_per_epoch:
+            if max_steps is not None and done_here >= max_steps:
+                save()
+                bar.close()
+                return None
+            t0 = time.perf_counter()
+            idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
+            loss, out = net(x_train[idx], y_train[idx], args.train_images, args.samples)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            elbo = float(out["elbo"].detach()) / args.train_images
+            if not math.isfinite(elbo):
+                save()
+                raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "
+                                    f"checkpoint is in {run_dir}")
+            train_seconds += time.perf_counter() - t0
+            for k in ("log_lik", "kl"):
+                epoch_sums[k] += float(out[k].detach()) / args.train_images
+            epoch_sums["elbo"] += elbo
+            epoch_sums["steps"] += 1
+            step += 1
+            done_here += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, bound=f"{epoch_sums['elbo'] / epoch_sums['steps']:.3f}")
+            if args.checkpoint_every == 0 or time.monotonic() - last_save >= args.checkpoint_every:
+                save()
+                last_save = time.monotonic()
+        epoch, step, perm = epoch + 1, 0, None
+        if comm.main:
+            n = max(1, epoch_sums["steps"])
+            entry = {"epoch": epoch, "train_seconds": train_seconds, "lr": learning_rate(args, epoch - 1),
+                     "lower_bound": epoch_sums["elbo"] / n, "log_lik": epoch_sums["log_lik"] / n,
+                     "kl": epoch_sums["kl"] / n}
+            if epoch % args.eval_every == 0 or epoch == args.epochs:
+                for s, (x, y) in evals.items():
+                    entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
+                if not args.no_progress:
+                    bar.write(f"epoch {epoch}: lower bound {entry['lower_bound']:.4f} per image, validation error "
+                              f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
+            history.append(entry)
+        epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
+        if epoch == args.epochs or time.monotonic() - last_save >= args.checkpoint_every:
+            save()
+            last_save = time.monotonic()
+    bar.close()
+    # DistributedDataParallel averages the gradients, so every process must hold the same parameters
+    checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))
+    if not comm.main:
+        return None
+    return finish(args, history, train_seconds, device, comm.world, run_dir,
+                  max(checksums) - min(checksums))
+
+
+def rng_state(device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def finish(args, history, train_seconds, device, world, run_dir, rank_spread: float) -> dict:
+    evaluated = [h for h in history if "test_error" in h]
+    best = min(evaluated, key=lambda h: h["valid_error"])
+    result = {
+        "method": args.method, "hidden": args.hidden, "epochs": history[-1]["epoch"],
+        "test_error": evaluated[-1]["test_error"], "valid_error": evaluated[-1]["valid_error"],
+        "best_valid": {"epoch": best["epoch"], "valid_error": best["valid_error"], "test_error": best["test_error"]},
+        "final_lower_bound": history[-1]["lower_bound"], "seconds_per_epoch": train_seconds / history[-1]["epoch"],
+        "peak_memory_gib": peak_memory_gib(device), "device": str(device), "machine": runs.machine(),
+        "processes": world, "parameter_sum_spread_across_processes": rank_spread,
+        "config": {**config_of(args, world), "epochs": args.epochs},
+    }
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+    runs.write_json(run_dir / "results.json", result)
+    plot_history({f"{args.method} L={args.hidden}": history}, run_dir / "curves.png")
+    return result
+
+
+def peak_memory_gib(device) -> float:
+    """This process's peak resident memory (CPU) or peak allocated GPU memory, GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def plot_history(histories: dict, path) -> None:
+    """The training lower bound per image (left, the paper's Fig. 3 right) and the test error (right)."""
+    plt = runs.matplotlib_pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, history in histories.items():
+        a.plot([h["epoch"] for h in history], [h["lower_bound"] for h in history], label=label)
+        ev = [h for h in history if "test_error" in h]
+        b.plot([h["epoch"] for h in ev], [100 * h["test_error"] for h in ev], label=label)
+    a.set_xlabel("epoch")
+    a.set_ylabel("training lower bound per image")
+    b.set_xlabel("epoch")
+    b.set_ylabel("test error (%)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    runs.save_figure(fig, path)

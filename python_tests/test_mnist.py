@@ -1,0 +1,128 @@
+"""Tests of the MNIST BNN (Sec. 5.2.2): the MMNN shapes of App. F, the prior-contrastive discriminator
+against the exact log-ratio of two Gaussians, exact resume, the 2-process run, the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kivi_fast import cli
+from kivi_fast.experiments import mnist as mnist_cmd
+from kivi_fast.experiments import runs
+from kivi_fast.nn.classification import ClassificationBNN, LogisticDiscriminator, MatrixPosterior, mmnn_shapes, n_weights
+from kivi_fast.nn.mmnn import MatrixMultiplicationLayer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("width, hidden, dims", [
+    (400, 500, [314000, 160400, 4010]),    # the KL shapes the paper's L = 400 gives: (10, d) per layer
+    (800, 800, [628000, 640800, 8010]),
+    (1200, 800, [942000, 1441200, 12010]),
+])
+def test_the_mmnns_of_appendix_f(width, hidden, dims):
+    shapes = [mmnn_shapes(b, a, hidden, i == 2) for i, (a, b) in enumerate([(785, width), (width + 1, width),
+                                                                              (width + 1, 10)])]
+    assert shapes[0] == [(30, 30), (hidden, hidden), (hidden, hidden), (width, 785)]
+    assert shapes[2] == [(30, 30), (30, hidden), (30, hidden), (10, width + 1)]
+    assert [s[-1][0] * s[-1][1] for s in shapes] == dims
+    assert sum(dims) == n_weights((784, width, width, 10))
+    # parameters: Sec. 4's count per matrix layer, far below the weights they generate for L >= 800
+    params = sum(MatrixMultiplicationLayer.n_parameters(a, b) for s in shapes for a, b in zip(s[:-1], s[1:]))
+    assert params == sum(m * m0 + m * n0 + n0 * n + m * n for s in shapes for (m0, n0), (m, n) in zip(s[:-1], s[1:]))
+
+
+def test_matrix_posterior_gives_the_networks_matrices_at_the_priors_scale():
+    torch.manual_seed(0)
+    q = MatrixPosterior(mmnn_shapes(7, 13, 20, False))
+    w = q.sample(5)
+    assert w.shape == (5, 91)
+    m = q.mmnn.sample_matrices(5)  # the same layout, transposed: [5, 7, 13] -> [5, 13, 7]
+    assert m.shape == (5, 7, 13)
+    assert 0.5 < float(w.detach().std()) < 2.0
+
+
+def test_a_trained_logistic_discriminator_recovers_the_log_ratio_of_two_gaussians():
+    # q = N(mu, I), p = N(0, I): log q/p (w) = mu . w - |mu|^2 / 2 is linear, so logistic regression can
+    # represent it exactly; trained on many samples it should be close
+    g = torch.Generator().manual_seed(0)
+    mu = torch.tensor([0.8, -0.5, 0.3])
+    t = LogisticDiscriminator(3)
+    opt = torch.optim.Adam(t.parameters(), lr=0.05)
+    for _ in range(400):
+        q = mu + torch.randn(2000, 3, generator=g)
+        loss = t.loss(q, torch.randn(2000, 3, generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.testing.assert_close(t.weight.detach(), mu, atol=0.08, rtol=0)
+    assert abs(float(t.bias) + 0.5 * float(mu.pow(2).sum())) < 0.08
+
+
+def test_the_elbo_moves_only_the_posteriors_and_the_discriminator_loss_only_the_discriminators():
+    torch.manual_seed(0)
+    model = ClassificationBNN((20, 8, 8, 3), "pc", mmnn_hidden=6)
+    x, y = torch.rand(5, 20), torch.randint(0, 3, (5,))
+    out = model.elbo(x, y, 100, 4)
+    out["elbo"].backward(retain_graph=True)
+    assert all(p.grad is None for p in model.discriminators.parameters())
+    model.zero_grad(set_to_none=True)
+    model.discriminator_loss(out["samples"]).backward()
+    assert all(p.grad is None for p in model.posteriors.parameters())
+    assert all(p.grad is not None for p in model.discriminators.parameters())
+
+
+def mnist_args(run_dir, **kw):
+    parser = cli.build_parser()[1]["mnist"]
+    argv = ["--hidden", "16", "--mmnn-hidden", "12", "--train-images", "60", "--batch", "20", "--epochs", "2",
+            "--samples", "4", "--n-p", "4", "--eval-images", "50", "--no-progress", "--run-dir", str(run_dir)]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("method", ["kivi", "bbb", "pc"])
+def test_an_interrupted_run_resumes_exactly(method, tmp_path, one_thread):
+    mnist_cmd.train(mnist_args(tmp_path / "a", method=method), tmp_path / "a")
+    assert mnist_cmd.train(mnist_args(tmp_path / "b", method=method), tmp_path / "b", max_steps=4) is None
+    result = mnist_cmd.train(mnist_args(tmp_path / "b", method=method), tmp_path / "b")
+    a = runs.load_checkpoint(tmp_path / "a" / "checkpoint.pt")["model"]
+    b = runs.load_checkpoint(tmp_path / "b" / "checkpoint.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ha = json.loads((tmp_path / "a" / "history.json").read_text())
+    hb = json.loads((tmp_path / "b" / "history.json").read_text())
+    assert [h["lower_bound"] for h in ha] == [h["lower_bound"] for h in hb]
+    assert result["epochs"] == 2 and 0 <= result["test_error"] <= 1
+
+
+def test_two_processes_keep_equal_parameters(tmp_path):
+    common = ["--hidden", "16", "--mmnn-hidden", "12", "--train-images", "80", "--batch", "20", "--epochs", "1",
+              "--samples", "4", "--n-p", "4", "--eval-images", "50", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "kivi_fast.cli", "mnist", *common, "--run-dir", str(tmp_path)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["processes"] == 2 and result["parameter_sum_spread_across_processes"] < 1e-6
+    start = ClassificationBNN((784, 16, 16, 10), "kivi", mmnn_hidden=12).state_dict()
+    final = runs.load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    assert any(not torch.equal(final[k], start[k]) for k in final)  # trained
+
+
+def test_the_command_line_writes_its_files_and_refuses_bad_values(tmp_path, capsys):
+    assert cli.main(["mnist", "--quick", "--method", "bbb", "--no-progress", "--run-dir", str(tmp_path)]) == 0
+    for name in ("config.json", "history.json", "results.json", "curves.png"):
+        assert (tmp_path / name).exists(), name
+    assert "test error" in capsys.readouterr().out
+    for argv, message in ((["--train-images", "60000"], "50000"), (["--eval-images", "20000"], "10000"),
+                          (["--method", "sgd"], "invalid choice"), (["--hidden", "0"], "positive integer")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["mnist", *argv, "--run-dir", str(tmp_path / "x")])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
