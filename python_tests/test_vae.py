@@ -204,6 +204,8 @@ def test_the_command_lines_write_their_files(tmp_path, capsys):
     other = tmp_path / "gaussian"
     assert cli.main(["vae", "--quick", "--method", "gaussian", "--no-progress", "--run-dir", str(other)]) == 0
     assert cli.main(["vae-ais", "--quick", "--no-progress", str(other)]) == 0
+    assert cli.main(["vae-ais", "--quick", "--no-progress", "--split", "train", str(other)]) == 0
+    assert json.loads((other / "ais_train.json").read_text())["split"] == "train"
     report = tmp_path / "report"
     assert cli.main(["vae-report", str(tmp_path), str(other), "--results", str(report)]) == 0
     summary = json.loads((report / "summary.json").read_text())
@@ -211,6 +213,7 @@ def test_the_command_lines_write_their_files(tmp_path, capsys):
     kivi = summary["methods"]["kivi"]
     assert kivi["ais_minus_gaussian"]["images"] == 8 and kivi["ais"]["settings"]["chains"] == 2
     assert "iwae_log_likelihood" in summary["methods"]["gaussian"]["ais"]
+    assert "train_minus_test" in summary["methods"]["gaussian"]["ais_gap"]
     assert (report / "gaussian" / "samples.png").exists() and not (report / "gaussian" / "checkpoint.pt").exists()
 
 
@@ -230,3 +233,13 @@ def test_bad_values_are_usage_errors(argv, message, tmp_path, capsys):
 def test_ais_on_a_folder_that_is_no_run_says_so(tmp_path, capsys):
     assert cli.main(["vae-ais", "--quick", str(tmp_path)]) == 1
     assert "not a kivi-fast vae run folder" in capsys.readouterr().err
+
+
+def test_report_labels_name_what_differs_from_the_papers_settings():
+    from kivi_fast.experiments.vae_report import run_label
+
+    paper = {"method": "kivi-ac", "contrast": "diagonal", "lam": 1e-3, "clip": 1e-8}
+    assert run_label(paper) == "kivi-ac"
+    assert run_label({**paper, "contrast": "auto", "lam": 1e-2}) == "kivi-ac_auto_lam0.01"
+    assert run_label({**paper, "method": "kivi", "contrast": "auto"}) == "kivi"  # kivi has no contrast
+    assert run_label({**paper, "method": "gaussian", "lam": 5.0}) == "gaussian"

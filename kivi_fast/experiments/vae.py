@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
@@ -247,7 +248,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
 def step_profile(model, x: torch.Tensor, generator: torch.Generator, repeats: int = 5) -> dict:
     """Median seconds of a training step (forward + backward) and of its KL alone (forward + backward
-    through the encoder samples), on one global batch x."""
+    from the encoder's samples, or its moments for the closed form), on one global batch x."""
     def sync():
         if x.device.type == "cuda":
             torch.cuda.synchronize(x.device)
@@ -261,10 +262,16 @@ def step_profile(model, x: torch.Tensor, generator: torch.Generator, repeats: in
         (kl - rec).mean().backward()
         sync()
         full.append(time.perf_counter() - t0)
-        z = model.encoder(x, draws["noise"].shape[1], draws["noise"]).detach().requires_grad_()
-        sync()
-        t0 = time.perf_counter()
-        model.kl(x, z, draws.get("prior")).mean().backward()
+        if model.kl_estimator == "gaussian":  # the closed form, from the encoder's moments
+            moments = [m.detach().requires_grad_() for m in model.encoder.moments(x)]
+            sync()
+            t0 = time.perf_counter()
+            gaussian_kl_to_standard_normal(*moments).mean().backward()
+        else:  # the estimator, from the encoder's samples
+            z = model.encoder(x, draws["noise"].shape[1], draws["noise"]).detach().requires_grad_()
+            sync()
+            t0 = time.perf_counter()
+            model.kl(x, z, draws.get("prior")).mean().backward()
         sync()
         kl_only.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)

@@ -2,8 +2,9 @@
 
 Writes, per method, ``<method>/`` with the run's results.json, history.json, ais.json and PNGs (no
 checkpoint); ``curves.png``, the train and test ELBO of every method on one figure (the paper's Fig. 4b);
-``summary.json``, per method: epochs, training images, final train and test ELBO and their gap, the best
-test ELBO and its epoch, the AIS test log-likelihood with its settings (and the IWAE check), time per
+``summary.json``, per method (named by :func:`run_label`): epochs, training images, final train and test ELBO and their gap, the best
+test ELBO and its epoch, the AIS test log-likelihood with its settings (and the IWAE check), the AIS
+log-likelihood of training images and the train - test gap (where ``vae-ais --split train`` ran), time per
 epoch, the KL's share of a step, the device; and each method's AIS difference to ``gaussian`` on the same
 images with its paired standard error; ``table.md``, the same beside the paper's numbers.
 """
@@ -20,7 +21,7 @@ from . import runs
 from .options import UsageError, add_common
 from .vae import PAPER, plot_curves
 
-FILES = ("results.json", "history.json", "ais.json", "config.json", "samples.png", "reconstructions.png",
+FILES = ("results.json", "history.json", "ais.json", "ais_train.json", "config.json", "samples.png", "reconstructions.png",
          "curves.png")
 
 
@@ -30,12 +31,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, out=False, quick="skip the figure (curves.png)", progress="(no effect: nothing to wait for)")
 
 
+def run_label(config: dict) -> str:
+    """The method's name at the paper's settings (lam 1e-3, clip 1e-8, kivi-ac's diagonal contrast), else
+    the name with what differs, e.g. "kivi-ac_auto_lam0.01" (also the run's folder under --results)."""
+    label = config["method"]
+    if label == "gaussian":
+        return label
+    if label == "kivi-ac" and config["contrast"] != "diagonal":
+        label += f"_{config['contrast']}"
+    if config["lam"] != 1e-3:
+        label += f"_lam{config['lam']:g}"
+    if config["clip"] != 1e-8:
+        label += f"_clip{config['clip']:g}"
+    return label
+
+
 def load_run(folder: Path) -> dict:
     if not (folder / "results.json").exists():
         raise runs.RunError(f"{folder} holds no results.json: not a finished kivi-fast vae run")
     run = {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
-    ais = folder / "ais.json"
-    run["ais.json"] = json.loads(ais.read_text()) if ais.exists() else None
+    for name in ("ais.json", "ais_train.json"):
+        run[name] = json.loads((folder / name).read_text()) if (folder / name).exists() else None
     return run
 
 
@@ -58,6 +74,12 @@ def summarize(run: dict) -> dict:
         for k in ("iwae_log_likelihood", "iwae_k", "ais_minus_iwae", "ais_minus_iwae_standard_error"):
             if k in ais:
                 out["ais"][k] = ais[k]
+    train = run["ais_train.json"]
+    if train:
+        out["ais_train"] = {k: train[k] for k in ("ais_log_likelihood", "ais_standard_error", "settings")}
+        if ais:  # different images: independent errors
+            out["ais_gap"] = {"train_minus_test": train["ais_log_likelihood"] - ais["ais_log_likelihood"],
+                              "standard_error": math.hypot(train["ais_standard_error"], ais["ais_standard_error"])}
     return out
 
 
@@ -72,9 +94,9 @@ def run(args) -> int:
     loaded = {}
     for folder in map(Path, args.runs):
         r = load_run(folder)
-        method = r["results.json"]["method"]
+        method = run_label(r["results.json"]["config"])
         if method in loaded:
-            raise UsageError(f"two runs of method {method!r}: give one run per method")
+            raise UsageError(f"two runs of {method!r}: give one run per method and settings")
         loaded[method] = (folder, r)
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,16 +123,19 @@ def run(args) -> int:
 
 def markdown_table(summary: dict) -> str:
     rows = ["| method | epochs | train images | ELBO train | ELBO test | gap | best test ELBO (epoch) | "
-            "AIS test LL | AIS - gaussian (paired) | paper AIS (3000 epochs, 50k) | s/epoch | KL share |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "AIS test LL | AIS - gaussian (paired) | AIS train - test | paper AIS (3000 epochs, 50k) | s/epoch | "
+            "KL share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for method, s in summary["methods"].items():
         ais = s.get("ais")
         ll = f"{ais['ais_log_likelihood']:.2f} ± {ais['ais_standard_error']:.2f}" if ais else "-"
         diff = s.get("ais_minus_gaussian")
         d = f"{diff['difference']:+.2f} ± {diff['standard_error']:.2f}" if diff else "-"
-        paper = summary["paper_ais_test_ll"].get(method)
+        gap = s.get("ais_gap")
+        g = f"{gap['train_minus_test']:.2f} ± {gap['standard_error']:.2f}" if gap else "-"
+        paper = summary["paper_ais_test_ll"].get(method)  # the paper's settings only
         rows.append(f"| {method} | {s['epochs']} | {s['train_images']} | {s['final_train_elbo']:.2f} | "
                     f"{s['final_test_elbo']:.2f} | {s['final_gap']:.2f} | {s['best_test_elbo']:.2f} "
-                    f"({s['best_test_epoch']}) | {ll} | {d} | {paper if paper is not None else '-'} | "
+                    f"({s['best_test_epoch']}) | {ll} | {d} | {g} | {paper if paper is not None else '-'} | "
                     f"{s['seconds_per_epoch']:.1f} | {100 * s['kl_share_of_step']:.0f}% |")
     return "\n".join(rows) + "\n"
