@@ -40,7 +40,7 @@ from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
     positive_float, positive_int
-from .training import Distributed, device_of
+from .training import Distributed, check_resumable, device_of, halved_lr
 
 NAME = "mnist"
 PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Gaussian posterior)
@@ -77,10 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
     p.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: the checkout's data/)")
     add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
-
-
-def learning_rate(args, epoch: int) -> float:
-    return args.lr * 0.5 ** (epoch // args.lr_halve_every)
 
 
 def config_of(args, world: int) -> dict:
@@ -156,10 +152,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     ckpt_path = run_dir / "checkpoint.pt"
     state = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
     if state is not None:
-        differs = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
-        if differs:
-            raise runs.CheckpointError(f"{ckpt_path} was made with other settings ({differs}: checkpoint's, "
-                                       "this run's); use another --run-dir")
+        check_resumable(state, config, ckpt_path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         epoch, step, perm, history = state["epoch"], state["step"], state["perm"], state["history"]
@@ -194,7 +187,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
         if perm is None:
             perm = torch.randperm(args.train_images, generator=data_rng)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, epoch)
+            group["lr"] = halved_lr(args.lr, epoch, args.lr_halve_every)
         while step < steps_per_epoch:
             if max_steps is not None and done_here >= max_steps:
                 save()
@@ -226,7 +219,8 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
         epoch, step, perm = epoch + 1, 0, None
         if comm.main:
             n = max(1, epoch_sums["steps"])
-            entry = {"epoch": epoch, "train_seconds": train_seconds, "lr": learning_rate(args, epoch - 1),
+            entry = {"epoch": epoch, "train_seconds": train_seconds,
+                     "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every),
                      "lower_bound": epoch_sums["elbo"] / n, "log_lik": epoch_sums["log_lik"] / n,
                      "kl": epoch_sums["kl"] / n}
             if epoch % args.eval_every == 0 or epoch == args.epochs:

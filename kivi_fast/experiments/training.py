@@ -13,6 +13,20 @@ import torch
 from torch import distributed as dist
 
 from .options import UsageError
+from .runs import CheckpointError
+
+
+def halved_lr(base: float, epoch: int, every: int) -> float:
+    """The paper's schedule: ``base`` halved every ``every`` epochs (epochs counted from 0)."""
+    return base * 0.5 ** (epoch // every)
+
+
+def check_resumable(state: dict, config: dict, path) -> None:
+    """A checkpoint continues only the run that made it: every setting in ``config`` must match."""
+    differs = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+    if differs:
+        raise CheckpointError(f"{path} was made with other settings ({differs}: checkpoint's, this run's); "
+                              "use another --run-dir")
 
 
 def device_of(text: str) -> torch.device:

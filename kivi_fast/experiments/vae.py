@@ -45,7 +45,7 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
-from .training import Distributed, device_of
+from .training import Distributed, check_resumable, device_of, halved_lr
 from .options import UsageError, add_common, apply_quick, kivi_clip, kivi_lam, int_at_least, nonnegative_float, positive_float, positive_int
 
 NAME = "vae"
@@ -82,10 +82,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
     p.add_argument("--data-dir", default=None, help="folder holding binarized_mnist/ (default: the checkout's data/)")
     add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
-
-
-def learning_rate(args, epoch: int) -> float:
-    return args.lr * 0.5 ** (epoch // args.lr_halve_every)
 
 
 @torch.no_grad()
@@ -163,10 +159,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     ckpt_path = run_dir / "checkpoint.pt"
     state = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
     if state is not None:
-        differs = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
-        if differs:
-            raise runs.CheckpointError(f"{ckpt_path} was made with other settings ({differs}: checkpoint's, "
-                                       "this run's); use another --run-dir")
+        check_resumable(state, config, ckpt_path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         epoch, step, perm, history = state["epoch"], state["step"], state["perm"], state["history"]
@@ -197,7 +190,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
         if perm is None:
             perm = torch.randperm(args.train_images, generator=data_rng)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, epoch)
+            group["lr"] = halved_lr(args.lr, epoch, args.lr_halve_every)
         model.train()
         while step < steps_per_epoch:
             if max_steps is not None and done_here >= max_steps:
@@ -232,7 +225,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             g = torch.Generator(device=device).manual_seed(args.seed + 7)
             tr, te = evaluate_elbo(model, eval_train, g), evaluate_elbo(model, eval_test, g)
             history.append({"epoch": epoch, "train_seconds": train_seconds, "train": tr, "test": te,
-                            "lr": learning_rate(args, epoch - 1)})
+                            "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every)})
             if not args.no_progress:
                 bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
                           f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
