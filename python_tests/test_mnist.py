@@ -15,7 +15,8 @@ import torch
 from kivi_fast import cli
 from kivi_fast.experiments import mnist as mnist_cmd
 from kivi_fast.experiments import runs
-from kivi_fast.nn.classification import ClassificationBNN, LogisticDiscriminator, MatrixPosterior, mmnn_shapes, n_weights
+from kivi_fast.nn.classification import (ClassificationBNN, LogisticDiscriminator, MatrixPosterior, mmnn_shapes,
+                                         n_weights)
 from kivi_fast.nn.mmnn import MatrixMultiplicationLayer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -123,7 +123,9 @@ def test_ais_with_few_temperatures_reads_low_and_iwae_with_the_exact_posterior_i
     post = torch.distributions.MultivariateNormal(mean, cov)
     g = torch.Generator().manual_seed(1)
     chol = torch.linalg.cholesky(cov)
-    sample = lambda m: mean[:, None, :] + torch.randn(x.shape[0], m, 3, generator=g, dtype=torch.float64) @ chol.T  # noqa: E731
+    def sample(m):
+        return mean[:, None, :] + torch.randn(x.shape[0], m, 3, generator=g, dtype=torch.float64) @ chol.T
+
     iw = ais.iwae_log_likelihood(log_likelihood, sample, lambda z: post.log_prob(z.transpose(0, 1)).T, k=7, chunk=3)
     torch.testing.assert_close(iw, exact)
 

@@ -40,7 +40,7 @@ from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
     positive_float, positive_int
-from .training import Distributed, check_resumable, device_of, halved_lr
+from .training import POSITION, Distributed, add_device_options, device_of, halved_lr, restore, save_resumable
 
 NAME = "mnist"
 PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Gaussian posterior)
@@ -48,15 +48,14 @@ PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Ga
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
                "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "world_size")
-CHECKPOINT_KEYS = ("config", "model", "optimizer", "epoch", "step", "perm", "data_rng", "rng", "history",
-                   "train_seconds")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=POSTERIORS, default="kivi",
                    help="kivi: MMNN posteriors, KIVI's KL; bbb: Bayes-by-Backprop (factorized Gaussian); "
                         "pc: MMNN posteriors, a logistic-regression discriminator's KL")
-    p.add_argument("--hidden", type=positive_int, default=400, help="hidden units L per layer (the paper: 400, 800, 1200)")
+    p.add_argument("--hidden", type=positive_int, default=400,
+                   help="hidden units L per layer (the paper: 400, 800, 1200)")
     p.add_argument("--mmnn-hidden", type=positive_int, default=None,
                    help="the MMNN's hidden matrix size N (default: App. F's, 500 for L <= 400, else 800)")
     p.add_argument("--epochs", type=positive_int, default=300, help="epochs (the paper: 300)")
@@ -73,9 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
     p.add_argument("--eval-samples", type=positive_int, default=10, help="weight draws of the posterior predictive")
     p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
-    p.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: the checkout's data/)")
+    add_device_options(p, "mnist")
     add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
 
 
@@ -150,14 +147,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
     ckpt_path = run_dir / "checkpoint.pt"
-    state = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    state = restore(ckpt_path, config, model, optimizer, data_rng, ("rng", "epoch_sums"))
     if state is not None:
-        check_resumable(state, config, ckpt_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        epoch, step, perm, history = state["epoch"], state["step"], state["perm"], state["history"]
-        train_seconds = state["train_seconds"]
-        data_rng.set_state(state["data_rng"])
+        epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         set_rng_state(state["rng"][comm.rank] if comm.world > 1 else state["rng"], device)
     if comm.main:
         runs.write_json(run_dir / "config.json", {**config, "epochs": args.epochs, "device": str(device),
@@ -170,14 +162,12 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     def save():
         rng = comm.gather(rng_state(device))
         if comm.main:
-            runs.save_checkpoint(ckpt_path, {
-                "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "epoch": epoch, "step": step, "perm": perm, "data_rng": data_rng.get_state(),
-                "rng": rng if comm.world > 1 else rng[0], "history": history, "train_seconds": train_seconds,
-                "epoch_sums": dict(epoch_sums)})
-            runs.write_json(run_dir / "history.json", history)
+            save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
+                           data_rng=data_rng, epoch=epoch, step=step, perm=perm, history=history,
+                           train_seconds=train_seconds, rng=rng if comm.world > 1 else rng[0],
+                           epoch_sums=dict(epoch_sums))
 
-    if state is not None and "epoch_sums" in state:
+    if state is not None:
         epoch_sums.update(state["epoch_sums"])
     total = args.epochs * steps_per_epoch
     done_here, last_save = 0, time.monotonic()

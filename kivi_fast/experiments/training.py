@@ -12,7 +12,8 @@ import os
 import torch
 from torch import distributed as dist
 
-from .options import UsageError
+from .options import UsageError, positive_int
+from . import runs
 from .runs import CheckpointError
 
 
@@ -27,6 +28,43 @@ def check_resumable(state: dict, config: dict, path) -> None:
     if differs:
         raise CheckpointError(f"{path} was made with other settings ({differs}: checkpoint's, this run's); "
                               "use another --run-dir")
+
+
+# what every trainer's checkpoint holds; a trainer adds its own random generators' states
+RESUME_KEYS = ("config", "model", "optimizer", "epoch", "step", "perm", "data_rng", "history", "train_seconds")
+POSITION = ("epoch", "step", "perm", "history", "train_seconds")
+
+
+def restore(path, config: dict, model, optimizer, data_rng: torch.Generator, extra_keys=()) -> dict | None:
+    """Load the checkpoint at ``path`` (None if there is none) into ``model``, ``optimizer`` and the data
+    order's generator, after :func:`check_resumable`; returns it, for the position (:data:`POSITION`: the
+    epoch, the step within it, that epoch's data order, the history, the training seconds so far) and
+    the trainer's ``extra_keys``."""
+    state = runs.load_checkpoint(path, RESUME_KEYS + tuple(extra_keys))
+    if state is not None:
+        check_resumable(state, config, path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        data_rng.set_state(state["data_rng"])
+    return state
+
+
+def save_resumable(path, history_path, *, config: dict, model, optimizer, data_rng: torch.Generator, epoch: int,
+                   step: int, perm, history: list, train_seconds: float, **extra) -> None:
+    """Write what :func:`restore` reads (and ``extra``), and the history as JSON beside it."""
+    runs.save_checkpoint(path, {
+        "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+        "step": step, "perm": perm, "data_rng": data_rng.get_state(), "history": history,
+        "train_seconds": train_seconds, **extra})
+    runs.write_json(history_path, history)
+
+
+def add_device_options(p, data_folder: str) -> None:
+    """``--device``, ``--threads`` and ``--data-dir`` (the folder holding ``data_folder``/)."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
+    p.add_argument("--data-dir", default=None,
+                   help=f"folder holding {data_folder}/ (default: the checkout's data/)")
 
 
 def device_of(text: str) -> torch.device:

@@ -45,16 +45,15 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
-from .training import Distributed, check_resumable, device_of, halved_lr
-from .options import UsageError, add_common, apply_quick, kivi_clip, kivi_lam, int_at_least, nonnegative_float, positive_float, positive_int
+from .training import POSITION, Distributed, add_device_options, device_of, halved_lr, restore, save_resumable
+from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
+                      positive_float, positive_int)
 
 NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
 QUICK = {"epochs": 1, "train_images": 512, "eval_images": 64, "n_q": 20, "n_p": 20}
 CONFIG_KEYS = ("method", "train_images", "batch", "lr", "lr_halve_every", "n_q", "n_p", "lam", "clip", "contrast",
                "seed", "eval_images", "eval_every", "world_size")
-CHECKPOINT_KEYS = ("config", "model", "optimizer", "epoch", "step", "perm", "data_rng", "draw_rng", "history",
-                   "train_seconds")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,9 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=1000,
                    help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
     p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
-    p.add_argument("--data-dir", default=None, help="folder holding binarized_mnist/ (default: the checkout's data/)")
+    add_device_options(p, "binarized_mnist")
     add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
 
 
@@ -157,14 +154,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
     ckpt_path = run_dir / "checkpoint.pt"
-    state = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    state = restore(ckpt_path, config, model, optimizer, data_rng, ("draw_rng",))
     if state is not None:
-        check_resumable(state, config, ckpt_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        epoch, step, perm, history = state["epoch"], state["step"], state["perm"], state["history"]
-        train_seconds = state["train_seconds"]
-        data_rng.set_state(state["data_rng"])
+        epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         draw_rng.set_state(state["draw_rng"])
     if comm.main:
         runs.write_json(run_dir / "config.json", {**config, "epochs": args.epochs, "device": str(device),
@@ -174,11 +166,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     def save():
         if comm.main:
-            runs.save_checkpoint(ckpt_path, {
-                "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "epoch": epoch, "step": step, "perm": perm, "data_rng": data_rng.get_state(),
-                "draw_rng": draw_rng.get_state().cpu(), "history": history, "train_seconds": train_seconds})
-            runs.write_json(run_dir / "history.json", history)
+            save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
+                           data_rng=data_rng, epoch=epoch, step=step, perm=perm, history=history,
+                           train_seconds=train_seconds, draw_rng=draw_rng.get_state().cpu())
 
     total = args.epochs * steps_per_epoch
     done_here = 0

@@ -26,7 +26,7 @@ from . import runs
 from .ais import ais_log_likelihood, iwae_log_likelihood
 from .mnist_data import load_binarized_mnist
 from .options import UsageError, apply_quick, nonnegative_int, positive_int
-from .vae import device_of
+from .training import add_device_options, device_of
 
 QUICK = {"images": 8, "chains": 2, "steps": 20, "leapfrog": 2, "iwae_k": 100}
 
@@ -45,9 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iwae-k", type=nonnegative_int, default=5000,
                    help="IWAE samples per image for a Gaussian encoder (0: none)")
     p.add_argument("--seed", type=int, default=0, help="the images and the chains")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
-    p.add_argument("--data-dir", default=None, help="folder holding binarized_mnist/ (default: the checkout's data/)")
+    add_device_options(p, "binarized_mnist")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 images, 2 chains, 20 temperatures")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -1,12 +1,13 @@
 """``kivi-fast vae-report RUN...``: collect finished ``vae`` runs (and their ``vae-ais``) into ``--results``.
 
-Writes, per method, ``<method>/`` with the run's results.json, history.json, ais.json and PNGs (no
+Writes, per method, ``<method>/`` with the run's results.json, history.json, AIS JSON and PNGs (no
 checkpoint); ``curves.png``, the train and test ELBO of every method on one figure (the paper's Fig. 4b);
-``summary.json``, per method (named by :func:`run_label`): epochs, training images, final train and test ELBO and their gap, the best
-test ELBO and its epoch, the AIS test log-likelihood with its settings (and the IWAE check), the AIS
-log-likelihood of training images and the train - test gap (where ``vae-ais --split train`` ran), time per
-epoch, the KL's share of a step, the device; and each method's AIS difference to ``gaussian`` on the same
-images with its paired standard error; ``table.md``, the same beside the paper's numbers.
+``summary.json``, per method (named by :func:`run_label`): epochs, training images, final train and test
+ELBO and their gap, the best test ELBO and its epoch, the AIS test log-likelihood with its settings (and
+the IWAE check), the AIS log-likelihood of training images and the train - test gap (where ``vae-ais
+--split train`` ran), time per epoch, the KL's share of a step, the device; and each method's AIS
+difference to ``gaussian`` on the same images with its paired standard error; ``table.md``, the same
+beside the paper's numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from . import runs
 from .options import UsageError, add_common
 from .vae import PAPER, plot_curves
 
-FILES = ("results.json", "history.json", "ais.json", "ais_train.json", "config.json", "samples.png", "reconstructions.png",
+FILES = ("results.json", "history.json", "ais.json", "ais_train.json", "config.json", "samples.png",
+         "reconstructions.png",
          "curves.png")
 
 
