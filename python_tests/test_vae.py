@@ -40,7 +40,8 @@ def test_gaussian_encoder_density_and_kl_match_torch_distributions():
     z = model.encoder(x, 4)
     torch.testing.assert_close(model.encoder.log_prob(x, z), q.log_prob(z.transpose(0, 1)).sum(-1).T)
     p = torch.distributions.Normal(torch.zeros_like(mean), torch.ones_like(mean))
-    torch.testing.assert_close(model.kl(x, z, None), torch.distributions.kl_divergence(q, p).sum(-1))
+    draws = {"noise": torch.randn(6, 4, 3, dtype=torch.float64)}
+    torch.testing.assert_close(model(x, draws)[1], torch.distributions.kl_divergence(q, p).sum(-1))
 
 
 def test_implicit_encoder_injects_its_noise_into_the_first_hidden_layer():
@@ -48,10 +49,10 @@ def test_implicit_encoder_injects_its_noise_into_the_first_hidden_layer():
     enc = ImplicitEncoder(10, (6, 5), 2).double()
     x = torch.rand(3, 10, dtype=torch.float64)
     noise = torch.randn(3, 4, 6, dtype=torch.float64)
-    h = torch.relu(enc.first(x))[:, None, :] + enc.log_noise_std.exp() * noise
+    h = torch.relu(enc.first(x))[:, None, :] + enc.noise.log_std.exp() * noise
     torch.testing.assert_close(enc(x, 4, noise), enc.rest(h))
     with torch.no_grad():
-        enc.log_noise_std.fill_(-60.0)  # no noise: every sample of one x is the same point
+        enc.noise.log_std.fill_(-60.0)  # no noise: every sample of one x is the same point
     z = enc(x, 4)
     torch.testing.assert_close(z, z[:, :1].expand_as(z))
 

@@ -19,8 +19,11 @@ class NoiseInjection(nn.Module):
         super().__init__()
         self.log_std = nn.Parameter(torch.full((int(dim),), float(init_log_std)))
 
-    def forward(self, h: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        xi = torch.randn(h.shape, generator=generator, dtype=h.dtype, device=h.device)
+    def forward(self, h: torch.Tensor, generator: torch.Generator | None = None,
+                xi: torch.Tensor | None = None) -> torch.Tensor:
+        """``xi``: standard-normal draws broadcastable with h, drawn by the caller (default: drawn here)."""
+        if xi is None:
+            xi = torch.randn(h.shape, generator=generator, dtype=h.dtype, device=h.device)
         return h + xi * self.log_std.exp()
 
 

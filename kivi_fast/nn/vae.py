@@ -16,6 +16,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import kivi_fast
+
+from .gaussian import gaussian_kl_to_standard_normal
+from .generator import NoiseInjection
+
 
 def _mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
@@ -53,8 +58,8 @@ class ImplicitEncoder(nn.Module):
         super().__init__()
         self.x_dim, self.z_dim, self.noise_dim = x_dim, z_dim, hidden[0]
         self.first = nn.Linear(x_dim, hidden[0])
+        self.noise = NoiseInjection(hidden[0], math.log(init_noise_std))
         self.rest = _mlp([*hidden, z_dim])
-        self.log_noise_std = nn.Parameter(torch.full((hidden[0],), float(init_noise_std)).log())
 
     def noise_shape(self, batch: int, n: int) -> tuple[int, int, int]:
         return (batch, n, self.noise_dim)
@@ -64,7 +69,7 @@ class ImplicitEncoder(nn.Module):
         h = F.relu(self.first(x))
         if noise is None:
             noise = torch.randn(self.noise_shape(x.shape[0], n), dtype=h.dtype, device=h.device)
-        return self.rest(h[:, None, :] + self.log_noise_std.exp() * noise)
+        return self.rest(self.noise(h[:, None, :], xi=noise))
 
 
 class GaussianEncoder(nn.Module):
@@ -87,6 +92,11 @@ class GaussianEncoder(nn.Module):
         mean, log_std = self.moments(x)
         if noise is None:
             noise = torch.randn(self.noise_shape(x.shape[0], n), dtype=mean.dtype, device=mean.device)
+        return self.reparameterize(mean, log_std, noise)
+
+    @staticmethod
+    def reparameterize(mean: torch.Tensor, log_std: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """z = mean + std * noise: [B, d] moments, noise [B, n, d] -> [B, n, d]."""
         return mean[:, None, :] + log_std.exp()[:, None, :] * noise
 
     def log_prob(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -136,14 +146,9 @@ class VAE(nn.Module):
                                        dtype=dtype)
         return out
 
-    def kl(self, x: torch.Tensor, z: torch.Tensor, prior: torch.Tensor | None) -> torch.Tensor:
-        """KL(q(z | x) || N(0, I)) per row of x, [B]: estimated from z [B, n_q, d] or in closed form."""
-        import kivi_fast
-
-        if self.kl_estimator == "gaussian":
-            from .gaussian import gaussian_kl_to_standard_normal
-
-            return gaussian_kl_to_standard_normal(*self.encoder.moments(x))
+    def estimated_kl(self, z: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+        """KL(q(z | x) || N(0, I)) per x, [B], estimated from the implicit encoder's samples z [B, n_q, d]
+        and the N(0, I) draws ``prior`` [B, n_p, d]."""
         if self.kl_estimator == "kivi":
             return kivi_fast.kernel_kl(prior, z, self.lam, clip=self.clip)
         return kivi_fast.adaptive_contrast_kl(z, None, self.lam, contrast=self.contrast, clip=self.clip,
@@ -153,9 +158,15 @@ class VAE(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(E_q log p(x | z) over the first ``n_rec`` samples, KL), each [B]; the ELBO is their difference."""
         noise = draws["noise"]
-        z = self.encoder(x, noise.shape[1], noise)
+        if self.kl_estimator == "gaussian":  # one pass of the encoder gives the samples and the KL
+            mean, log_std = self.encoder.moments(x)
+            z = self.encoder.reparameterize(mean, log_std, noise)
+            kl = gaussian_kl_to_standard_normal(mean, log_std)
+        else:
+            z = self.encoder(x, noise.shape[1], noise)
+            kl = self.estimated_kl(z, draws["prior"])
         rec = self.decoder.log_likelihood(x[:, None, :], z[:, :n_rec]).mean(-1)
-        return rec, self.kl(x, z, draws.get("prior"))
+        return rec, kl
 
 
 def slice_draws(draws: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
