@@ -38,16 +38,17 @@ from tqdm.auto import tqdm
 from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
-from .options import UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
+from .options import UsageError, add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
     positive_float, positive_int
-from .training import POSITION, Distributed, add_device_options, device_of, halved_lr, restore, save_resumable
+from .training import (POSITION, Distributed, add_device_options, config_of, device_of, halved_lr, restore,
+                       save_resumable, start)
 
 NAME = "mnist"
 PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Gaussian posterior)
     "kivi": {400: 1.29, 800: 1.22, 1200: 1.27}, "bbb": {400: 1.82, 800: 1.99, 1200: 2.04}}
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
-               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "world_size")
+               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,10 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
 
 
-def config_of(args, world: int) -> dict:
-    return {**{k: getattr(args, k) for k in CONFIG_KEYS if k != "world_size"}, "world_size": world}
-
-
 def build(args) -> ClassificationBNN:
     return ClassificationBNN((784, args.hidden, args.hidden, 10), args.method, mmnn_hidden=args.mmnn_hidden,
                              lam=args.lam, clip=args.clip, n_prior=args.n_p)
@@ -97,24 +94,10 @@ def error_rate(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, sampl
     return wrong / x.shape[0]
 
 
-def check_args(args) -> None:
-    if args.train_images > 50000:
-        raise UsageError(f"--train-images: the training set has 50000 images, got {args.train_images}")
-    if args.batch > args.train_images:
-        raise UsageError(f"--batch {args.batch} is larger than --train-images {args.train_images}")
+def run(args) -> int:
     if args.eval_images > 10000:
         raise UsageError(f"--eval-images: the validation and test sets have 10000 images, got {args.eval_images}")
-
-
-def run(args) -> int:
-    apply_quick(args, QUICK)
-    check_args(args)
-    torch.set_num_threads(args.threads)
-    comm = Distributed(device_of(args.device))
-    if args.batch % comm.world:
-        raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
-    run_dir = Path(comm.share(str(runs.run_folder(args.out, f"{NAME}-{args.hidden}-{args.method}", args.run_dir))
-                              if comm.main else None))
+    comm, run_dir = start(args, QUICK, f"{NAME}-{args.hidden}-{args.method}")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
         print(f"mnist L = {args.hidden} {args.method}: {result['epochs']} epochs, test error "
@@ -142,7 +125,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     data_rng = torch.Generator().manual_seed(args.seed)
     # each process its own posterior samples (torch's default generator of the device)
     torch.manual_seed(args.seed + 1000 * (comm.rank + 1))
-    config = config_of(args, comm.world)
+    config = config_of(args, CONFIG_KEYS, comm.world)
     steps_per_epoch = args.train_images // args.batch
     epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
@@ -254,7 +237,7 @@ def finish(args, history, train_seconds, device, world, run_dir, rank_spread: fl
         "final_lower_bound": history[-1]["lower_bound"], "seconds_per_epoch": train_seconds / history[-1]["epoch"],
         "peak_memory_gib": peak_memory_gib(device), "device": str(device), "machine": runs.machine(),
         "processes": world, "parameter_sum_spread_across_processes": rank_spread,
-        "config": {**config_of(args, world), "epochs": args.epochs},
+        "config": {**config_of(args, CONFIG_KEYS, world), "epochs": args.epochs},
     }
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)

@@ -8,13 +8,36 @@ GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the s
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch import distributed as dist
 
-from .options import UsageError, positive_int
+from .options import UsageError, apply_quick, positive_int
 from . import runs
 from .runs import CheckpointError
+
+
+def start(args, quick: dict, folder_name: str, train_images: int = 50000) -> tuple["Distributed", Path]:
+    """A trainer's first steps: ``--quick``'s settings, the checks of ``--train-images`` (at most
+    ``train_images``) and ``--batch``, the torch threads, the process group and the run folder (rank 0's,
+    on every rank: every rank resumes from it)."""
+    apply_quick(args, quick)
+    if args.train_images > train_images:
+        raise UsageError(f"--train-images: the training set has {train_images} images, got {args.train_images}")
+    if args.batch > args.train_images:
+        raise UsageError(f"--batch {args.batch} is larger than --train-images {args.train_images}")
+    torch.set_num_threads(args.threads)
+    comm = Distributed(device_of(args.device))
+    if args.batch % comm.world:
+        raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
+    folder = runs.run_folder(args.out, folder_name, args.run_dir) if comm.main else None
+    return comm, Path(comm.share(str(folder) if folder else None))
+
+
+def config_of(args, keys, world: int) -> dict:
+    """The settings a checkpoint must match to be resumed: ``keys`` of args, and the number of processes."""
+    return {**{k: getattr(args, k) for k in keys}, "world_size": world}
 
 
 def halved_lr(base: float, epoch: int, every: int) -> float:

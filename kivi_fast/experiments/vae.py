@@ -45,15 +45,16 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
-from .training import POSITION, Distributed, add_device_options, device_of, halved_lr, restore, save_resumable
-from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
+from .training import (POSITION, Distributed, add_device_options, config_of, device_of, halved_lr, restore,
+                       save_resumable, start)
+from .options import (UsageError, add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
                       positive_float, positive_int)
 
 NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
 QUICK = {"epochs": 1, "train_images": 512, "eval_images": 64, "n_q": 20, "n_p": 20}
 CONFIG_KEYS = ("method", "train_images", "batch", "lr", "lr_halve_every", "n_q", "n_p", "lam", "clip", "contrast",
-               "seed", "eval_images", "eval_every", "world_size")
+               "seed", "eval_images", "eval_every")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,37 +97,15 @@ def evaluate_elbo(model, x: torch.Tensor, generator: torch.Generator, n_rec: int
     return {"elbo": (rec_sum - kl_sum) / n, "reconstruction": rec_sum / n, "kl": kl_sum / n}
 
 
-def check_args(args) -> None:
-    if args.train_images > 50000:
-        raise UsageError(f"--train-images: the training set has 50000 images, got {args.train_images}")
-    if args.batch > args.train_images:
-        raise UsageError(f"--batch {args.batch} is larger than --train-images {args.train_images}")
+def run(args) -> int:
     if args.method == "kivi-ac" and args.contrast == "full" and args.n_q <= 8:
         raise UsageError("--contrast full needs --n-q > 8 (the latent dimension)")
-
-
-def run(args) -> int:
-    apply_quick(args, QUICK)
-    check_args(args)
-    torch.set_num_threads(args.threads)
-    device = device_of(args.device)
-    comm = Distributed(device)
-    if args.batch % comm.world:
-        raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
-    # every rank resumes from rank 0's folder
-    run_dir = Path(comm.share(str(runs.run_folder(args.out, f"{NAME}-{args.method}", args.run_dir)) if comm.main
-                              else None))
+    comm, run_dir = start(args, QUICK, f"{NAME}-{args.method}")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
         print(summary_line(result))
     comm.close()
     return 0
-
-
-def config_of(args, world: int) -> dict:
-    config = {k: getattr(args, k) for k in CONFIG_KEYS if k != "world_size"}
-    config["world_size"] = world
-    return config
 
 
 def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
@@ -149,7 +128,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data_rng = torch.Generator().manual_seed(args.seed)
     draw_rng = torch.Generator(device=device).manual_seed(args.seed + 1)
-    config = config_of(args, comm.world)
+    config = config_of(args, CONFIG_KEYS, comm.world)
     steps_per_epoch = args.train_images // args.batch
     epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
@@ -272,7 +251,7 @@ def finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test
                   "train_kl": history[-1]["train"]["kl"], "test_kl": history[-1]["test"]["kl"]},
         "seconds_per_epoch": train_seconds / max(1, epochs), "steps_per_epoch": steps_per_epoch,
         "step_profile": profile, "device": str(device), "machine": runs.machine(),
-        "config": {**config_of(args, world), "epochs": args.epochs},
+        "config": {**config_of(args, CONFIG_KEYS, world), "epochs": args.epochs},
     }
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
