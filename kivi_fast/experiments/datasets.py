@@ -56,18 +56,19 @@ UNAVAILABLE = {
 }
 
 
-def search_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
-    """The folders searched for the data sets' folders, in order (see the module docstring).
+def search_dirs(data_dir: str | os.PathLike | None = None, folder: str = "UCI_Datasets") -> list[Path]:
+    """The places searched for the contents of ``data/<folder>`` (the UCI sets' folders, or another data
+    set's files), in order (see the module docstring).
 
-    A folder given by ``data_dir`` or ``KIVI_FAST_DATA`` may be the one that holds the sets'
-    folders or the one above it (holding ``UCI_Datasets/``); an explicit one is the only place looked.
+    A folder given by ``data_dir`` or ``KIVI_FAST_DATA`` may be that folder itself or the one above it
+    (holding ``<folder>/``); an explicit one is the only place looked.
     """
     env = os.environ.get(ENV_VAR)
     if data_dir or env:
         root = Path(data_dir or env).expanduser()
-        candidates = [root, root / "UCI_Datasets"]
+        candidates = [root, root / folder]
     else:
-        candidates = [CHECKOUT_DATA_DIR, Path.cwd() / "data" / "UCI_Datasets"]
+        candidates = [CHECKOUT_DATA_DIR.parent / folder, Path.cwd() / "data" / folder]
     unique: dict[Path, Path] = {}
     for c in candidates:
         unique.setdefault(c.resolve(), c)

@@ -3,9 +3,10 @@
     x_train, x_valid, x_test = load_binarized_mnist()        # float32 tensors in {0, 1}, [n, 784]
     data = load_mnist()    # {"x_train", "y_train", "x_valid", ...}: the last 10,000 training images validate
 
-Where the files are: the ``data_dir`` argument (``--data-dir``), else the environment variable
-``KIVI_FAST_DATA`` (as for the UCI sets), else the source checkout's ``data/`` and ``./data``; each
-place may hold ``binarized_mnist/binarized_mnist.npz`` or be that folder itself. The arrays' SHA-256s
+Where the files are is searched as for the UCI sets (:func:`datasets.search_dirs`): the ``data_dir``
+argument (``--data-dir``) or the environment variable ``KIVI_FAST_DATA``, the folder holding
+``binarized_mnist/`` or that folder itself; else the source checkout's ``data/binarized_mnist/`` and
+``./data/binarized_mnist/`` (likewise ``mnist/``). The arrays' SHA-256s
 (``data/*/README.md``) are checked on loading, so a damaged or different file is an error, not a
 silently different benchmark.
 """
@@ -19,9 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .datasets import ENV_VAR, DataNotFoundError
-
-CHECKOUT_DATA = Path(__file__).resolve().parents[2] / "data"
+from .datasets import ENV_VAR, DataNotFoundError, search_dirs
 
 # SHA-256 of each array's raw C-order bytes (independent of the npz container)
 BINARIZED_MNIST = ("binarized_mnist", "binarized_mnist.npz", {
@@ -38,13 +37,11 @@ MNIST = ("mnist", "mnist.npz", {
 
 
 def find_file(folder: str, file: str, data_dir=None) -> Path:
-    env = os.environ.get(ENV_VAR)
-    roots = [Path(data_dir or env).expanduser()] if (data_dir or env) else [CHECKOUT_DATA, Path.cwd() / "data"]
-    places = [p for root in roots for p in (root / folder / file, root / file)]
+    places = [place / file for place in search_dirs(data_dir, folder)]
     for place in places:
         if place.is_file():
             return place
-    source = "--data-dir" if data_dir else f"${ENV_VAR}" if env else "the default places"
+    source = "--data-dir" if data_dir else f"${ENV_VAR}" if os.environ.get(ENV_VAR) else "the default places"
     raise DataNotFoundError(
         f"{folder}/{file} not found ({source}; looked at {', '.join(map(str, places))}). Pass --data-dir or set "
         f"{ENV_VAR} to the folder that holds {folder}/ (data/ of the kivi_fast source repository; "
