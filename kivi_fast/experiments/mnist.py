@@ -40,8 +40,8 @@ from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
     positive_float, positive_int
-from .training import (POSITION, Distributed, add_device_options, config_of, device_of, halved_lr, restore,
-                       save_resumable, start)
+from .training import (POSITION, Checkpoints, Distributed, add_device_options, config_of, device_of, halved_lr,
+                       restore, save_resumable, start)
 
 NAME = "mnist"
 PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Gaussian posterior)
@@ -153,7 +153,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     if state is not None:
         epoch_sums.update(state["epoch_sums"])
     total = args.epochs * steps_per_epoch
-    done_here, last_save = 0, time.monotonic()
+    done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step), unit="step",
                desc=f"mnist L={args.hidden} {args.method}", disable=args.no_progress or not comm.main)
     while epoch < args.epochs:
@@ -186,9 +186,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             done_here += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, bound=f"{epoch_sums['elbo'] / epoch_sums['steps']:.3f}")
-            if args.checkpoint_every == 0 or time.monotonic() - last_save >= args.checkpoint_every:
-                save()
-                last_save = time.monotonic()
+            checkpoints.tick()
         epoch, step, perm = epoch + 1, 0, None
         if comm.main:
             n = max(1, epoch_sums["steps"])
@@ -204,9 +202,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                               f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
             history.append(entry)
         epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
-        if epoch == args.epochs or time.monotonic() - last_save >= args.checkpoint_every:
-            save()
-            last_save = time.monotonic()
+        checkpoints.tick(force=epoch == args.epochs)
     bar.close()
     # DistributedDataParallel averages the gradients, so every process must hold the same parameters
     checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))

@@ -8,6 +8,7 @@ GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the s
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,20 @@ def start(args, quick: dict, folder_name: str, train_images: int = 50000) -> tup
 def config_of(args, keys, world: int) -> dict:
     """The settings a checkpoint must match to be resumed: ``keys`` of args, and the number of processes."""
     return {**{k: getattr(args, k) for k in keys}, "world_size": world}
+
+
+class Checkpoints:
+    """Calls ``save`` when ``every`` seconds have passed since the last save (at every call if ``every`` is
+    0), or when forced (the end of a run). Rank 0's clock decides for every rank, so that a ``save`` that
+    gathers from all processes is called by all of them at the same step."""
+
+    def __init__(self, save, every: float, comm: "Distributed"):
+        self.save, self.every, self.comm, self.last = save, every, comm, time.monotonic()
+
+    def tick(self, force: bool = False) -> None:
+        if self.comm.share(force or time.monotonic() - self.last >= self.every):
+            self.save()
+            self.last = time.monotonic()
 
 
 def halved_lr(base: float, epoch: int, every: int) -> float:

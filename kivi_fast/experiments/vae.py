@@ -45,8 +45,8 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
-from .training import (POSITION, Distributed, add_device_options, config_of, device_of, halved_lr, restore,
-                       save_resumable, start)
+from .training import (POSITION, Checkpoints, Distributed, add_device_options, config_of, device_of, halved_lr,
+                       restore, save_resumable, start)
 from .options import (UsageError, add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
                       positive_float, positive_int)
 
@@ -151,7 +151,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     total = args.epochs * steps_per_epoch
     done_here = 0
-    last_save = time.monotonic()
+    checkpoints = Checkpoints(save, args.checkpoint_every, comm)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step),
                desc=f"vae {args.method}", disable=args.no_progress or not comm.main, unit="step")
     running = None
@@ -185,9 +185,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             done_here += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, elbo=f"{running:.1f}")
-            if args.checkpoint_every == 0 or time.monotonic() - last_save >= args.checkpoint_every:
-                save()
-                last_save = time.monotonic()
+            checkpoints.tick()
         epoch, step, perm = epoch + 1, 0, None
         if comm.main and (epoch % args.eval_every == 0 or epoch == args.epochs):
             model.eval()
@@ -198,9 +196,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             if not args.no_progress:
                 bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
                           f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
-        if epoch == args.epochs or time.monotonic() - last_save >= args.checkpoint_every:
-            save()
-            last_save = time.monotonic()
+        checkpoints.tick(force=epoch == args.epochs)
     bar.close()
     comm.barrier()
     if not comm.main:
