@@ -130,8 +130,10 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
     ckpt_path = run_dir / "checkpoint.pt"
-    state = restore(ckpt_path, config, model, optimizer, data_rng, ("rng", "epoch_sums"))
+    state = restore(ckpt_path, config, model, optimizer, data_rng, ("rng", "epoch_sums", "peak_memory_gib"))
+    earlier_peak = 0.0  # a resumed run's peak memory is the largest of its pieces'
     if state is not None:
+        earlier_peak = state["peak_memory_gib"]
         epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         set_rng_state(state["rng"][comm.rank] if comm.world > 1 else state["rng"], device)
     if comm.main:
@@ -148,7 +150,8 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
                            data_rng=data_rng, epoch=epoch, step=step, perm=perm, history=history,
                            train_seconds=train_seconds, rng=rng if comm.world > 1 else rng[0],
-                           epoch_sums=dict(epoch_sums))
+                           epoch_sums=dict(epoch_sums),
+                           peak_memory_gib=max(earlier_peak, peak_memory_gib(device)))
 
     if state is not None:
         epoch_sums.update(state["epoch_sums"])
@@ -208,8 +211,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))
     if not comm.main:
         return None
-    return finish(args, history, train_seconds, device, comm.world, run_dir,
-                  max(checksums) - min(checksums))
+    profile = step_profile(model, x_train[:args.batch], y_train[:args.batch], args.train_images, args.samples)
+    return finish(args, history, train_seconds, device, comm.world, run_dir, max(checksums) - min(checksums),
+                  max(earlier_peak, peak_memory_gib(device)), profile)
 
 
 def rng_state(device) -> torch.Tensor:
@@ -223,7 +227,34 @@ def set_rng_state(state: torch.Tensor, device) -> None:
         torch.set_rng_state(state)
 
 
-def finish(args, history, train_seconds, device, world, run_dir, rank_spread: float) -> dict:
+def step_profile(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, n_data: int, samples: int,
+                 repeats: int = 3) -> dict:
+    """Median seconds of a training step's forward and backward (one process, no optimizer step) and of
+    its KL part alone (every layer's KL from detached posterior samples, forward and backward), and the
+    KL's share of the step."""
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+    full, kl_only = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        loss, out = model(x, y, n_data, samples)
+        loss.backward()
+        sync()
+        full.append(time.perf_counter() - t0)
+        flat = [w.detach().requires_grad_() for w in out["samples"]]
+        del loss, out
+        sync()
+        t0 = time.perf_counter()
+        torch.stack(model.layer_kls(flat)).sum().backward()
+        sync()
+        kl_only.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return {"step_seconds": med(full), "kl_seconds": med(kl_only), "kl_share": med(kl_only) / med(full)}
+
+
+def finish(args, history, train_seconds, device, world, run_dir, rank_spread: float, peak_memory: float,
+           profile: dict) -> dict:
     evaluated = [h for h in history if "test_error" in h]
     best = min(evaluated, key=lambda h: h["valid_error"])
     result = {
@@ -231,7 +262,7 @@ def finish(args, history, train_seconds, device, world, run_dir, rank_spread: fl
         "test_error": evaluated[-1]["test_error"], "valid_error": evaluated[-1]["valid_error"],
         "best_valid": {"epoch": best["epoch"], "valid_error": best["valid_error"], "test_error": best["test_error"]},
         "final_lower_bound": history[-1]["lower_bound"], "seconds_per_epoch": train_seconds / history[-1]["epoch"],
-        "peak_memory_gib": peak_memory_gib(device), "device": str(device), "machine": runs.machine(),
+        "step_profile": profile, "peak_memory_gib": peak_memory, "device": str(device), "machine": runs.machine(),
         "processes": world, "parameter_sum_spread_across_processes": rank_spread,
         "config": {**config_of(args, CONFIG_KEYS, world), "epochs": args.epochs},
     }
