@@ -28,6 +28,7 @@ COMMANDS = {
     "vae-ais": "test log-likelihood of trained vae runs by annealed importance sampling",
     "vae-report": "collect vae runs into results/vae/: curves of all methods, summary.json, a table",
     "mnist": "BNN classification on MNIST with MMNN implicit posteriors, BBB and PC baselines (Sec. 5.2.2)",
+    "mnist-report": "collect mnist runs into results/mnist/: curves, summary.json, a table beside the paper",
     "client-loop": "a constant-learning-rate training loop over many seeds: how often KIVI ends on target",
 }
 

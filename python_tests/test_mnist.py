@@ -1,5 +1,6 @@
 """Tests of the MNIST BNN (Sec. 5.2.2): the MMNN shapes of App. F, the prior-contrastive discriminator
-against the exact log-ratio of two Gaussians, exact resume, the 2-process run, the command line."""
+against the exact log-ratio of two Gaussians, exact resume, the 2-process run, the command line, the
+report."""
 
 from __future__ import annotations
 
@@ -127,3 +128,34 @@ def test_the_command_line_writes_its_files_and_refuses_bad_values(tmp_path, caps
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["mnist", *argv, "--run-dir", str(tmp_path / "x")])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_report_collects_runs_beside_the_paper_and_compares_with_bbb_at_equal_budget(tmp_path, capsys,
+                                                                                      one_thread):
+    for method in ("kivi", "bbb"):
+        assert cli.main(["mnist", "--quick", "--method", method, "--no-progress",
+                         "--run-dir", str(tmp_path / method)]) == 0
+    out = tmp_path / "results"
+    assert cli.main(["mnist-report", str(tmp_path / "kivi"), str(tmp_path / "bbb"), "--results", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    kivi, bbb = (json.loads((tmp_path / m / "results.json").read_text()) for m in ("kivi", "bbb"))
+    # quick runs use N = 40, not App. F's: the label says so, and the paper's number is not put beside it
+    assert set(summary["runs"]) == {"kivi-50_N40", "bbb-50"}
+    s = summary["runs"]["kivi-50_N40"]
+    assert s["test_error"] == kivi["test_error"] and s["steps"] == 5 and s["epochs"] == 1
+    assert s["test_error_se"] == pytest.approx((kivi["test_error"] * (1 - kivi["test_error"]) / 200) ** 0.5)
+    assert s["kl_share_of_step"] == kivi["step_profile"]["kl_share"] and 0 < s["kl_share_of_step"] < 1
+    diff = summary["test_error_minus_bbb"]["kivi-50_N40"]
+    assert diff["minus_bbb"] == pytest.approx(kivi["test_error"] - bbb["test_error"])
+    assert summary["paper_test_error_percent"]["kivi"]["800"] == 1.22
+    table = (out / "table.md").read_text()
+    assert table.count("\n") == 4 and "| 50 | kivi-50_N40 | 5 (1 x 500) |" in table
+    for name in ("curves.png", "kivi-50_N40/history.json", "bbb-50/results.json"):
+        assert (out / name).exists(), name
+    assert not (out / "kivi-50_N40" / "checkpoint.pt").exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # one run per label
+        cli.main(["mnist-report", str(tmp_path / "bbb"), str(tmp_path / "bbb"), "--results", str(out)])
+    assert exit_info.value.code == 2 and "two runs of 'bbb-50'" in capsys.readouterr().err
+    assert cli.main(["mnist-report", str(tmp_path), "--results", str(out)]) == 1
+    assert "not a finished kivi-fast mnist run" in capsys.readouterr().err

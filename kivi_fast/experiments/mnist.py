@@ -44,8 +44,6 @@ from .training import (POSITION, Checkpoints, Distributed, add_device_options, c
                        restore, save_resumable, start)
 
 NAME = "mnist"
-PAPER_TEST_ERROR = {  # percent, the paper's Fig. 3 table (Bayes-by-Backprop: Gaussian posterior)
-    "kivi": {400: 1.29, 800: 1.22, 1200: 1.27}, "bbb": {400: 1.82, 800: 1.99, 1200: 2.04}}
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
                "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples")
@@ -175,15 +173,17 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            elbo = float(out["elbo"].detach()) / args.train_images
+            # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
+            elbo, log_lik, kl = (v / args.train_images for v in
+                                 comm.mean([out[k].detach() for k in ("elbo", "log_lik", "kl")]))
             if not math.isfinite(elbo):
                 save()
                 raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "
                                     f"checkpoint is in {run_dir}")
             train_seconds += time.perf_counter() - t0
-            for k in ("log_lik", "kl"):
-                epoch_sums[k] += float(out[k].detach()) / args.train_images
             epoch_sums["elbo"] += elbo
+            epoch_sums["log_lik"] += log_lik
+            epoch_sums["kl"] += kl
             epoch_sums["steps"] += 1
             step += 1
             done_here += 1

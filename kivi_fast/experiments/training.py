@@ -159,6 +159,16 @@ class Distributed:
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def mean(self, values) -> list[float]:
+        """The mean over ranks of each of ``values`` (floats), on every rank. A step's loss goes through
+        this before its finiteness check, so that every rank stops together (a checkpoint gathers from
+        all ranks: one rank stopping alone would leave the others waiting)."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return (t / self.world).tolist()
+
     def gather(self, value) -> list:
         """Every rank's ``value`` (picklable), in rank order, on every rank."""
         if self.world == 1:

@@ -174,7 +174,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            value = -float(loss.detach())  # also waits for the device: the step's time is its own
+            value, = comm.mean([-loss.detach()])  # also waits for the device: the step's time is its own
             if not math.isfinite(value):
                 save()
                 raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last checkpoint "

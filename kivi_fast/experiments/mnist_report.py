@@ -1,0 +1,150 @@
+"""``kivi-fast mnist-report RUN...``: collect finished ``mnist`` runs into ``--results``.
+
+Writes, per run, ``<method>-<L>/`` (the label names any setting that is not the paper's, see
+:func:`run_label`) with the run's results.json, history.json, config.json and curves.png (no checkpoint);
+``curves.png``, the training lower bound (the paper's Fig. 3, right) and the test error through training
+of every run on one figure; ``summary.json``, per run: epochs, training images, test and validation
+error with their binomial standard errors, the test error at the best validation epoch, the final
+lower bound, time per epoch and per step, the KL's share of a step, peak memory, the device; per L, each
+method's test error minus Bayes-by-Backprop's; and the paper's table. ``table.md``: the same beside the
+paper's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+from . import runs
+from .mnist import CONFIG_KEYS, plot_history
+from .options import UsageError, add_common
+
+FILES = ("results.json", "history.json", "config.json", "curves.png")
+# The paper's Fig. 3 table, test error in percent by L (None: not reported). "Scale mixture" changes the
+# prior and "dropconnect" ensembles 5 networks: the paper marks both as not directly comparable.
+PAPER_TABLE = {
+    "kivi": {400: 1.29, 800: 1.22, 1200: 1.27},
+    "bbb": {400: 1.82, 800: 1.99, 1200: 2.04},
+    "bbb, scale mixture prior": {400: 1.36, 800: 1.34, 1200: 1.32},
+    "sgd": {800: 1.6},
+    "dropout": {800: 1.3},
+    "dropconnect (5 networks)": {800: 1.2},
+}
+# settings of the paper's protocol that name a run when they differ (the budget is reported, not named)
+PAPER_SETTINGS = {"batch": 100, "samples": 10, "n_p": 10, "lam": 1e-3, "clip": 1e-8, "lr": 1e-3}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="run folders of kivi-fast mnist (one per method and L)")
+    p.add_argument("--results", default="results/mnist", help="folder to write")
+    add_common(p, out=False, quick="skip the figure (curves.png)", progress="(no effect: nothing to wait for)")
+
+
+def run_label(config: dict) -> str:
+    """``<method>-<L>``, then each setting that differs from the paper's, e.g. "kivi-400_lam0.01"."""
+    label = f"{config['method']}-{config['hidden']}"
+    if config.get("mmnn_hidden") is not None and config["method"] != "bbb":
+        label += f"_N{config['mmnn_hidden']}"
+    for key, paper in PAPER_SETTINGS.items():
+        if config[key] != paper and not (config["method"] != "kivi" and key in ("n_p", "lam", "clip")):
+            label += f"_{key.replace('_', '')}{config[key]:g}"
+    return label
+
+
+def load_run(folder: Path) -> dict:
+    if not (folder / "results.json").exists():
+        raise runs.RunError(f"{folder} holds no results.json: not a finished kivi-fast mnist run")
+    run = {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
+    missing = [k for k in CONFIG_KEYS if k not in run["results.json"].get("config", {})]
+    if missing:
+        raise runs.RunError(f"{folder}/results.json lacks the settings {', '.join(missing)}: not a kivi-fast "
+                            "mnist run of this version")
+    return run
+
+
+def binomial_se(error: float, n: int) -> float:
+    return math.sqrt(error * (1 - error) / n)
+
+
+def summarize(run: dict) -> dict:
+    r, history = run["results.json"], run["history.json"]
+    n = r["config"]["eval_images"]
+    profile = r["step_profile"]
+    return {
+        "method": r["method"], "hidden": r["hidden"], "epochs": r["epochs"],
+        "train_images": r["config"]["train_images"], "steps": r["epochs"] * (r["config"]["train_images"]
+                                                                            // r["config"]["batch"]),
+        "test_error": r["test_error"], "test_error_se": binomial_se(r["test_error"], n),
+        "valid_error": r["valid_error"], "valid_error_se": binomial_se(r["valid_error"], n),
+        "eval_images": n, "best_valid": r["best_valid"], "final_lower_bound": r["final_lower_bound"],
+        "final_kl_per_image": history[-1]["kl"], "seconds_per_epoch": r["seconds_per_epoch"],
+        "step_seconds": profile["step_seconds"], "kl_share_of_step": profile["kl_share"],
+        "peak_memory_gib": r["peak_memory_gib"], "processes": r["processes"],
+        "device": r.get("gpu", r["device"]), "machine": r["machine"], "config": r["config"],
+    }
+
+
+def comparisons(summaries: dict) -> dict:
+    """Per L, each method's final test error minus Bayes-by-Backprop's at the same L and budget, with the
+    standard error of independent binomial errors (the same test images: conservative)."""
+    out = {}
+    for label, s in summaries.items():
+        base = next((b for b in summaries.values() if b["method"] == "bbb" and b["hidden"] == s["hidden"]
+                     and b["steps"] == s["steps"] and b["train_images"] == s["train_images"]), None)
+        if base is None or s["method"] == "bbb":
+            continue
+        out[label] = {"minus_bbb": s["test_error"] - base["test_error"],
+                      "standard_error": math.hypot(s["test_error_se"], base["test_error_se"])}
+    return out
+
+
+def run(args) -> int:
+    loaded = {}
+    for folder in map(Path, args.runs):
+        r = load_run(folder)
+        label = run_label(r["results.json"]["config"])
+        if label in loaded:
+            raise UsageError(f"two runs of {label!r}: give one run per method, L and settings")
+        loaded[label] = (folder, r)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    order = sorted(loaded, key=lambda k: (loaded[k][1]["results.json"]["hidden"], k))
+    summary = {"paper_test_error_percent": PAPER_TABLE, "runs": {}}
+    for label in order:
+        folder, r = loaded[label]
+        (out / label).mkdir(exist_ok=True)
+        for name in FILES:
+            if (folder / name).exists():
+                shutil.copyfile(folder / name, out / label / name)
+        summary["runs"][label] = summarize(r)
+    summary["test_error_minus_bbb"] = comparisons(summary["runs"])
+    runs.write_json(out / "summary.json", summary)
+    if not args.quick:
+        plot_history({label: loaded[label][1]["history.json"] for label in order}, out / "curves.png")
+    table = markdown_table(summary)
+    (out / "table.md").write_text(table)
+    print(table)
+    return 0
+
+
+def markdown_table(summary: dict) -> str:
+    rows = ["| L | run | steps (epochs x images) | test error % | minus BBB (points) | valid error % | "
+            "test at best valid (epoch) | lower bound / image | paper test error % | s/epoch | s/step | "
+            "KL share | peak memory GiB |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, s in summary["runs"].items():
+        diff = summary["test_error_minus_bbb"].get(label)
+        d = f"{100 * diff['minus_bbb']:+.2f} ± {100 * diff['standard_error']:.2f}" if diff else "-"
+        paper = PAPER_TABLE.get(s["method"], {}).get(s["hidden"]) if label == f"{s['method']}-{s['hidden']}" \
+            else None  # the paper's number only beside the paper's settings
+        best = s["best_valid"]
+        rows.append(f"| {s['hidden']} | {label} | {s['steps']} ({s['epochs']} x {s['train_images']}) | "
+                    f"{100 * s['test_error']:.2f} ± {100 * s['test_error_se']:.2f} | {d} | "
+                    f"{100 * s['valid_error']:.2f} | {100 * best['test_error']:.2f} ({best['epoch']}) | "
+                    f"{s['final_lower_bound']:.3f} | {paper if paper is not None else '-'} | "
+                    f"{s['seconds_per_epoch']:.0f} | {s['step_seconds']:.2f} | {100 * s['kl_share_of_step']:.0f}% | "
+                    f"{s['peak_memory_gib']:.2f} |")
+    return "\n".join(rows) + "\n"
