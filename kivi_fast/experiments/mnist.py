@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
-from .options import UsageError, add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_float, \
-    positive_float, positive_int
-from .training import (POSITION, Checkpoints, Distributed, add_device_options, config_of, device_of, halved_lr,
+from .options import UsageError, add_common, int_at_least, positive_int
+from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
+                       config_of, device_of, halved_lr,
                        restore, save_resumable, start)
 
 NAME = "mnist"
@@ -57,20 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hidden units L per layer (the paper: 400, 800, 1200)")
     p.add_argument("--mmnn-hidden", type=positive_int, default=None,
                    help="the MMNN's hidden matrix size N (default: App. F's, 500 for L <= 400, else 800)")
-    p.add_argument("--epochs", type=positive_int, default=300, help="epochs (the paper: 300)")
-    p.add_argument("--train-images", type=int_at_least(2), default=50000, help="train on the first N of 50,000")
-    p.add_argument("--batch", type=positive_int, default=100, help="global minibatch size")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam's initial learning rate")
-    p.add_argument("--lr-halve-every", type=positive_int, default=100, help="halve the learning rate every N epochs")
+    add_training_options(p, epochs=300, batch=100, lr_halve_every=100)
     p.add_argument("--samples", type=int_at_least(2), default=10, help="posterior samples per step (n_q = M)")
     p.add_argument("--n-p", type=int_at_least(2), default=10, help="prior samples per layer for KIVI's KL")
-    p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient (the paper's)")
-    p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
-    p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
     p.add_argument("--eval-every", type=positive_int, default=1, help="test and validation error every N epochs")
     p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
     p.add_argument("--eval-samples", type=positive_int, default=10, help="weight draws of the posterior predictive")
-    p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
     add_device_options(p, "mnist")
     add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import distributed as dist
 
-from .options import UsageError, apply_quick, positive_int
+from .options import (UsageError, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, positive_float,
+                      positive_int)
 from . import runs
 from .runs import CheckpointError
 
@@ -95,6 +96,23 @@ def save_resumable(path, history_path, *, config: dict, model, optimizer, data_r
         "step": step, "perm": perm, "data_rng": data_rng.get_state(), "history": history,
         "train_seconds": train_seconds, **extra})
     runs.write_json(history_path, history)
+
+
+def add_training_options(p, *, epochs: int, batch: int, lr_halve_every: int) -> None:
+    """The options every trainer has, with the paper's values for that experiment as defaults: the
+    schedule (``--epochs``, ``--train-images``, ``--batch``, Adam's ``--lr`` halved every
+    ``--lr-halve-every`` epochs), KIVI's ``--lam`` and ``--clip``, ``--seed``, ``--checkpoint-every``."""
+    p.add_argument("--epochs", type=positive_int, default=epochs, help=f"epochs (the paper: {epochs})")
+    p.add_argument("--train-images", type=int_at_least(2), default=50000,
+                   help="train on the first N of the 50,000 training images")
+    p.add_argument("--batch", type=positive_int, default=batch, help="global minibatch size")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam's initial learning rate")
+    p.add_argument("--lr-halve-every", type=positive_int, default=lr_halve_every,
+                   help="halve the learning rate every N epochs")
+    p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient (the paper's)")
+    p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
+    p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
+    p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
 
 
 def add_device_options(p, data_folder: str) -> None:

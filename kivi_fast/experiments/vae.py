@@ -45,10 +45,10 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
-from .training import (POSITION, Checkpoints, Distributed, add_device_options, config_of, device_of, halved_lr,
+from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
+                       config_of, device_of, halved_lr,
                        restore, save_resumable, start)
-from .options import (UsageError, add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
-                      positive_float, positive_int)
+from .options import UsageError, add_common, int_at_least, positive_int
 
 NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
@@ -61,23 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=KL_ESTIMATORS, default="kivi-ac",
                    help="kivi: implicit encoder, the paper's estimator; kivi-ac: with adaptive contrast "
                         "(the paper's VAE setting); gaussian: the plain VAE")
-    p.add_argument("--epochs", type=positive_int, default=3000, help="epochs (the paper: 3000)")
-    p.add_argument("--train-images", type=int_at_least(2), default=50000,
-                   help="train on the first N of the 50,000 training images")
-    p.add_argument("--batch", type=positive_int, default=128, help="global minibatch size")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam's initial learning rate")
-    p.add_argument("--lr-halve-every", type=positive_int, default=200, help="halve the learning rate every N epochs")
+    add_training_options(p, epochs=3000, batch=128, lr_halve_every=200)
     p.add_argument("--n-q", type=int_at_least(2), default=100, help="encoder samples per data point for the KL")
     p.add_argument("--n-p", type=int_at_least(2), default=100, help="N(0, I) samples per data point for the KL")
-    p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient (the paper's)")
-    p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
     p.add_argument("--contrast", choices=("diagonal", "full", "auto"), default="diagonal",
                    help="kivi-ac's Gaussian contrast: diagonal is the paper's; full/auto the library's default")
-    p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
     p.add_argument("--eval-every", type=positive_int, default=1, help="ELBO curves every N epochs")
     p.add_argument("--eval-images", type=positive_int, default=1000,
                    help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
-    p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
     add_device_options(p, "binarized_mnist")
     add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
 
