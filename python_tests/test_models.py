@@ -99,10 +99,12 @@ def test_mm_layer_computes_left_then_right_multiplication():
         for p in layer.parameters():
             p.normal_()
     x = torch.randn(2, 3, 4)
-    expected = torch.stack([(layer.left @ xi + layer.left_bias) @ layer.right + layer.right_bias for xi in x])
+    a_l, a_r = layer.left / 3 ** 0.5, layer.right / 4 ** 0.5  # stored at unit scale, 1/sqrt(fan-in) applied
+    expected = torch.stack([(a_l @ xi + layer.left_bias) @ a_r + layer.right_bias for xi in x])
     torch.testing.assert_close(layer(x), expected)
     assert layer.left.shape == (5, 3) and layer.left_bias.shape == (5, 4)
     assert layer.right.shape == (4, 6) and layer.right_bias.shape == (5, 6)
+
 
 
 @pytest.mark.parametrize("m0,n0,m,n", [(30, 30, 400, 785), (3, 4, 5, 6), (1, 1, 1, 1), (30, 30, 10, 1201)])

@@ -272,12 +272,14 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-def plot_history(histories: dict, path) -> None:
-    """The training lower bound per image (left, the paper's Fig. 3 right) and the test error (right)."""
+def plot_history(histories: dict, path, bound_labels=None) -> None:
+    """The training lower bound per image (left, the paper's Fig. 3 right; only the runs in
+    ``bound_labels`` when given) and the test error (right) of each run in ``histories``."""
     plt = runs.matplotlib_pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     for label, history in histories.items():
-        a.plot([h["epoch"] for h in history], [h["lower_bound"] for h in history], label=label)
+        if bound_labels is None or label in bound_labels:
+            a.plot([h["epoch"] for h in history], [h["lower_bound"] for h in history], label=label)
         ev = [h for h in history if "test_error" in h]
         b.plot([h["epoch"] for h in ev], [100 * h["test_error"] for h in ev], label=label)
     a.set_xlabel("epoch")

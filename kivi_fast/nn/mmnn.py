@@ -15,20 +15,28 @@ class MatrixMultiplicationLayer(nn.Module):
     A_l: [M_out, M_in], B_l: [M_out, N_in], A_r: [N_in, N_out], B_r: [M_out, N_out]; in all
     M_out M_in + M_out N_in + N_in N_out + M_out N_out parameters (Sec. 4), against
     M_in N_in M_out N_out for a dense layer between the flattened matrices.
+
+    A_l and A_r are stored at unit scale (``left``, ``right``: U(-1, 1) entries) and multiplied by
+    1/sqrt(fan-in) (M_in, N_in) in the forward, as the BNNs scale their weights: at initialization this
+    is nn.Linear's default, and Adam's step, about lr per entry whatever the entry's size, then moves
+    A_l, A_r by lr relative to their size instead of lr sqrt(fan-in). Stored at 1/sqrt(fan-in) scale, an
+    Adam step of 1e-3 moves every entry of an 800 x 800 matrix by ~3% of its size in a coherent
+    direction: the MNIST BNN's MMNNs for L = 1200 (N = 800) then tripled their samples' scale in 7
+    steps and the network's log-likelihood fell from -2.3 to -300 per image (measured).
     """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int]):
         super().__init__()
         (m_in, n_in), (m_out, n_out) = tuple(in_shape), tuple(out_shape)
         self.in_shape, self.out_shape = (m_in, n_in), (m_out, n_out)
-        # scaled like nn.Linear's default (fan-in 1/sqrt), so activations keep their size per layer
-        self.left = nn.Parameter(torch.empty(m_out, m_in).uniform_(-1, 1) / m_in**0.5)
+        self.left_scale, self.right_scale = m_in ** -0.5, n_in ** -0.5
+        self.left = nn.Parameter(torch.empty(m_out, m_in).uniform_(-1, 1))
         self.left_bias = nn.Parameter(torch.zeros(m_out, n_in))
-        self.right = nn.Parameter(torch.empty(n_in, n_out).uniform_(-1, 1) / n_in**0.5)
+        self.right = nn.Parameter(torch.empty(n_in, n_out).uniform_(-1, 1))
         self.right_bias = nn.Parameter(torch.zeros(m_out, n_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.left @ x + self.left_bias) @ self.right + self.right_bias
+        return ((self.left_scale * self.left) @ x + self.left_bias) @ (self.right_scale * self.right) + self.right_bias
 
     @staticmethod
     def n_parameters(in_shape: Sequence[int], out_shape: Sequence[int]) -> int:
