@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 from pathlib import Path
 
 from . import runs
 from .mnist import CONFIG_KEYS, plot_history
-from .options import UsageError, add_common
+from .options import add_common
 
 FILES = ("results.json", "history.json", "config.json", "curves.png")
 # The paper's Fig. 3 table, test error in percent by L (None: not reported). "Scale mixture" changes the
@@ -102,34 +101,22 @@ def comparisons(summaries: dict) -> dict:
 
 
 def run(args) -> int:
-    loaded = {}
-    for folder in map(Path, args.runs):
-        r = load_run(folder)
-        label = run_label(r["results.json"]["config"])
-        if label in loaded:
-            raise UsageError(f"two runs of {label!r}: give one run per method, L and settings")
-        loaded[label] = (folder, r)
+    loaded = runs.collect_runs(args.runs, load_run, lambda r: run_label(r["results.json"]["config"]))
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     order = sorted(loaded, key=lambda k: (loaded[k][1]["results.json"]["hidden"], k))
     summary = {"paper_test_error_percent": PAPER_TABLE, "runs": {}}
     for label in order:
         folder, r = loaded[label]
-        (out / label).mkdir(exist_ok=True)
-        for name in FILES:
-            if (folder / name).exists():
-                shutil.copyfile(folder / name, out / label / name)
+        runs.copy_run_files(folder, out / label, FILES)
         summary["runs"][label] = summarize(r)
     summary["test_error_minus_bbb"] = comparisons(summary["runs"])
-    runs.write_json(out / "summary.json", summary)
     if not args.quick:
         # the bound of KIVI and PC (the paper's Fig. 3, right): BBB's exact KL puts its bound off that scale
         implicit = {k for k in order if summary["runs"][k]["method"] != "bbb"}
         plot_history({label: loaded[label][1]["history.json"] for label in order}, out / "curves.png",
                      implicit or None)
-    table = markdown_table(summary)
-    (out / "table.md").write_text(table)
-    print(table)
+    runs.write_report(out, summary, markdown_table(summary))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -81,6 +82,37 @@ def load_checkpoint(path: str | os.PathLike, keys=()) -> dict | None:
         raise CheckpointError(f"{path} is not a kivi_fast checkpoint: it lacks {', '.join(map(str, missing))}; "
                               "remove it, or use another --run-dir")
     return state
+
+
+def collect_runs(folders, load, label_of) -> dict:
+    """The reports' input: ``load(folder)`` for each run folder, named by ``label_of(run)``, as
+    {label: (folder, run)} in the order given. Two runs with one label are a usage error."""
+    from .options import UsageError
+
+    loaded = {}
+    for folder in map(Path, folders):
+        run = load(folder)
+        label = label_of(run)
+        if label in loaded:
+            raise UsageError(f"two runs of {label!r}: give one run per method and settings")
+        loaded[label] = (folder, run)
+    return loaded
+
+
+def copy_run_files(folder: Path, dest: Path, names) -> None:
+    """Copy the files ``names`` that ``folder`` holds into ``dest`` (a report's copy of a run, without
+    its checkpoint)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (folder / name).exists():
+            shutil.copyfile(folder / name, dest / name)
+
+
+def write_report(out: Path, summary: dict, table: str) -> None:
+    """A report's outputs beside its figures: ``summary.json``, ``table.md`` (also printed)."""
+    write_json(out / "summary.json", summary)
+    (out / "table.md").write_text(table)
+    print(table)
 
 
 def machine() -> dict:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 from pathlib import Path
 
 from . import runs
-from .options import UsageError, add_common
+from .options import add_common
 from .vae import PAPER, plot_curves
 
 FILES = ("results.json", "history.json", "ais.json", "ais_train.json", "config.json", "samples.png",
@@ -93,33 +92,21 @@ def paired(a: list[float], b: list[float]) -> dict:
 
 
 def run(args) -> int:
-    loaded = {}
-    for folder in map(Path, args.runs):
-        r = load_run(folder)
-        method = run_label(r["results.json"]["config"])
-        if method in loaded:
-            raise UsageError(f"two runs of {method!r}: give one run per method and settings")
-        loaded[method] = (folder, r)
+    loaded = runs.collect_runs(args.runs, load_run, lambda r: run_label(r["results.json"]["config"]))
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"paper_ais_test_ll": PAPER, "methods": {}}
     for method, (folder, r) in loaded.items():
-        (out / method).mkdir(exist_ok=True)
-        for name in FILES:
-            if (folder / name).exists():
-                shutil.copyfile(folder / name, out / method / name)
+        runs.copy_run_files(folder, out / method, FILES)
         summary["methods"][method] = summarize(r)
     base = loaded.get("gaussian", (None, {"ais.json": None}))[1]["ais.json"]
     for method, (_, r) in loaded.items():
         ais = r["ais.json"]
         if method != "gaussian" and ais and base and ais["settings"] == base["settings"]:
             summary["methods"][method]["ais_minus_gaussian"] = paired(ais["per_image"], base["per_image"])
-    runs.write_json(out / "summary.json", summary)
     if not args.quick:
         plot_curves({m: r["history.json"] for m, (_, r) in loaded.items()}, out / "curves.png")
-    table = markdown_table(summary)
-    (out / "table.md").write_text(table)
-    print(table)
+    runs.write_report(out, summary, markdown_table(summary))
     return 0
 
 
