@@ -17,7 +17,8 @@ posterior predictive (``--eval-samples`` weight draws). Run folder: ``config.jso
 (per epoch: the training lower bound per image, its log-likelihood and KL parts, the errors),
 ``checkpoint.pt`` (every ``--checkpoint-every`` seconds; rerunning with the same ``--run-dir`` resumes
 exactly), ``curves.png``, ``results.json`` (test and validation error at the end and at the best
-validation epoch, time per epoch, peak memory, the device).
+validation epoch, time per epoch, the KL's share of a step, peak memory over all resumed pieces, the
+device). ``kivi-fast mnist-report`` collects runs into ``results/mnist/``.
 
 Several processes: ``torchrun --nproc-per-node K -m kivi_fast.cli mnist ...`` (DistributedDataParallel):
 each process takes its shard of every global batch and draws its own posterior samples; the gradients

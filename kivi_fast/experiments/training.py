@@ -1,4 +1,5 @@
-"""What the paper's trainers share: the device argument and torch.distributed's process group.
+"""What the paper's trainers (vae, mnist) share: their common options, start-up, checkpoints and exact
+resume, the device argument and torch.distributed's process group.
 
 Multi-process training (``torchrun --nproc-per-node K -m kivi_fast.cli <command> ...``) runs one
 process per shard of every global batch under DistributedDataParallel: gloo on CPU, NCCL on CUDA (one
