@@ -156,24 +156,27 @@ def test_the_command_line_writes_its_files_and_refuses_bad_values(tmp_path, caps
 
 def test_the_report_collects_runs_beside_the_paper_and_compares_with_bbb_at_equal_budget(tmp_path, capsys,
                                                                                       one_thread):
-    for method in ("kivi", "bbb"):
-        assert cli.main(["mnist", "--quick", "--method", method, "--no-progress",
-                         "--run-dir", str(tmp_path / method)]) == 0
+    for name, extra in (("kivi", []), ("bbb", ["--method", "bbb"]),
+                        ("bbb-fast", ["--method", "bbb", "--lr", "0.03"])):
+        assert cli.main(["mnist", "--quick", *extra, "--no-progress", "--run-dir", str(tmp_path / name)]) == 0
     out = tmp_path / "results"
-    assert cli.main(["mnist-report", str(tmp_path / "kivi"), str(tmp_path / "bbb"), "--results", str(out)]) == 0
+    assert cli.main(["mnist-report", *(str(tmp_path / m) for m in ("kivi", "bbb", "bbb-fast")),
+                     "--results", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    kivi, bbb = (json.loads((tmp_path / m / "results.json").read_text()) for m in ("kivi", "bbb"))
+    kivi, bbb, fast = (json.loads((tmp_path / m / "results.json").read_text()) for m in ("kivi", "bbb", "bbb-fast"))
     # quick runs use N = 40, not App. F's: the label says so, and the paper's number is not put beside it
-    assert set(summary["runs"]) == {"kivi-50_N40", "bbb-50"}
+    assert set(summary["runs"]) == {"kivi-50_N40", "bbb-50", "bbb-50_lr0.03"}
+    # the baseline of the comparison: the BBB run of the lowest validation error
+    _, base_label, base = min((bbb["valid_error"], "bbb-50", bbb), (fast["valid_error"], "bbb-50_lr0.03", fast))
     s = summary["runs"]["kivi-50_N40"]
     assert s["test_error"] == kivi["test_error"] and s["steps"] == 5 and s["epochs"] == 1
     assert s["test_error_se"] == pytest.approx((kivi["test_error"] * (1 - kivi["test_error"]) / 200) ** 0.5)
     assert s["kl_share_of_step"] == kivi["step_profile"]["kl_share"] and 0 < s["kl_share_of_step"] < 1
     diff = summary["test_error_minus_bbb"]["kivi-50_N40"]
-    assert diff["minus_bbb"] == pytest.approx(kivi["test_error"] - bbb["test_error"])
+    assert diff["bbb_run"] == base_label and diff["minus_bbb"] == pytest.approx(kivi["test_error"] - base["test_error"])
     assert summary["paper_test_error_percent"]["kivi"]["800"] == 1.22
     table = (out / "table.md").read_text()
-    assert table.count("\n") == 4 and "| 50 | kivi-50_N40 | 5 (1 x 500) |" in table
+    assert table.count("\n") == 5 and "| 50 | kivi-50_N40 | 5 (1 x 500) |" in table
     for name in ("curves.png", "kivi-50_N40/history.json", "bbb-50/results.json"):
         assert (out / name).exists(), name
     assert not (out / "kivi-50_N40" / "checkpoint.pt").exists()
