@@ -3,11 +3,12 @@
 Writes, per run, ``<method>-<L>/`` (the label names any setting that is not the paper's, see
 :func:`run_label`) with the run's results.json, history.json, config.json and curves.png (no checkpoint);
 ``curves.png``, the training lower bound of the KIVI and PC runs (the paper's Fig. 3, right) and the test
-error through training of every run; ``summary.json``, per run: epochs, training images, test and validation
-error with their binomial standard errors, the test error at the best validation epoch, the final
-lower bound, time per epoch and per step, the KL's share of a step, peak memory, the device; per L, each
-KIVI and PC run's test error minus that of the Bayes-by-Backprop run with the lowest validation error at
-the same L and budget; and the paper's table. ``table.md``: the same beside the paper's numbers.
+error through training of every run; ``summary.json``, per run: epochs, training images, test and
+validation error with their binomial standard errors, the test error at the best validation epoch, the
+final lower bound and its KL (the method's estimate; BBB's exact), time per epoch and per step, the KL's
+share of a step, peak memory, the device; per L, each KIVI and PC run's test error minus that of the
+Bayes-by-Backprop run with the lowest validation error at the same L and budget; and the paper's table.
+``table.md``: the same beside the paper's numbers.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def summarize(run: dict) -> dict:
         "test_error": r["test_error"], "test_error_se": binomial_se(r["test_error"], n),
         "valid_error": r["valid_error"], "valid_error_se": binomial_se(r["valid_error"], n),
         "eval_images": n, "best_valid": r["best_valid"], "final_lower_bound": r["final_lower_bound"],
-        "final_kl_per_image": history[-1]["kl"], "seconds_per_epoch": r["seconds_per_epoch"],
+        "final_kl_per_image": history[-1]["kl"],
+        "final_kl_total": history[-1]["kl"] * r["config"]["train_images"],  # nats, all layers
+        "seconds_per_epoch": r["seconds_per_epoch"],
         "step_seconds": profile["step_seconds"], "kl_share_of_step": profile["kl_share"],
         "peak_memory_gib": r["peak_memory_gib"], "processes": r["processes"],
         "device": r.get("gpu", r["device"]), "machine": r["machine"], "config": r["config"],
@@ -125,9 +128,9 @@ def run(args) -> int:
 
 def markdown_table(summary: dict) -> str:
     rows = ["| L | run | steps (epochs x images) | test error % | minus best BBB (points) | valid error % | "
-            "test at best valid (epoch) | lower bound / image | paper test error % | s/epoch | s/step | "
+            "test at best valid (epoch) | lower bound / image | KL (nats, total) | paper test error % | s/epoch | s/step | "
             "KL share | peak memory GiB |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, s in summary["runs"].items():
         diff = summary["test_error_minus_bbb"].get(label)
         d = f"{100 * diff['minus_bbb']:+.2f} ± {100 * diff['standard_error']:.2f}" if diff else "-"
@@ -137,7 +140,7 @@ def markdown_table(summary: dict) -> str:
         rows.append(f"| {s['hidden']} | {label} | {s['steps']} ({s['epochs']} x {s['train_images']}) | "
                     f"{100 * s['test_error']:.2f} ± {100 * s['test_error_se']:.2f} | {d} | "
                     f"{100 * s['valid_error']:.2f} | {100 * best['test_error']:.2f} ({best['epoch']}) | "
-                    f"{s['final_lower_bound']:.3f} | {paper if paper is not None else '-'} | "
+                    f"{s['final_lower_bound']:.3f} | {s['final_kl_total']:.4g} | {paper if paper is not None else '-'} | "
                     f"{s['seconds_per_epoch']:.0f} | {s['step_seconds']:.2f} | {100 * s['kl_share_of_step']:.0f}% | "
                     f"{s['peak_memory_gib']:.2f} |")
     return "\n".join(rows) + "\n"
