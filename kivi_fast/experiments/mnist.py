@@ -273,20 +273,27 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-def plot_history(histories: dict, path, bound_labels=None) -> None:
+def plot_history(histories: dict, path, bound_labels=None, styles=None) -> None:
     """The training lower bound per image (left, the paper's Fig. 3 right; only the runs in
-    ``bound_labels`` when given) and the test error (right) of each run in ``histories``."""
+    ``bound_labels`` when given) and the test error (right, log scale) of each run in ``histories``;
+    ``styles``: matplotlib keywords per label (the same line in both panels)."""
     plt = runs.matplotlib_pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for label, history in histories.items():
+    for i, (label, history) in enumerate(histories.items()):
+        style = (styles or {}).get(label, {"color": f"C{i % 10}"})
         if bound_labels is None or label in bound_labels:
-            a.plot([h["epoch"] for h in history], [h["lower_bound"] for h in history], label=label)
+            a.plot([h["epoch"] for h in history], [h["lower_bound"] for h in history], label=label, **style)
         ev = [h for h in history if "test_error" in h]
-        b.plot([h["epoch"] for h in ev], [100 * h["test_error"] for h in ev], label=label)
+        b.plot([h["epoch"] for h in ev], [100 * h["test_error"] for h in ev], label=label, **style)
     a.set_xlabel("epoch")
     a.set_ylabel("training lower bound per image")
     b.set_xlabel("epoch")
     b.set_ylabel("test error (%)")
+    b.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter  # plain numbers on the log axis
+
+    b.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    b.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -3,10 +3,10 @@
 Writes, per run, ``<method>-<L>/`` (the label names any setting that is not the paper's, see
 :func:`run_label`) with the run's results.json, history.json, config.json and curves.png (no checkpoint);
 ``curves.png``, the training lower bound of the KIVI and PC runs (the paper's Fig. 3, right) and the test
-error through training of every run; ``summary.json``, per run: epochs, training images, test and
-validation error with their binomial standard errors, the test error at the best validation epoch, the
-final lower bound and its KL (the method's estimate; BBB's exact), time per epoch and per step, the KL's
-share of a step, peak memory, the device; per L, each KIVI and PC run's test error minus that of the
+error through training of those and of each L's BBB baseline; ``summary.json``, per run: epochs,
+training images, test and validation error with their binomial standard errors, the test error at the
+best validation epoch, the final lower bound and its KL (the method's estimate; BBB's exact), time per
+epoch and per step, the KL's share of a step, peak memory, the device; per L, each KIVI and PC run's test error minus that of the
 Bayes-by-Backprop run with the lowest validation error at the same L and budget; and the paper's table.
 ``table.md``: the same beside the paper's numbers.
 """
@@ -118,12 +118,24 @@ def run(args) -> int:
         summary["runs"][label] = summarize(r)
     summary["test_error_minus_bbb"] = comparisons(summary["runs"])
     if not args.quick:
-        # the bound of KIVI and PC (the paper's Fig. 3, right): BBB's exact KL puts its bound off that scale
-        implicit = {k for k in order if summary["runs"][k]["method"] != "bbb"}
-        plot_history({label: loaded[label][1]["history.json"] for label in order}, out / "curves.png",
-                     implicit or None)
+        plot_runs(loaded, summary, order, out / "curves.png")
     runs.write_report(out, summary, markdown_table(summary))
     return 0
+
+
+def plot_runs(loaded: dict, summary: dict, order: list, path: Path) -> None:
+    """KIVI, PC and each L's BBB baseline (the sweep's other runs are in the table): colour by method,
+    line style by L. The bound panel has KIVI and PC only (the paper's Fig. 3, right): BBB's exact KL
+    puts its bound off that scale."""
+    baselines = {c["bbb_run"] for c in summary["test_error_minus_bbb"].values()}
+    shown = [k for k in order if summary["runs"][k]["method"] != "bbb" or k in baselines] or order
+    widths = sorted({summary["runs"][k]["hidden"] for k in shown})
+    colors = {"kivi": "C0", "pc": "C1", "bbb": "C2"}
+    styles = {k: {"color": colors[summary["runs"][k]["method"]],
+                  "linestyle": ("-", "--", ":", "-.")[widths.index(summary["runs"][k]["hidden"]) % 4]}
+              for k in shown}
+    implicit = {k for k in shown if summary["runs"][k]["method"] != "bbb"}
+    plot_history({k: loaded[k][1]["history.json"] for k in shown}, path, implicit or None, styles)
 
 
 def markdown_table(summary: dict) -> str:
