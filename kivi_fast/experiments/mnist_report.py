@@ -6,15 +6,15 @@ Writes, per run, ``<method>-<L>/`` (the label names any setting that is not the 
 error through training of those and of each L's BBB baseline; ``summary.json``, per run: epochs,
 training images, test and validation error with their binomial standard errors, the test error at the
 best validation epoch, the final lower bound and its KL (the method's estimate; BBB's exact), time per
-epoch and per step, the KL's share of a step, peak memory, the device; per L, each KIVI and PC run's test error minus that of the
-Bayes-by-Backprop run with the lowest validation error at the same L and budget; and the paper's table.
+epoch and per step, the KL's share of a step, peak memory, the device; per L, each KIVI and PC run's
+test error minus that of the Bayes-by-Backprop run with the lowest validation error at the same L and
+budget; and the paper's table.
 ``table.md``: the same beside the paper's numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -55,9 +55,7 @@ def run_label(config: dict) -> str:
 
 
 def load_run(folder: Path) -> dict:
-    if not (folder / "results.json").exists():
-        raise runs.RunError(f"{folder} holds no results.json: not a finished kivi-fast mnist run")
-    run = {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
+    run = runs.load_finished_run(folder, "mnist")
     missing = [k for k in CONFIG_KEYS if k not in run["results.json"].get("config", {})]
     if missing:
         raise runs.RunError(f"{folder}/results.json lacks the settings {', '.join(missing)}: not a kivi-fast "
@@ -140,8 +138,8 @@ def plot_runs(loaded: dict, summary: dict, order: list, path: Path) -> None:
 
 def markdown_table(summary: dict) -> str:
     rows = ["| L | run | steps (epochs x images) | test error % | minus best BBB (points) | valid error % | "
-            "test at best valid (epoch) | lower bound / image | KL (nats, total) | paper test error % | s/epoch | s/step | "
-            "KL share | peak memory GiB |",
+            "test at best valid (epoch) | lower bound / image | KL (nats, total) | paper test error % | s/epoch | "
+            "s/step | KL share | peak memory GiB |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, s in summary["runs"].items():
         diff = summary["test_error_minus_bbb"].get(label)
@@ -152,7 +150,8 @@ def markdown_table(summary: dict) -> str:
         rows.append(f"| {s['hidden']} | {label} | {s['steps']} ({s['epochs']} x {s['train_images']}) | "
                     f"{100 * s['test_error']:.2f} ± {100 * s['test_error_se']:.2f} | {d} | "
                     f"{100 * s['valid_error']:.2f} | {100 * best['test_error']:.2f} ({best['epoch']}) | "
-                    f"{s['final_lower_bound']:.3f} | {s['final_kl_total']:.4g} | {paper if paper is not None else '-'} | "
+                    f"{s['final_lower_bound']:.3f} | {s['final_kl_total']:.4g} | "
+                    f"{paper if paper is not None else '-'} | "
                     f"{s['seconds_per_epoch']:.0f} | {s['step_seconds']:.2f} | {100 * s['kl_share_of_step']:.0f}% | "
                     f"{s['peak_memory_gib']:.2f} |")
     return "\n".join(rows) + "\n"

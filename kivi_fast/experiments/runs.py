@@ -99,6 +99,14 @@ def collect_runs(folders, load, label_of) -> dict:
     return loaded
 
 
+def load_finished_run(folder: Path, command: str) -> dict:
+    """A finished run folder's results.json and history.json, parsed; a RunError naming ``command`` when
+    the folder holds no results.json."""
+    if not (folder / "results.json").exists():
+        raise RunError(f"{folder} holds no results.json: not a finished kivi-fast {command} run")
+    return {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
+
+
 def copy_run_files(folder: Path, dest: Path, names) -> None:
     """Copy the files ``names`` that ``folder`` holds into ``dest`` (a report's copy of a run, without
     its checkpoint)."""

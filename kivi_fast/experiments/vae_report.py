@@ -48,9 +48,7 @@ def run_label(config: dict) -> str:
 
 
 def load_run(folder: Path) -> dict:
-    if not (folder / "results.json").exists():
-        raise runs.RunError(f"{folder} holds no results.json: not a finished kivi-fast vae run")
-    run = {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
+    run = runs.load_finished_run(folder, "vae")
     for name in ("ais.json", "ais_train.json"):
         run[name] = json.loads((folder / name).read_text()) if (folder / name).exists() else None
     return run
