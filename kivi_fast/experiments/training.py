@@ -99,6 +99,26 @@ def save_resumable(path, history_path, *, config: dict, model, optimizer, data_r
     runs.write_json(history_path, history)
 
 
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    """Seconds ``fn()`` takes on ``device`` (waiting for a CUDA device before and after), and its result."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def kl_share(step_seconds: list, kl_seconds: list) -> dict:
+    """A trainer's ``step_profile`` in results.json: the median seconds of its training steps (forward
+    and backward) and of their KL parts alone, and the KL's share of a step."""
+    step, kl = sorted(step_seconds)[len(step_seconds) // 2], sorted(kl_seconds)[len(kl_seconds) // 2]
+    return {"step_seconds": step, "kl_seconds": kl, "kl_share": kl / step}
+
+
 def add_training_options(p, *, epochs: int, batch: int, lr_halve_every: int) -> None:
     """The options every trainer has, with the paper's values for that experiment as defaults: the
     schedule (``--epochs``, ``--train-images``, ``--batch``, Adam's ``--lr`` halved every
@@ -181,11 +201,11 @@ class Distributed:
     def mean(self, values) -> list[float]:
         """The mean over ranks of each of ``values`` (floats), on every rank. A step's loss goes through
         this before its finiteness check, so that every rank stops together (a checkpoint gathers from
-        all ranks: one rank stopping alone would leave the others waiting)."""
-        if self.world == 1:
-            return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        all ranks: one rank stopping alone would leave the others waiting). ``values`` may be 0-d tensors
+        on the device: they are read back to the host once, together."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
+        if self.world > 1:
+            dist.all_reduce(t)
         return (t / self.world).tolist()
 
     def gather(self, value) -> list:
