@@ -41,7 +41,7 @@ from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
-                       config_of, device_of, halved_lr,
+                       config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, start)
 
 NAME = "mnist"
@@ -225,25 +225,18 @@ def step_profile(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, n_d
     """Median seconds of a training step's forward and backward (one process, no optimizer step) and of
     its KL part alone (every layer's KL from detached posterior samples, forward and backward), and the
     KL's share of the step."""
-    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-    full, kl_only = [], []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
+    def step():
         loss, out = model(x, y, n_data, samples)
         loss.backward()
-        sync()
-        full.append(time.perf_counter() - t0)
-        flat = [w.detach().requires_grad_() for w in out["samples"]]
-        del loss, out
-        sync()
-        t0 = time.perf_counter()
-        torch.stack(model.layer_kls(flat)).sum().backward()
-        sync()
-        kl_only.append(time.perf_counter() - t0)
+        return [w.detach().requires_grad_() for w in out["samples"]]
+
+    full, kl_only = [], []
+    for _ in range(repeats):
+        seconds, flat = timed(step, x.device)
+        full.append(seconds)
+        kl_only.append(timed(lambda: torch.stack(model.layer_kls(flat)).sum().backward(), x.device)[0])
     model.zero_grad(set_to_none=True)
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return {"step_seconds": med(full), "kl_seconds": med(kl_only), "kl_share": med(kl_only) / med(full)}
+    return kl_share(full, kl_only)
 
 
 def finish(args, history, train_seconds, device, world, run_dir, rank_spread: float, peak_memory: float,

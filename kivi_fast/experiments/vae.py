@@ -46,7 +46,7 @@ from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
 from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
-                       config_of, device_of, halved_lr,
+                       config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, start)
 from .options import UsageError, add_common, int_at_least, positive_int
 
@@ -198,34 +198,23 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 def step_profile(model, x: torch.Tensor, generator: torch.Generator, repeats: int = 5) -> dict:
     """Median seconds of a training step (forward + backward) and of its KL alone (forward + backward
     from the encoder's samples, or its moments for the closed form), on one global batch x."""
-    def sync():
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
+    def step(draws):
+        rec, kl = model(x, draws)
+        (kl - rec).mean().backward()
 
     full, kl_only = [], []
     for _ in range(repeats):
         draws = model.draws(x.shape[0], generator, x.device)
-        sync()
-        t0 = time.perf_counter()
-        rec, kl = model(x, draws)
-        (kl - rec).mean().backward()
-        sync()
-        full.append(time.perf_counter() - t0)
+        full.append(timed(lambda: step(draws), x.device)[0])
         if model.kl_estimator == "gaussian":  # the closed form, from the encoder's moments
             moments = [m.detach().requires_grad_() for m in model.encoder.moments(x)]
-            sync()
-            t0 = time.perf_counter()
-            gaussian_kl_to_standard_normal(*moments).mean().backward()
+            kl_part = lambda: gaussian_kl_to_standard_normal(*moments).mean().backward()  # noqa: E731
         else:  # the estimator, from the encoder's samples
             z = model.encoder(x, draws["noise"].shape[1], draws["noise"]).detach().requires_grad_()
-            sync()
-            t0 = time.perf_counter()
-            model.estimated_kl(z, draws["prior"]).mean().backward()
-        sync()
-        kl_only.append(time.perf_counter() - t0)
+            kl_part = lambda: model.estimated_kl(z, draws["prior"]).mean().backward()  # noqa: E731
+        kl_only.append(timed(kl_part, x.device)[0])
     model.zero_grad(set_to_none=True)
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return {"step_seconds": med(full), "kl_seconds": med(kl_only), "kl_share": med(kl_only) / med(full)}
+    return kl_share(full, kl_only)
 
 
 def finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test, device, world: int) -> dict:
