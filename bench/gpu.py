@@ -2,6 +2,7 @@
 
     python bench/gpu.py                          # bench/run.py's shapes, float32 and float64
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
+    python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
 
 (Not named cuda.py: run as a script, bench/ comes first on sys.path, and torch's own ``import
 cuda.bindings`` would find it.) CUDA tensors run kivi_fast's device-generic kernels (ATen calls,
@@ -32,8 +33,7 @@ def timed_call(fn, p, q, backward: bool) -> float:
     return time.perf_counter() - t0
 
 
-def time_sides(p, q, backward: bool, target_s: float) -> dict:
-    impls = cpu_bench.IMPLS
+def time_sides(impls: dict, pure: tuple, p, q, backward: bool, target_s: float) -> dict:
     for fn in impls.values():  # warm-up: cuBLAS/cuSOLVER handles, the caching allocator
         for _ in range(3):
             timed_call(fn, p, q, backward)
@@ -45,7 +45,7 @@ def time_sides(p, q, backward: bool, target_s: float) -> dict:
         if len(times["ours"]) >= 2000:
             break
     out = {name: statistics.median(ts) for name, ts in times.items()}
-    for name in cpu_bench.PURE:
+    for name in pure:
         out[name + "_ratio"] = statistics.median(a / b for a, b in zip(times[name], times["ours"]))
     return out
 
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,float64")
     ap.add_argument("--target-s", type=float, default=0.5, help="seconds per implementation and timing")
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
+    ap.add_argument("--compiled", action="store_true", help="also the pure sides under torch.compile")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu.py: torch sees no CUDA device", file=sys.stderr)
@@ -73,26 +74,39 @@ def main(argv=None) -> int:
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "kivi_fast_backend": cpu_bench.kivi_fast.backend()}
     print(" ".join(f"{k}={v}" for k, v in info.items()))
+    impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
+    if args.compiled:
+        for name in cpu_bench.PURE:
+            impls[name + "_compiled"] = torch.compile(cpu_bench.IMPLS[name], dynamic=False)
+        pure += tuple(name + "_compiled" for name in cpu_bench.PURE)
     rows = []
     for shape in args.shapes.split(","):
         b, n, d, batched = cpu_bench.parse_shape(shape)
         for dtype_name in args.dtypes.split(","):
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
             for backward in (False, True):
-                t = time_sides(p, q, backward, args.target_s)
+                run_impls, run_pure = dict(impls), pure
+                for name in [k for k in impls if k.endswith("_compiled")]:
+                    try:  # torch.compile can fail on a pure side; that side is then left out, and said so
+                        cpu_bench.call(impls[name], p, q, backward)
+                    except Exception as err:  # noqa: BLE001
+                        print(f"  {name} left out: {type(err).__name__}: {str(err).splitlines()[-1][:160]}")
+                        del run_impls[name]
+                        run_pure = tuple(k for k in run_pure if k != name)
+                t = time_sides(run_impls, run_pure, p, q, backward, args.target_s)
                 row = {"shape": cpu_bench.shape_name(b, n, d, batched), "dtype": dtype_name,
                        "pass": "fwd+bwd" if backward else "fwd"}
-                for name in cpu_bench.IMPLS:
+                for name in run_impls:
                     row[name + "_s"] = t[name]
                     if backward:
-                        row[name + "_mb"] = peak_mb(cpu_bench.IMPLS[name], p, q)
-                for name in cpu_bench.PURE:
+                        row[name + "_mb"] = peak_mb(run_impls[name], p, q)
+                for name in run_pure:
                     row[name + "_ratio"] = t[name + "_ratio"]
                 rows.append(row)
                 print(f"{row['shape']:>14} {dtype_name:8} {row['pass']:8} "
-                      + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in cpu_bench.IMPLS)
-                      + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in cpu_bench.PURE)
-                      + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in cpu_bench.IMPLS) if backward else ""),
+                      + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in run_impls)
+                      + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in run_pure)
+                      + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls) if backward else ""),
                       flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,7 @@
 // The KIVI estimator's shared math contracts: what every backend computes, and the functions each
 // backend provides (generic:: in generic.cpp, ATen calls only, for any device; cpu:: in cpu/, fused
-// kernels for CPU tensors). ops.cpp checks the arguments and picks the backend; a CUDA backend would
-// provide the same functions as cuda:: in csrc/cuda/, which ops.cpp would register under the CUDA key.
+// kernels for CPU tensors; cuda:: in cuda/, the kl op and its backward for CUDA tensors). ops.cpp checks
+// the arguments and picks the backend.
 //
 // Conventions: every sample tensor here is batched, [B, n, d], float32 or float64 (the kl ops also take
 // an unbatched pair, which csrc/ops.cpp gives a batch dimension of 1). The fit, the kernel
@@ -135,6 +135,24 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
 }  // namespace cpu
+
+// The CUDA kernels (cuda/kl.cu, built when torch is a CUDA build; KIVI_FAST_WITH_CUDA): the kl op and
+// its backward, for the shapes handles_kl and handles_kl_grad accept (a whole fit in one thread block:
+// N = n_p + n_q <= 512 points with N d <= 6144, or N <= 64 in any d); other shapes take generic::.
+// Arguments as generic::kl and generic::kl_grad; no value is read back to the host, so bad values
+// (NaN/Inf samples, a zero median, a bandwidth <= 0, a system that is not positive definite) give NaN
+// for their batch element instead of an error.
+namespace cuda {
+bool handles_kl(int64_t n_total, int64_t d);
+bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d);
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
+                                              const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
+Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
+// The median of the distances over the pairs of N points from their squared distances [B, N, N]
+// (float64, CUDA; the upper triangle is read): as median_from_sqdist below, NaN where that raises.
+// cuda/median.cu; generic::'s median on CUDA tensors with many pairs.
+Tensor median_from_sqdist(const Tensor& sq);
+}  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path
 // CUDA tensors take); returns the old value.

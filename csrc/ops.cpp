@@ -4,9 +4,8 @@
 // own namespace (csrc/testing.cpp). Sample arguments are batched [B, n, d]; Python adds the batch
 // dimension, except for kl and kl_grad, which also take an unbatched pair [n, d] (see kl_op).
 //
-// A CUDA implementation goes in csrc/cuda/ (the cuda:: functions of kivi.h), registered below with
-// TORCH_LIBRARY_IMPL(kivi_fast, CUDA, m) beside the CPU kernels; until then CUDA tensors take the
-// device-generic kernels.
+// CUDA tensors: kl and kl_grad have CUDA kernels (csrc/cuda/, when torch is a CUDA build) for the
+// shapes cuda::handles_kl accepts; every other op and shape takes the device-generic kernels.
 #include <torch/library.h>
 
 #include <atomic>
@@ -14,6 +13,23 @@
 #include "kivi.h"
 
 namespace kivi_fast {
+
+#ifndef KIVI_FAST_WITH_CUDA
+// A build without the CUDA kernels (torch is a CPU build): nothing is registered for the CUDA key,
+// so these are never called.
+namespace cuda {
+bool handles_kl(int64_t, int64_t) { return false; }
+bool handles_kl_grad(int64_t, int64_t, int64_t) { return false; }
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor&, const Tensor&, double, double,
+                                              const std::optional<Tensor>&, bool, bool) {
+  TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels");
+}
+Tensor kl_grad(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool) {
+  TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels");
+}
+}  // namespace cuda
+#endif
+
 namespace {
 
 // Tests flip this (set_force_generic) to run the device-generic path on CPU tensors (the path CUDA
@@ -24,6 +40,12 @@ std::atomic<bool> force_generic{false};
 // kernel that serves CUDA and every other device.
 template <bool kCpu>
 bool use_cpu() { return kCpu && !force_generic.load(); }
+
+// The kl ops' kernels: the CPU's, the CUDA kernels', or the device-generic ones (any device; also
+// what the other two fall back to when forced, and CUDA for the shapes its kernels do not take).
+enum class Backend { cpu, generic, cuda };
+template <bool kCpu>
+constexpr Backend kl_backend = kCpu ? Backend::cpu : Backend::generic;
 
 // The ops are also callable directly (torch.ops.kivi_fast.*), without the Python checks of
 // kivi_fast/_validate.py: sample arguments are checked here too, so that a mismatch is an error and
@@ -132,7 +154,7 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
 // wrapper's forward+backward call 27 us instead of 48: bench/overhead.py). The kernels see [1, n, d].
 Tensor batched(const Tensor& x, bool single) { return single ? x.unsqueeze(0) : x; }
 
-template <bool kCpu>
+template <Backend kB>
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const Tensor& q_z_in, double lam,
                                                  double clip, const std::optional<Tensor>& sigma, bool reverse,
                                                  bool grad_state) {
@@ -141,9 +163,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
   check_sigma("kl", sigma, q_z.size(0));
   const auto s = owned_double(sigma);
+  Backend backend = force_generic.load() ? Backend::generic : kB;
+  if (backend == Backend::cuda && !cuda::handles_kl(prior_z.size(1) + q_z.size(1), q_z.size(2))) {
+    backend = Backend::generic;
+  }
   auto [kl, state, used, clipped] =
-      use_cpu<kCpu>() ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
-                      : generic::kl(prior_z, q_z, lam, clip, s, reverse, grad_state);
+      backend == Backend::cpu    ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
+      : backend == Backend::cuda ? cuda::kl(prior_z, q_z, lam, clip, s, reverse, grad_state)
+                                 : generic::kl(prior_z, q_z, lam, clip, s, reverse, grad_state);
   kl = kl.to(q_z.scalar_type());
   if (single) {  // in place on tensors of this call: the outputs stay views of nothing
     kl.squeeze_(0);
@@ -167,7 +194,7 @@ Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Te
                          : generic::weighted_grad(row_scale, weights, z, numer, denom);
 }
 
-template <bool kCpu>
+template <Backend kB>
 Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
                   bool reverse) {
   check_pair("kl_grad", "prior_z", prior_z_in, "q_z", q_z_in, /*unbatched_ok=*/true);
@@ -182,8 +209,13 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
   const Tensor state = batched(state_in, single);
   TORCH_CHECK(grad_kl.numel() == q_z.size(0), "kivi_fast::kl_grad: grad_kl must have ", q_z.size(0),
               " elements, got ", grad_kl.sizes());
-  auto grad = use_cpu<kCpu>() ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)
-                              : generic::kl_grad(grad_kl, state, q_z, prior_z, reverse);
+  Backend backend = force_generic.load() ? Backend::generic : kB;
+  if (backend == Backend::cuda && !cuda::handles_kl_grad(prior_z.size(1) + q_z.size(1), q_z.size(1), q_z.size(2))) {
+    backend = Backend::generic;
+  }
+  auto grad = backend == Backend::cpu    ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)
+              : backend == Backend::cuda ? cuda::kl_grad(grad_kl, state, q_z, prior_z, reverse)
+                                         : generic::kl_grad(grad_kl, state, q_z, prior_z, reverse);
   if (single) grad.squeeze_(0);
   return grad;
 }
@@ -195,9 +227,9 @@ void register_kernels(torch::Library& m) {
   m.impl("median_bandwidth", &median_bandwidth_op<kCpu>);
   m.impl("fit", &fit_op<kCpu>);
   m.impl("ratio", &ratio_op<kCpu>);
-  m.impl("kl", &kl_op<kCpu>);
+  m.impl("kl", &kl_op<kl_backend<kCpu>>);
   m.impl("weighted_grad", &weighted_grad_op<kCpu>);
-  m.impl("kl_grad", &kl_grad_op<kCpu>);
+  m.impl("kl_grad", &kl_grad_op<kl_backend<kCpu>>);
 }
 
 }  // namespace
@@ -226,5 +258,12 @@ TORCH_LIBRARY(kivi_fast, m) {
 // the autograd formulas of csrc/autograd.cpp still apply).
 TORCH_LIBRARY_IMPL(kivi_fast, CPU, m) { register_kernels<true>(m); }
 TORCH_LIBRARY_IMPL(kivi_fast, CompositeExplicitAutograd, m) { register_kernels<false>(m); }
+#ifdef KIVI_FAST_WITH_CUDA
+// kl and kl_grad only; the other ops of CUDA tensors keep the generic kernels above.
+TORCH_LIBRARY_IMPL(kivi_fast, CUDA, m) {
+  m.impl("kl", &kl_op<Backend::cuda>);
+  m.impl("kl_grad", &kl_grad_op<Backend::cuda>);
+}
+#endif
 
 }  // namespace kivi_fast

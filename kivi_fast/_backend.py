@@ -66,7 +66,8 @@ def backend() -> str:
 
 
 class CompiledOps:
-    """The compiled torch ops (``torch.ops.kivi_fast``, csrc/): CPU kernels, device-generic elsewhere."""
+    """The compiled torch ops (``torch.ops.kivi_fast``, csrc/): CPU kernels, CUDA kernels for the kl op
+    where they apply, device-generic ATen kernels elsewhere."""
 
     @staticmethod
     def kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state):

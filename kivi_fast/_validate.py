@@ -138,7 +138,9 @@ def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.
                 f"bandwidth must be a scalar or have shape [B] = [{rows}], got shape {tuple(bandwidth.shape)}"
             )
         sigma = bandwidth.detach().to(device=like.device, dtype=torch.float64).reshape(-1)
-        if not bool(torch.isfinite(sigma).all()) or not bool((sigma > 0).all()):
+        # Checked where reading the values is free (CPU); on a GPU the read would stall every call,
+        # and a bandwidth that is not positive and finite gives NaN for its batch element instead.
+        if sigma.is_cpu and not bool((torch.isfinite(sigma) & (sigma > 0)).all()):
             raise ValueError(f"bandwidth must be positive and finite, got {bandwidth}")
         return sigma.expand(rows).contiguous()
     value = check_positive("bandwidth", bandwidth)

@@ -91,7 +91,11 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z"
     r = rho[..., None, None]
     cov = (1 - r) * cov + r * torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     chol, info = torch.linalg.cholesky_ex(cov)
-    if bool((info != 0).any()):
+    # The checks of values here raise on the CPU only: on a GPU reading them back would stall every
+    # call (and break CUDA-graph capture), so a bad fit gives NaN for its batch element instead.
+    if not chol.is_cpu:
+        chol = torch.where((info == 0)[..., None, None], chol, math.nan)
+    elif bool((info != 0).any()):
         raise ValueError(f"{name}'s sample covariance is singular (samples on a lower-dimensional subspace); "
                          'use contrast="diagonal" or more samples')
     return mean, chol, rho
@@ -121,7 +125,7 @@ class GaussianFit:
         if self.diagonal:
             self.mean = x.mean(-2, keepdim=True)
             self.std = x.std(-2, correction=0, keepdim=True)  # divides by n: the maximum-likelihood fit
-            if bool((self.std == 0).any()):
+            if self.std.is_cpu and bool((self.std == 0).any()):  # elsewhere: NaN (see whitening)
                 raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
         else:
             self.mean, self.chol, _ = whitening(x, shrink, name)

@@ -73,6 +73,10 @@ def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, cl
 
     The fit and the evaluation run in float64 internally, because evaluating the fitted ratio cancels
     terms of size ~1/lam; float32 inputs give float32 results within 1e-3 of float64's.
+
+    On a GPU nothing is read back to the host (a training step can be captured in a CUDA graph): NaN/Inf
+    samples, a zero median distance, a bandwidth tensor that is not positive, or a fit that fails give
+    NaN for that batch element, where CPU tensors raise ValueError.
     """
     lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     if not isinstance(reverse, bool):
@@ -174,7 +178,7 @@ def median_bandwidth(x: torch.Tensor) -> torch.Tensor:
     """Median Euclidean distance over the distinct pairs of rows of ``x`` ([n, d] -> [], [B, n, d] -> [B]).
 
     An even number of pairs gives the mean of the two middle distances (numpy's convention). Raises
-    ValueError when the median is 0 (at least half of the pairs coincide). No gradient.
+    ValueError when the median is 0 (at least half of the pairs coincide; on a GPU: NaN). No gradient.
     """
     _validate.check_samples("x", x)
     _validate.check_min_samples("x", x, 2, "for a median distance")

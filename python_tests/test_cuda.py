@@ -1,8 +1,14 @@
-"""The ops on CUDA tensors (the device-generic ATen kernels) equal the reference computed on the CPU.
+"""The ops on CUDA tensors equal the reference computed on the CPU: the CUDA kernels (csrc/cuda/, for
+the kl op and its backward at the shapes they take) and the device-generic ATen kernels (the rest);
+nothing reads a value back to the host; a training step that calls kl is captured in a CUDA graph.
 
 These run only where torch sees a GPU; elsewhere pytest reports them as skipped (CI has none). The
 generic kernels themselves are also tested on the CPU (the ``generic`` implementation of conftest).
 """
+
+import contextlib
+import copy
+import math
 
 import pytest
 import torch
@@ -104,16 +110,172 @@ def test_a_training_step_on_cuda_matches_the_cpu_step():
         torch.testing.assert_close(b, a, rtol=1e-7, atol=1e-10)
 
 
-def test_mixed_devices_and_bad_input_raise_clear_errors():
+def test_mixed_devices_and_bad_arguments_raise_clear_errors():
     p, q = torch.randn(20, 3), torch.randn(20, 3)
     with pytest.raises(ValueError, match="same device"):
         kivi_fast.kernel_kl(p.to(CUDA), q)
-    bad = q.clone()
-    bad[3, 1] = float("nan")
-    with pytest.raises(ValueError, match="q_z"):
-        kivi_fast.kernel_kl(p.to(CUDA), bad.to(CUDA))
     with pytest.raises(ValueError, match="lam"):
         kivi_fast.kernel_kl(p.to(CUDA), q.to(CUDA), lam=0.0)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Any read of a device value by the host raises inside (torch's sync debug mode)."""
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+@contextlib.contextmanager
+def generic_kernels():
+    """The device-generic ATen kernels in place of csrc/cuda/ (what CUDA tensors ran before it)."""
+    old = torch.ops.kivi_fast_testing.set_force_generic(True)
+    try:
+        yield
+    finally:
+        torch.ops.kivi_fast_testing.set_force_generic(old)
+
+
+def kernels_run(fn) -> set:
+    """The names of the CUDA kernels that fn() launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+# (batch, n_p, n_q, d): each path of csrc/cuda/kl.cu
+CUDA_KERNEL_SHAPES = [
+    (128, 100, 100, 8),  # the VAE: distances in the kernel, projection state, system in shared memory
+    (3, 256, 256, 4),    # N = 512, the largest: the system in global memory
+    (2, 5, 7, 20),       # d + 1 >= N: the weight state and its backward
+    (1, 10, 10, 30000),  # N <= 64 in many dimensions: distances split over dimension chunks
+    (2, 40, 24, 700),    # N = 64, the widest such set
+]
+
+
+@pytest.mark.parametrize("shape", CUDA_KERNEL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
+    b, n_p, n_q, d = shape
+    g = torch.Generator().manual_seed(sum(shape) + reverse)
+    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64).to(dtype)
+    q = (torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.2 + 0.3).to(dtype)
+    kw = dict(lam=1e-3, reverse=reverse)
+    names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw))
+    assert any("kl_forward_kernel" in n for n in names), sorted(names)
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)
+    ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-9
+    assert_close_rel(ours_v, ref_v, rtol)
+    assert_close_rel(ours_g, ref_g, rtol if dtype == torch.float32 else 1e-8)
+    # the op's other outputs against the generic kernels on the same GPU
+    args = (p.to(CUDA), q.to(CUDA), 1e-3, 1e-8, None, reverse, True)
+    ours = torch.ops.kivi_fast.kl(*args)
+    with generic_kernels():
+        theirs = torch.ops.kivi_fast.kl(*args)
+    for a, e in zip(ours[1:], theirs[1:]):  # grad state, bandwidth, clipped fraction
+        assert a.shape == e.shape
+        assert_close_rel(a, e.cpu(), 1e-9)
+
+
+@pytest.mark.parametrize("n", [120, 122])  # 7140 pairs (even count), 7381 (odd)
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_cuda_kernels_median_equals_the_reference(n, ties):
+    """The radix selection in kl_forward_kernel: both middles of an even count, and many tied distances."""
+    x = torch.randn(4, n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    if ties:
+        x = x.round()
+    p, q = x[:, : n // 2], x[:, n // 2:]
+    sigma = torch.ops.kivi_fast.kl(p.to(CUDA), q.to(CUDA), 1e-3, 1e-8, None, True, False)[2]
+    assert_close_rel(sigma, reference.median_bandwidth(torch.cat([q, p], 1)), 1e-14)
+
+
+@pytest.mark.parametrize("n,d", [(20, 3), (300, 3)])  # the CUDA kernels, the generic kernels
+def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
+    """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN."""
+    p, q = torch.randn(4, n, d, device=CUDA), torch.randn(4, n, d, device=CUDA)
+    q[1, 3, 1] = float("nan")
+    p[2], q[2] = 0.0, 0.0  # every distance 0: a zero median
+    bandwidth = torch.tensor([1.0, 1.0, 1.0, -1.0], device=CUDA)  # the last one not positive
+    with no_host_sync():
+        value = kivi_fast.kernel_kl(p, q)
+        given = kivi_fast.kernel_kl(p, q, bandwidth=bandwidth)
+    assert value[0].isfinite() and value[3].isfinite() and value[1].isnan() and value[2].isnan()
+    assert given[0].isfinite() and given[3].isnan()
+
+
+@pytest.mark.parametrize("b,n,d", [(4, 100, 8), (2, 10, 30000), (2, 300, 8), (2, 100, 700)],
+                         ids=["cuda-kernels", "cuda-kernels-wide", "generic", "generic-wide"])
+def test_the_estimators_never_read_a_value_back_to_the_host(b, n, d):
+    p = torch.randn(b, n, d, device=CUDA)
+    q = torch.randn(b, n, d, device=CUDA, requires_grad=True)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+
+    def calls():
+        out = [kivi_fast.kernel_kl(p, q).sum(), kivi_fast.kernel_kl(p[0], q[0]),
+               kivi_fast.kernel_kl(p, q, bandwidth=1.5).sum(),
+               kivi_fast.kernel_kl(p, q, bandwidth=torch.full((b,), 2.0, device=CUDA)).sum(),
+               kivi_fast.kl(p, q, generator=g).sum(), kivi_fast.adaptive_contrast_kl(q, generator=g).sum()]
+        torch.stack(out).sum().backward()
+        ratio = kivi_fast.DensityRatio().fit(numer=p[0], denom=q[0].detach())
+        return ratio.log_ratio(q[0].detach()[:5])
+
+    calls()  # first calls create library handles, which may synchronize
+    torch.cuda.synchronize()
+    with no_host_sync():
+        calls()
+
+
+def test_a_training_step_that_calls_kl_is_captured_in_a_cuda_graph():
+    """A generator trained through kernel_kl and adaptive_contrast_kl: its step captured once and
+    replayed moves the weights as the same steps run eagerly."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)).double().to(CUDA)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    prior = torch.randn(8, 100, 3, dtype=torch.float64, device=CUDA)
+    ref_z = torch.randn(8, 100, 3, dtype=torch.float64, device=CUDA)
+    inputs = [torch.randn(8, 100, 4, dtype=torch.float64, device=CUDA) for _ in range(6)]
+
+    def loss_of(model, eps):
+        q = model(eps)
+        return (kivi_fast.kernel_kl(prior, q) + kivi_fast.adaptive_contrast_kl(q, reference_z=ref_z)).mean()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture, as torch's CUDA-graph recipe asks
+        for eps in inputs[:3]:
+            opt.zero_grad(set_to_none=True)
+            loss_of(net, eps).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = copy.deepcopy(net)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+
+    static_eps = inputs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = loss_of(net, static_eps)
+        static_loss.backward()
+        opt.step()
+    before = [w.detach().clone() for w in eager.parameters()]
+    for eps in inputs[3:]:
+        static_eps.copy_(eps)
+        graph.replay()
+        eager_opt.zero_grad(set_to_none=True)
+        eager_loss = loss_of(eager, eps)
+        eager_loss.backward()
+        eager_opt.step()
+        assert math.isfinite(static_loss.item())
+        torch.testing.assert_close(static_loss, eager_loss, rtol=1e-9, atol=1e-12)
+    for w0, a, b in zip(before, net.parameters(), eager.parameters()):
+        assert not torch.equal(b.detach(), w0)  # the steps moved the weights
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-9, atol=1e-12)
 
 
 def test_torch_compile_on_cuda():

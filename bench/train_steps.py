@@ -1,0 +1,80 @@
+"""Training steps on a GPU with kivi_fast's CUDA kernels and with the device-generic ATen kernels they
+replace, in one process: the paper's VAE step (batch 128, n_q = n_p = 100, z in 8 dimensions; kivi-ac,
+the paper's setting, and kivi) and the MNIST BNN step (L = 400, 10 posterior samples, KIVI per layer).
+
+    python bench/train_steps.py --json bench/train_steps.json
+
+Each step is the trainers' own ``step_profile`` (kivi_fast/experiments/vae.py and mnist.py): median
+seconds of a forward + backward, and of its KL part alone. "generic" forces the device-generic kernels
+(torch.ops.kivi_fast_testing.set_force_generic), which is what CUDA tensors ran before csrc/cuda/.
+Random inputs of the real shapes: no data files are needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import kivi_fast
+from kivi_fast.experiments import mnist as mnist_exp
+from kivi_fast.experiments import vae as vae_exp
+from kivi_fast.nn.classification import ClassificationBNN
+from kivi_fast.nn.vae import build_vae
+
+
+def vae_profile(method: str, device, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = build_vae(method, n_q=100, n_p=100, lam=1e-3, clip=1e-8, contrast="diagonal").to(device)
+    x = (torch.rand(128, 784, device=device) < 0.3).float()
+    g = torch.Generator(device=device).manual_seed(1)
+    vae_exp.step_profile(model, x, g, repeats=3)  # warm-up: cuBLAS handles, the caching allocator
+    return vae_exp.step_profile(model, x, g, repeats=repeats)
+
+
+def mnist_profile(device, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
+    x = torch.rand(100, 784, device=device)
+    y = torch.randint(0, 10, (100,), device=device)
+    mnist_exp.step_profile(model, x, y, 60000, 10, repeats=3)
+    return mnist_exp.step_profile(model, x, y, 60000, 10, repeats=repeats)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/train_steps.py: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": kivi_fast.backend()}
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+    cases = {"vae kivi-ac": lambda: vae_profile("kivi-ac", device, args.repeats),
+             "vae kivi": lambda: vae_profile("kivi", device, args.repeats),
+             "mnist kivi L=400": lambda: mnist_profile(device, args.repeats)}
+    rows = []
+    for name, run in cases.items():
+        row = {"case": name}
+        for kernels in ("generic", "cuda"):
+            old = torch.ops.kivi_fast_testing.set_force_generic(kernels == "generic")
+            try:
+                row[kernels] = run()
+            finally:
+                torch.ops.kivi_fast_testing.set_force_generic(old)
+        rows.append(row)
+        print(f"{name:18} " + "  ".join(
+            f"{k}: step {row[k]['step_seconds'] * 1e3:6.2f} ms, KL {row[k]['kl_seconds'] * 1e3:6.2f} ms "
+            f"({100 * row[k]['kl_share']:4.1f}%)" for k in ("generic", "cuda")), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": info, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,651 @@
+// The kl op and its backward on CUDA tensors (the cuda:: functions of kivi.h), for the shapes where a
+// whole fit fits one thread block: few points (N = n_p + n_q <= 512) in few dimensions (N d <= 6144:
+// the VAE's B x (100, 8)), or very few points (N <= 64) in any number of dimensions (an MNIST layer,
+// (10, 314000)). Other shapes take the device-generic ATen path (csrc/generic.cpp); handles_kl says
+// which.
+//
+// One block per batch element does the whole forward in one launch, in shared memory where it fits
+// (kl_forward_kernel says what goes where): the points as float64, every pair's distance, the exact
+// median by radix selection on the distances' bit patterns, the system K_dd / n_den + lam I, its
+// elimination and solve, the evaluation of the ratio at q_z's points, the KL and the backward's grad
+// state. With many dimensions a first launch splits the distances over dimension chunks
+// (pair_sqdist_kernel), so that the whole GPU reads the samples once. The backward is one elementwise
+// launch (projection state) or one pass over the samples (weight state).
+//
+// Nothing here reads a value back to the host: bad values give NaN for their batch element instead
+// of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
+// that is not positive definite), so that a training step neither stalls nor breaks CUDA-graph capture.
+//
+// One block per element is latency-bound: ~0.2 ms per (100, 8) element on an H200, mostly the
+// elimination and the median's passes over shared memory (bench/README.md, "GPU").
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kivi.h"
+
+namespace kivi_fast::cuda {
+namespace {
+
+// The forward's block: 16 warps, so that its latency-bound stages (the selection's passes, the
+// elimination's rows, the evaluation's points) have enough loads in flight on one multiprocessor.
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPairThreads = 256;  // pair_sqdist_kernel
+constexpr int kPairWarps = kPairThreads / 32;
+constexpr int64_t kMaxPoints = 512;       // N: the fused path's limit
+constexpr int64_t kSmallWork = 6144;      // N * d: the points fit in shared memory (48 KB of float64)
+constexpr int64_t kMaxWidePoints = 64;    // N with many dimensions (pair_sqdist_kernel)
+constexpr int kRadixBits = 11;            // digits of the median's radix selection: 6 passes over 64 bits
+
+// Offset of pair (i, j), i < j, in the packed upper triangle of N points (rows i = 0, 1, ...).
+__host__ __device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int64_t n) {
+  return i * (2 * n - i - 1) / 2 + (j - i - 1);
+}
+
+__device__ __forceinline__ double packed_sqdist(const double* dist, int i, int j, int n) {
+  if (i == j) return 0.0;
+  return i < j ? dist[pair_index(i, j, n)] : dist[pair_index(j, i, n)];
+}
+
+// The stacked points [denom; numer] of one batch element.
+template <typename T>
+struct Stacked {
+  const T* den;
+  const T* num;
+  int n_den;
+  int64_t d;
+  __device__ __forceinline__ const T* row(int c) const { return c < n_den ? den + c * d : num + (c - n_den) * d; }
+};
+
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Non-negative doubles (distances) order as their bit patterns; Inf and NaN patterns lie above every
+// finite one.
+__device__ __forceinline__ uint64_t key_of(double v) { return static_cast<uint64_t>(__double_as_longlong(v)); }
+constexpr uint64_t kNotFiniteKey = 0x7ff0000000000000ull;
+
+struct SelectShared {
+  unsigned hist[1 << kRadixBits];
+  int64_t rank;
+  unsigned digit;
+  unsigned long long count;   // second middle: how many keys are <= the first
+  unsigned long long min_gt;  // and the least key above it
+  int not_finite;
+};
+
+// The key of rank `rank` (0-based) among the P keys of dist, selected digit by digit from the top.
+__device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, SelectShared& s) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint64_t prefix = 0, mask = 0;
+  for (int shift = 64 - kRadixBits; shift > -kRadixBits; shift -= kRadixBits) {
+    const int lo_bit = shift < 0 ? 0 : shift;
+    const int width = shift < 0 ? kRadixBits + shift : kRadixBits;
+    const unsigned bins = 1u << width;
+    for (unsigned i = tid; i < bins; i += kThreads) s.hist[i] = 0;
+    if (tid == 0) s.rank = rank;
+    __syncthreads();
+    // Most keys share their top digits (distances of one scale), so lanes that hit the same bin add
+    // their count once: one shared-memory atomic per distinct bin in the warp, not per key.
+    for (int64_t base = 0; base < P; base += kThreads) {
+      const int64_t p = base + tid;
+      unsigned bin = ~0u;
+      if (p < P) {
+        const uint64_t k = key_of(dist[p]);
+        if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin != ~0u && lane == __ffs(peers) - 1) atomicAdd(&s.hist[bin], static_cast<unsigned>(__popc(peers)));
+    }
+    __syncthreads();
+    if (warp == 0) {  // which digit holds the rank: each lane sums its slice of bins, then a warp scan
+      const unsigned per_lane = bins / 32;
+      unsigned long long sum = 0;
+      for (unsigned i = 0; i < per_lane; ++i) sum += s.hist[lane * per_lane + i];
+      unsigned long long incl = sum;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const unsigned long long excl = incl - sum;
+      if (static_cast<unsigned long long>(rank) >= excl && static_cast<unsigned long long>(rank) < incl) {
+        unsigned long long cum = excl;
+        for (unsigned i = 0; i < per_lane; ++i) {
+          const unsigned h = s.hist[lane * per_lane + i];
+          if (static_cast<unsigned long long>(rank) < cum + h) {
+            s.digit = lane * per_lane + i;
+            s.rank = rank - static_cast<int64_t>(cum);
+            break;
+          }
+          cum += h;
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= static_cast<uint64_t>(s.digit) << lo_bit;
+    mask |= static_cast<uint64_t>(bins - 1) << lo_bit;
+    rank = s.rank;
+    __syncthreads();  // s.digit and s.rank are rewritten by the next pass
+  }
+  return prefix;
+}
+
+// The median pairwise distance (numpy's convention for an even count: the mean of the two middle
+// ones); NaN when a distance is NaN or Inf.
+__device__ double median_distance(const double* dist, int64_t P, SelectShared& s) {
+  const int tid = threadIdx.x;
+  if (tid == 0) s.not_finite = 0;
+  __syncthreads();
+  int bad = 0;
+  for (int64_t p = tid; p < P; p += kThreads) bad |= key_of(dist[p]) >= kNotFiniteKey;
+  if (bad) s.not_finite = 1;
+  __syncthreads();
+  if (s.not_finite) return NAN;
+  const int64_t k_lo = (P + 1) / 2 - 1;
+  const uint64_t lo = select_rank(dist, P, k_lo, s);
+  uint64_t hi = lo;
+  if (P % 2 == 0) {  // the next rank: lo again if more than k_lo + 1 keys are <= lo, else the least key above
+    if (tid == 0) {
+      s.count = 0;
+      s.min_gt = ~0ull;
+    }
+    __syncthreads();
+    unsigned long long count = 0, min_gt = ~0ull;
+    for (int64_t p = tid; p < P; p += kThreads) {
+      const uint64_t k = key_of(dist[p]);
+      if (k <= lo) ++count;
+      else if (k < min_gt) min_gt = k;
+    }
+    atomicAdd(&s.count, count);
+    atomicMin(&s.min_gt, min_gt);
+    __syncthreads();
+    hi = s.count > static_cast<unsigned long long>(k_lo + 1) ? lo : s.min_gt;
+  }
+  return 0.5 * (sqrt(__longlong_as_double(static_cast<long long>(lo))) +
+                sqrt(__longlong_as_double(static_cast<long long>(hi))));
+}
+
+struct KlArgs {
+  int n_den, n_num, n_q, row0;  // q_z's points are the stacked rows [row0, row0 + n_q)
+  int64_t d;
+  double lam, clip;
+  bool reverse;
+  int state_width;          // 0 (no grad state), d + 1 (projection) or N (weights)
+  bool projection;          // kl_state_is_projection (the widths d + 1 and N may coincide)
+  bool compute_dist;        // distances computed here from the points staged in shared memory, or given
+  int ldx;                  // the staged points' row stride (odd: lanes reading one coordinate of
+                            // consecutive points hit distinct banks)
+  bool dist_in_shared;      // the distances in shared memory (else in the global workspace)
+  bool system_in_shared;    // the n_den x n_den system in shared memory, else in sys_ws
+};
+
+// Solves the symmetric positive definite n x n system S x = b (S row-major, b in x; S's upper
+// triangle is read and overwritten). Gaussian elimination of the upper triangle (symmetric, so row
+// k right of the diagonal is also column k below it), one block-wide barrier per column, then back
+// substitution by one warp. Column k's pivot is the one Cholesky would take (squared); a pivot <= 0
+// (or NaN) sets *not_pd. Row k is staged in registers once per step, and each thread loads two rows
+// before storing either, so that a step's loads overlap: the elimination is bound by shared-memory
+// bandwidth, and the upper triangle is a third of what Gauss-Jordan's full rows move.
+__device__ void solve_spd(double* S, double* x, int n, int* not_pd) {
+  const int tid = threadIdx.x, tx = tid & 31, ty = tid >> 5;
+  for (int k = 0; k < n; ++k) {
+    const double piv = S[k * n + k];
+    if (tid == 0 && !(piv > 0.0)) *not_pd = 1;
+    const double inv = 1.0 / piv, xk = x[k];
+    for (int j0 = k + 1; j0 < n; j0 += 128) {  // columns right of k, 128 per round (4 per lane)
+      double rk[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + tx + 32 * u;
+        rk[u] = j < n ? S[k * n + j] : 0.0;
+      }
+      // rows i > k that have columns j >= i in this round, two per iteration
+      for (int i = k + 1 + ty; i < n && i < j0 + 128; i += 2 * kWarps) {
+        const int i2 = i + kWarps;
+        const bool has2 = i2 < n;
+        const double f1 = S[k * n + i] * inv;
+        const double f2 = has2 ? S[k * n + i2] * inv : 0.0;
+        double v1[4], v2[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + tx + 32 * u;
+          v1[u] = (j >= i && j < n) ? S[i * n + j] : 0.0;
+          v2[u] = (has2 && j >= i2 && j < n) ? S[i2 * n + j] : 0.0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + tx + 32 * u;
+          if (j >= i && j < n) S[i * n + j] = v1[u] - f1 * rk[u];
+          if (has2 && j >= i2 && j < n) S[i2 * n + j] = v2[u] - f2 * rk[u];
+        }
+      }
+    }
+    for (int i = k + 1 + tid; i < n; i += kThreads) x[i] -= S[k * n + i] * inv * xk;
+    __syncthreads();
+  }
+  if (ty == 0) {  // x_i = (b_i - sum_{j > i} S_ij x_j) / S_ii, from the last row up
+    for (int i = n - 1; i >= 0; --i) {
+      double s = 0.0;
+      for (int j = i + 1 + tx; j < n; j += 32) s += S[i * n + j] * x[j];
+      s = warp_sum(s);
+      if (tx == 0) x[i] = (x[i] - s) / S[i * n + i];
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+}
+
+// The whole forward of one batch element (blockIdx.x). Shared memory: coef [N]; the points as float64
+// [N, ldx] (compute_dist); then the distances (dist_in_shared) and a work region for the system (when
+// it fits) and the weights per warp. With compute_dist the later stages recompute distances from the
+// staged points (d <= a few dozen: cheaper than reading them back), so the distances share the work
+// region; otherwise (the wide path) they stay and the work region follows them.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    kl_forward_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, const double* __restrict__ sigma_in,
+                      double* __restrict__ dist_all, double* __restrict__ sys_all, double* __restrict__ kl_out,
+                      double* __restrict__ state_all, double* __restrict__ sigma_out, double* __restrict__ clipped_out,
+                      KlArgs a) {
+  extern __shared__ double smem[];
+  __shared__ SelectShared sel;
+  __shared__ double red_kl[kWarps];
+  __shared__ int red_clipped[kWarps];
+  __shared__ double scratch[kWarps][32];
+  __shared__ int not_pd;
+
+  const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = a.n_den + a.n_num, n = a.n_den, ldx = a.ldx;
+  const int64_t d = a.d, P = static_cast<int64_t>(N) * (N - 1) / 2;
+  const Stacked<T> pts{den_all + b * a.n_den * d, num_all + b * a.n_num * d, a.n_den, d};
+  double* coef = smem;
+  double* X = smem + N;  // [N, ldx] when compute_dist
+  double* region = X + (a.compute_dist ? N * ldx : 0);
+  double* dist = a.dist_in_shared ? region : dist_all + b * P;
+  double* work = (a.dist_in_shared && !a.compute_dist) ? region + P : region;
+  // squared distance of stacked points i and j, from the staged points or the stored distances
+  auto sqdist = [&](int i, int j) -> double {
+    if (!a.compute_dist) return packed_sqdist(dist, i, j, N);
+    const double* xi = X + i * ldx;
+    const double* xj = X + j * ldx;
+    double s = 0.0;
+    for (int64_t t = 0; t < d; ++t) {
+      const double diff = xi[t] - xj[t];
+      s += diff * diff;
+    }
+    return s;
+  };
+
+  if (a.compute_dist) {  // the points as float64 in shared memory, then every pair's squared distance
+    for (int64_t e = tid; e < N * d; e += kThreads) {
+      const int c = static_cast<int>(e / d);
+      X[c * ldx + (e - c * d)] = static_cast<double>(pts.row(c)[e - c * d]);
+    }
+    __syncthreads();
+    for (int i = warp; i < N; i += kWarps) {
+      for (int j = i + 1 + lane; j < N; j += 32) dist[pair_index(i, j, N)] = sqdist(i, j);
+    }
+    __syncthreads();
+  } else if (a.dist_in_shared) {  // pair_sqdist_kernel's sums, staged
+    for (int64_t p = tid; p < P; p += kThreads) dist[p] = dist_all[b * P + p];
+    __syncthreads();
+  }
+
+  double sigma;
+  if (sigma_in != nullptr) {
+    sigma = sigma_in[b];
+    if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
+  } else {
+    sigma = median_distance(dist, P, sel);
+    if (!(sigma > 0.0)) sigma = NAN;  // a zero median (or NaN samples)
+  }
+  const double gamma = -0.5 / (sigma * sigma);
+
+  // The system S = K_dd / n + lam I (its upper triangle, row-major) and the right-hand side
+  // K_dn 1 / (lam n n_num) in coef[0, n).
+  double* S = a.system_in_shared ? work : sys_all + static_cast<int64_t>(b) * n * n;
+  const double inv_n = 1.0 / n;
+  for (int i = warp; i < n; i += kWarps) {
+    for (int j = i + lane; j < n; j += 32) {
+      S[i * n + j] = exp(gamma * sqdist(i, j)) * inv_n + (i == j ? a.lam : 0.0);
+    }
+    double r = 0.0;
+    for (int c = n + lane; c < N; c += 32) r += exp(gamma * sqdist(i, c));
+    r = warp_sum(r);
+    if (lane == 0) coef[i] = r / (a.lam * n * static_cast<double>(a.n_num));
+  }
+  if (tid == 0) not_pd = 0;
+  __syncthreads();
+  solve_spd(S, coef, n, &not_pd);  // ends with a barrier
+  const bool bad = not_pd || isnan(sigma);
+  const double beta = 1.0 / (a.lam * a.n_num);
+  for (int c = tid; c < N; c += kThreads) coef[c] = bad ? NAN : (c < n ? -coef[c] : beta);
+  __syncthreads();
+
+  // The ratio at q_z's points (one warp per point), the KL's terms and the grad state.
+  const double inv_s2 = 1.0 / (sigma * sigma);
+  double* wbuf = work + warp * N;  // this warp's terms coef_c k(c, z_j)
+  const int groups = d <= 32 ? 32 / static_cast<int>(d) : 1;  // projection: lanes per dimension
+  double kl_sum = 0.0;
+  int clipped = 0;
+  for (int jq = warp; jq < a.n_q; jq += kWarps) {
+    const int j = a.row0 + jq;
+    double r = 0.0;
+    for (int c = lane; c < N; c += 32) {
+      const double t = coef[c] * exp(gamma * sqdist(c, j));
+      r += t;
+      if (a.state_width > 0) wbuf[c] = t;
+    }
+    r = warp_sum(r);
+    const bool cut = r <= a.clip;
+    if (lane == 0) {
+      kl_sum += cut ? log(a.clip) : log(r);
+      clipped += cut;
+    }
+    if (a.state_width == 0) continue;
+    // W_jc = coef_c k(c, z_j) / (sigma^2 r_j), 0 where r_j is clipped
+    const double scale = cut ? 0.0 : inv_s2 / r;
+    double* state = state_all + (static_cast<int64_t>(b) * a.n_q + jq) * a.state_width;
+    if (!a.projection) {
+      for (int c = lane; c < N; c += 32) state[c] = wbuf[c] * scale;
+      __syncwarp();
+      continue;
+    }
+    __syncwarp();
+    double wsum = 0.0;
+    for (int c = lane; c < N; c += 32) wsum += wbuf[c];
+    wsum = warp_sum(wsum);
+    // [sum_c W_jc x_c, sum_c W_jc]: with d <= 32, lane (t, g) sums dimension t over the points
+    // c = g mod groups, then the groups are added. The points are in shared memory: a projection
+    // state means d + 1 < N, so N d <= kSmallWork (handles_kl), so compute_dist.
+    if (d <= 32) {
+      const int t = lane % static_cast<int>(d), g = lane / static_cast<int>(d);
+      double acc = 0.0;
+      if (g < groups) {
+        for (int c = g; c < N; c += groups) acc += wbuf[c] * X[c * ldx + t];
+      }
+      scratch[warp][lane] = acc;
+      __syncwarp();
+      if (lane < d) {
+        double sum = 0.0;
+        for (int h = 0; h < groups; ++h) sum += scratch[warp][h * d + lane];
+        state[lane] = sum * scale;
+      }
+    } else {
+      for (int64_t t = lane; t < d; t += 32) {
+        double acc = 0.0;
+        for (int c = 0; c < N; ++c) acc += wbuf[c] * X[c * ldx + t];
+        state[t] = acc * scale;
+      }
+    }
+    if (lane == 0) state[d] = wsum * scale;
+    __syncwarp();
+  }
+  if (lane == 0) {
+    red_kl[warp] = kl_sum;
+    red_clipped[warp] = clipped;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    double s = 0.0;
+    int c = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      s += red_kl[w];
+      c += red_clipped[w];
+    }
+    kl_out[b] = (a.reverse ? -s : s) / a.n_q;
+    clipped_out[b] = static_cast<double>(c) / a.n_q;
+    sigma_out[b] = sigma;
+  }
+}
+
+// Squared distances of every pair of N <= kMaxWidePoints points in many dimensions, summed over
+// dimension chunks: each block takes chunks in turn (grid-stride), stages a chunk of all N rows in
+// shared memory, lets each warp own a fixed set of pairs, and adds its partial sums into dist once.
+template <typename T>
+__global__ void __launch_bounds__(kPairThreads)
+    pair_sqdist_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
+                       int64_t chunk, double* __restrict__ dist_all) {
+  extern __shared__ double smem[];
+  const int N = n_den + n_num, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.y;
+  const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
+  const Stacked<T> pts{den_all + b * n_den * d, num_all + b * n_num * d, n_den, d};
+  double* tile = smem;                 // [N, chunk]
+  double* part = smem + N * chunk;     // [P]
+  for (int64_t p = tid; p < P; p += kPairThreads) part[p] = 0.0;
+  for (int64_t t0 = blockIdx.x * chunk; t0 < d; t0 += static_cast<int64_t>(gridDim.x) * chunk) {
+    const int64_t len = min(chunk, d - t0);
+    __syncthreads();  // the previous chunk's reads are done
+    for (int c = warp; c < N; c += kPairWarps) {
+      const T* row = pts.row(c) + t0;
+      for (int64_t t = lane; t < len; t += 32) tile[c * chunk + t] = static_cast<double>(row[t]);
+    }
+    __syncthreads();
+    for (int64_t p = warp; p < P; p += kPairWarps) {
+      // (i, j) of packed index p: walk the rows (N <= 64)
+      int i = 0;
+      int64_t rest = p;
+      while (rest >= N - 1 - i) {
+        rest -= N - 1 - i;
+        ++i;
+      }
+      const int j = i + 1 + static_cast<int>(rest);
+      double s = 0.0;
+      for (int64_t t = lane; t < len; t += 32) {
+        const double diff = tile[i * chunk + t] - tile[j * chunk + t];
+        s += diff * diff;
+      }
+      s = warp_sum(s);
+      if (lane == 0) part[p] += s;
+    }
+  }
+  __syncthreads();
+  double* dist = dist_all + b * P;
+  for (int64_t p = tid; p < P; p += kPairThreads) atomicAdd(dist + p, part[p]);
+}
+
+// grad[b, j, t] = row_scale_b (proj[b, j, t] - proj[b, j, d] z[b, j, t]) (projection state).
+template <typename T>
+__global__ void grad_from_projection_kernel(const double* __restrict__ row_scale, const double* __restrict__ proj,
+                                            const T* __restrict__ z, T* __restrict__ grad, int64_t n_q, int64_t d,
+                                            int64_t total) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / d, t = e - row * d;
+    const double* pr = proj + row * (d + 1);
+    const double g = row_scale[row / n_q] * (pr[t] - pr[d] * static_cast<double>(z[e]));
+    grad[e] = static_cast<T>(g);
+  }
+}
+
+// grad[b, j, t] = row_scale_b (sum_c W_jc x_c[t] - (sum_c W_jc) z_j[t]) (weight state): one thread per
+// dimension t reads each point's coordinate t once per q point; W's rows are read by the whole block.
+template <typename T>
+__global__ void grad_from_weights_kernel(const double* __restrict__ row_scale, const double* __restrict__ W_all,
+                                         const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den,
+                                         int n_num, int n_q, int row0, int64_t d, T* __restrict__ grad_all) {
+  const int b = blockIdx.y, N = n_den + n_num;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= d) return;
+  const Stacked<T> pts{den_all + b * n_den * d, num_all + b * n_num * d, n_den, d};
+  const double* W = W_all + static_cast<int64_t>(b) * n_q * N;
+  const double s = row_scale[b];
+  for (int j = 0; j < n_q; ++j) {
+    double acc = 0.0, wsum = 0.0;
+    for (int c = 0; c < N; ++c) {
+      const double w = W[j * N + c];
+      acc += w * static_cast<double>(pts.row(c)[t]);
+      wsum += w;
+    }
+    const double zt = static_cast<double>(pts.row(row0 + j)[t]);
+    grad_all[(static_cast<int64_t>(b) * n_q + j) * d + t] = static_cast<T>(s * (acc - wsum * zt));
+  }
+}
+
+// The weight-state backward's cost per thread is n_q * N; above this the generic path's GEMM wins.
+constexpr int64_t kMaxWeightWork = 4096;
+
+int max_shared_bytes(int device) {
+  static int cached[64] = {0};
+  int& v = cached[device & 63];
+  if (v == 0) {
+    int optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    v = optin;
+  }
+  return v;
+}
+
+// Static shared memory of kl_forward_kernel (the selection's histogram, the reductions, the
+// projection's scratch), which counts against the same per-block limit.
+constexpr int kStaticShared = static_cast<int>(sizeof(SelectShared)) + kWarps * (12 + 8 * 32) + 16;
+
+// The forward's dynamic shared memory in doubles, for a layout (see kl_forward_kernel).
+int64_t forward_shared_doubles(int64_t N, int64_t n_den, int64_t d, bool compute_dist, int64_t ldx,
+                               bool dist_in_shared, bool system_in_shared) {
+  const int64_t P = N * (N - 1) / 2;
+  const int64_t work = std::max(kWarps * N, system_in_shared ? n_den * n_den : 0);
+  const int64_t base = N + (compute_dist ? N * ldx : 0);
+  if (compute_dist) return base + std::max(work, dist_in_shared ? P : 0);  // the distances share the work region
+  return base + (dist_in_shared ? P : 0) + work;
+}
+
+}  // namespace
+
+bool handles_kl(int64_t n_total, int64_t d) {
+  if (n_total > kMaxPoints) return false;
+  return n_total * d <= kSmallWork || n_total <= kMaxWidePoints;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Tensor& q_z_in, double lam, double clip,
+                                              const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
+  const c10::cuda::CUDAGuard guard(q_z_in.device());
+  const Tensor prior_z = prior_z_in.contiguous(), q_z = q_z_in.contiguous();
+  const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+  const int64_t B = q_z.size(0), n_den = roles.denom.size(1), n_num = roles.numer.size(1), d = q_z.size(2);
+  const int64_t N = n_den + n_num, P = N * (N - 1) / 2, n_q = q_z.size(1);
+  const auto f64 = q_z.options().dtype(at::kDouble);
+  const int device = q_z.get_device();
+  const int limit = max_shared_bytes(device) - kStaticShared;
+
+  KlArgs a{};
+  a.n_den = static_cast<int>(n_den);
+  a.n_num = static_cast<int>(n_num);
+  a.n_q = static_cast<int>(n_q);
+  a.row0 = static_cast<int>(roles.row0);
+  a.d = d;
+  a.lam = lam;
+  a.clip = clip;
+  a.reverse = reverse;
+  a.state_width = grad_state ? static_cast<int>(kl_state_width(N, d)) : 0;
+  a.projection = kl_state_is_projection(N, d);
+  a.compute_dist = N * d <= kSmallWork;
+  a.ldx = a.compute_dist ? static_cast<int>(d | 1) : 0;
+  // In shared memory what fits: both the distances (the median's passes) and the system (the
+  // elimination), else the system, else the distances, else neither.
+  const auto doubles = [&](bool dist_sh, bool sys_sh) {
+    return forward_shared_doubles(N, n_den, d, a.compute_dist, a.ldx, dist_sh, sys_sh);
+  };
+  const bool layouts[4][2] = {{true, true}, {false, true}, {true, false}, {false, false}};
+  for (const auto& l : layouts) {
+    a.dist_in_shared = l[0];
+    a.system_in_shared = l[1];
+    if (8 * doubles(l[0], l[1]) <= limit) break;
+  }
+  const int64_t shared_bytes = 8 * doubles(a.dist_in_shared, a.system_in_shared);
+  TORCH_CHECK(shared_bytes <= limit, "kivi_fast::kl (CUDA): ", shared_bytes, " bytes of shared memory needed, ",
+              limit, " available");
+
+  auto kl_out = at::empty({B}, f64), sigma_out = at::empty({B}, f64), clipped = at::empty({B}, f64);
+  auto state = at::empty({B, n_q, a.state_width}, f64);
+  if (B == 0) return {kl_out, state, sigma_out, clipped};
+  // the distances' workspace: the wide path's sums, or distances that do not fit in shared memory
+  auto dist = !a.compute_dist ? at::zeros({B, P}, f64) : at::empty({a.dist_in_shared ? 0 : B, P}, f64);
+  Tensor sys = a.system_in_shared ? Tensor() : at::empty({B, n_den * n_den}, f64);
+  const auto sigma_given = sigma.has_value() ? sigma->to(at::kDouble).contiguous() : Tensor();
+  const auto stream = c10::cuda::getCurrentCUDAStream(device);
+
+  AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl", [&] {
+    const scalar_t* den = roles.denom.data_ptr<scalar_t>();
+    const scalar_t* num = roles.numer.data_ptr<scalar_t>();
+    if (!a.compute_dist) {
+      // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB
+      const int64_t chunk = std::max<int64_t>(32, ((6144 - P) / N) / 32 * 32);
+      const int64_t bytes = 8 * (N * chunk + P);
+      TORCH_CHECK(bytes <= limit, "kivi_fast::kl (CUDA): pair_sqdist_kernel needs ", bytes, " bytes of shared memory");
+      const int64_t chunks = (d + chunk - 1) / chunk;
+      int sms = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      const int64_t per_element = std::max<int64_t>(1, std::min<int64_t>(chunks, (4 * sms + B - 1) / B));
+      const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(B));
+      if (bytes > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(pair_sqdist_kernel<scalar_t>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+      }
+      pair_sqdist_kernel<scalar_t><<<grid, kPairThreads, bytes, stream>>>(den, num, a.n_den, a.n_num, d, chunk,
+                                                                        dist.data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    // above 48 KB in all (static and dynamic) a kernel must opt in, on each device
+    if (shared_bytes + kStaticShared > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kl_forward_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(shared_bytes)));
+    }
+    kl_forward_kernel<scalar_t><<<static_cast<unsigned>(B), kThreads, shared_bytes, stream>>>(
+        den, num, sigma_given.defined() ? sigma_given.data_ptr<double>() : nullptr, dist.data_ptr<double>(),
+        sys.defined() ? sys.data_ptr<double>() : nullptr, kl_out.data_ptr<double>(), state.data_ptr<double>(),
+        sigma_out.data_ptr<double>(), clipped.data_ptr<double>(), a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {kl_out, state, sigma_out, clipped};
+}
+
+bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d) {
+  return kl_state_is_projection(n_total, d) || n_q * n_total <= kMaxWeightWork;
+}
+
+Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
+               bool reverse) {
+  const c10::cuda::CUDAGuard guard(q_z_in.device());
+  const Tensor q_z = q_z_in.contiguous(), prior_z = prior_z_in.contiguous(), state = state_in.contiguous();
+  const int64_t B = q_z.size(0), n_q = q_z.size(1), d = q_z.size(2), N = prior_z.size(1) + n_q;
+  const auto row_scale = kl_row_scale(grad_kl, n_q, reverse).contiguous();
+  auto grad = at::empty_like(q_z);
+  if (B == 0 || n_q == 0 || d == 0) return grad;
+  const auto stream = c10::cuda::getCurrentCUDAStream(q_z.get_device());
+  AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl_grad", [&] {
+    if (kl_state_is_projection(N, d)) {
+      const int64_t total = B * n_q * d;
+      const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
+      if (total > 0) {
+        grad_from_projection_kernel<scalar_t><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+            row_scale.data_ptr<double>(), state.data_ptr<double>(), q_z.data_ptr<scalar_t>(),
+            grad.data_ptr<scalar_t>(), n_q, d, total);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    } else {
+      const KlRoles roles = kl_roles(prior_z, q_z, reverse);
+      const dim3 grid(static_cast<unsigned>((d + 255) / 256), static_cast<unsigned>(B));
+      grad_from_weights_kernel<scalar_t><<<grid, 256, 0, stream>>>(
+          row_scale.data_ptr<double>(), state.data_ptr<double>(), roles.denom.data_ptr<scalar_t>(),
+          roles.numer.data_ptr<scalar_t>(), static_cast<int>(roles.denom.size(1)),
+          static_cast<int>(roles.numer.size(1)), static_cast<int>(n_q), static_cast<int>(roles.row0), d,
+          grad.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return grad;
+}
+
+}  // namespace kivi_fast::cuda
