@@ -138,13 +138,14 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 
 // The CUDA kernels (cuda/kl.cu, built when torch is a CUDA build; KIVI_FAST_WITH_CUDA): the kl op and
 // its backward, for the shapes handles_kl and handles_kl_grad accept (a whole fit in one thread block:
-// N = n_p + n_q <= 512 points with N d <= 6144, or N <= 64 in any d); other shapes take generic::.
+// N = n_p + n_q <= 512 points with N d <= 6144, or N <= 64 in any d, within the device's shared
+// memory per block); other shapes take generic::.
 // Arguments as generic::kl and generic::kl_grad; no value is read back to the host, so bad values
 // (NaN/Inf samples, a zero median, a bandwidth <= 0, a system that is not positive definite) give NaN
 // for their batch element instead of an error.
 namespace cuda {
-bool handles_kl(int64_t n_total, int64_t d);
-bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d);
+bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device);  // device: its shared memory
+bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch);
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);

@@ -18,8 +18,8 @@ namespace kivi_fast {
 // A build without the CUDA kernels (torch is a CPU build): nothing is registered for the CUDA key,
 // so these are never called.
 namespace cuda {
-bool handles_kl(int64_t, int64_t) { return false; }
-bool handles_kl_grad(int64_t, int64_t, int64_t) { return false; }
+bool handles_kl(int64_t, int64_t, int64_t, int) { return false; }
+bool handles_kl_grad(int64_t, int64_t, int64_t, int64_t) { return false; }
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor&, const Tensor&, double, double,
                                               const std::optional<Tensor>&, bool, bool) {
   TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels");
@@ -77,11 +77,14 @@ void check_pair(const char* op, const char* name_a, const Tensor& a, const char*
                     a.device(), " and ", b.scalar_type(), " on ", b.device());
 }
 
-// A given bandwidth: one value per batch element (the kernels read sigma[b]).
-void check_sigma(const char* op, const std::optional<Tensor>& sigma, int64_t batch) {
+// A given bandwidth: one value per batch element (the kernels read sigma[b]), on the samples' device
+// (a kernel reads it there).
+void check_sigma(const char* op, const std::optional<Tensor>& sigma, int64_t batch, const at::Device& device) {
   if (!sigma.has_value()) return;
   TORCH_CHECK_VALUE(sigma->dim() <= 1 && sigma->numel() == batch, "kivi_fast::", op,
                     ": sigma must hold one bandwidth per batch element (", batch, "), got shape ", sigma->sizes());
+  TORCH_CHECK_VALUE(sigma->device() == device, "kivi_fast::", op, ": sigma must be on the samples' device ", device,
+                    ", got ", sigma->device());
 }
 
 template <bool kCpu>
@@ -121,7 +124,7 @@ template <bool kCpu>
 std::tuple<Tensor, Tensor> fit_op(const Tensor& numer, const Tensor& denom, double lam,
                                   const std::optional<Tensor>& sigma) {
   check_pair("fit", "numer", numer, "denom", denom);
-  check_sigma("fit", sigma, numer.size(0));
+  check_sigma("fit", sigma, numer.size(0), numer.device());
   auto f = fit_any<kCpu>(numer, denom, lam, sigma, {"numer", "denom"});
   return {f.coef.narrow(1, 0, denom.size(1)).contiguous(), f.sigma};
 }
@@ -161,10 +164,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const
   check_pair("kl", "prior_z", prior_z_in, "q_z", q_z_in, /*unbatched_ok=*/true);
   const bool single = q_z_in.dim() == 2;
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
-  check_sigma("kl", sigma, q_z.size(0));
+  check_sigma("kl", sigma, q_z.size(0), q_z.device());
   const auto s = owned_double(sigma);
   Backend backend = force_generic.load() ? Backend::generic : kB;
-  if (backend == Backend::cuda && !cuda::handles_kl(prior_z.size(1) + q_z.size(1), q_z.size(2))) {
+  if (backend == Backend::cuda &&
+      !cuda::handles_kl(prior_z.size(1) + q_z.size(1), q_z.size(2), q_z.size(0), q_z.get_device())) {
     backend = Backend::generic;
   }
   auto [kl, state, used, clipped] =
@@ -209,8 +213,12 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
   const Tensor state = batched(state_in, single);
   TORCH_CHECK(grad_kl.numel() == q_z.size(0), "kivi_fast::kl_grad: grad_kl must have ", q_z.size(0),
               " elements, got ", grad_kl.sizes());
+  TORCH_CHECK(state.device() == q_z.device() && grad_kl.device() == q_z.device(),
+              "kivi_fast::kl_grad: state and grad_kl must be on q_z's device ", q_z.device(), ", got ",
+              state.device(), " and ", grad_kl.device());
   Backend backend = force_generic.load() ? Backend::generic : kB;
-  if (backend == Backend::cuda && !cuda::handles_kl_grad(prior_z.size(1) + q_z.size(1), q_z.size(1), q_z.size(2))) {
+  if (backend == Backend::cuda &&
+      !cuda::handles_kl_grad(prior_z.size(1) + q_z.size(1), q_z.size(1), q_z.size(2), q_z.size(0))) {
     backend = Backend::generic;
   }
   auto grad = backend == Backend::cpu    ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)

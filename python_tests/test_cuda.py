@@ -195,18 +195,30 @@ def test_the_cuda_kernels_median_equals_the_reference(n, ties):
     assert_close_rel(sigma, reference.median_bandwidth(torch.cat([q, p], 1)), 1e-14)
 
 
-@pytest.mark.parametrize("n,d", [(20, 3), (300, 3)])  # the CUDA kernels, the generic kernels
+@pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (300, 3)])  # CUDA kernels (small, wide), generic
 def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
-    """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN."""
-    p, q = torch.randn(4, n, d, device=CUDA), torch.randn(4, n, d, device=CUDA)
+    """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN:
+    a NaN in q_z, every distance 0 (a zero median), an Inf in prior_z (with an explicit bandwidth too,
+    where no median is taken), a bandwidth that is not positive."""
+    p, q = torch.randn(5, n, d, device=CUDA), torch.randn(5, n, d, device=CUDA)
     q[1, 3, 1] = float("nan")
-    p[2], q[2] = 0.0, 0.0  # every distance 0: a zero median
-    bandwidth = torch.tensor([1.0, 1.0, 1.0, -1.0], device=CUDA)  # the last one not positive
+    p[2], q[2] = 0.0, 0.0
+    p[3, 2, 0] = float("inf")
+    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0], device=CUDA) * math.sqrt(d)
     with no_host_sync():
         value = kivi_fast.kernel_kl(p, q)
         given = kivi_fast.kernel_kl(p, q, bandwidth=bandwidth)
-    assert value[0].isfinite() and value[3].isfinite() and value[1].isnan() and value[2].isnan()
-    assert given[0].isfinite() and given[3].isnan()
+    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3]].isnan().all(), value
+    assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
+
+
+def test_direct_op_calls_with_arguments_on_another_device_raise():
+    p, q = torch.randn(2, 10, 3, device=CUDA), torch.randn(2, 10, 3, device=CUDA)
+    with pytest.raises(ValueError, match="sigma must be on the samples' device"):
+        torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, torch.ones(2, dtype=torch.float64), True, True)
+    state = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, True)[1]
+    with pytest.raises(RuntimeError, match="must be on q_z's device"):
+        torch.ops.kivi_fast.kl_grad(torch.ones(2), state, q, p, True)
 
 
 @pytest.mark.parametrize("b,n,d", [(4, 100, 8), (2, 10, 30000), (2, 300, 8), (2, 100, 700)],

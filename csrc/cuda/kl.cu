@@ -10,7 +10,9 @@
 // elimination and solve, the evaluation of the ratio at q_z's points, the KL and the backward's grad
 // state. With many dimensions a first launch splits the distances over dimension chunks
 // (pair_sqdist_kernel), so that the whole GPU reads the samples once. The backward is one elementwise
-// launch (projection state) or one pass over the samples (weight state).
+// launch (projection state) or one pass over the samples (weight state). The dimension-split
+// distances are summed with atomics, so on that path results can differ in their last bits from run
+// to run.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cuda/device.h"
 #include "kivi.h"
 
 namespace kivi_fast::cuda {
@@ -82,7 +85,6 @@ struct SelectShared {
   unsigned digit;
   unsigned long long count;   // second middle: how many keys are <= the first
   unsigned long long min_gt;  // and the least key above it
-  int not_finite;
 };
 
 // The key of rank `rank` (0-based) among the P keys of dist, selected digit by digit from the top.
@@ -141,17 +143,19 @@ __device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, Sel
   return prefix;
 }
 
-// The median pairwise distance (numpy's convention for an even count: the mean of the two middle
-// ones); NaN when a distance is NaN or Inf.
+// Whether every distance is finite (block-wide). A NaN/Inf coordinate, or one too large to square,
+// makes every distance of its point NaN or Inf; without this check an Inf point would only drop out
+// of the fit (its kernel values are 0).
+__device__ bool all_finite(const double* dist, int64_t P) {
+  int bad = 0;
+  for (int64_t p = threadIdx.x; p < P; p += kThreads) bad |= key_of(dist[p]) >= kNotFiniteKey;
+  return !__syncthreads_or(bad);
+}
+
+// The median pairwise distance of finite distances (numpy's convention for an even count: the mean
+// of the two middle ones).
 __device__ double median_distance(const double* dist, int64_t P, SelectShared& s) {
   const int tid = threadIdx.x;
-  if (tid == 0) s.not_finite = 0;
-  __syncthreads();
-  int bad = 0;
-  for (int64_t p = tid; p < P; p += kThreads) bad |= key_of(dist[p]) >= kNotFiniteKey;
-  if (bad) s.not_finite = 1;
-  __syncthreads();
-  if (s.not_finite) return NAN;
   const int64_t k_lo = (P + 1) / 2 - 1;
   const uint64_t lo = select_rank(dist, P, k_lo, s);
   uint64_t hi = lo;
@@ -267,7 +271,8 @@ __global__ void __launch_bounds__(kThreads)
   const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int N = a.n_den + a.n_num, n = a.n_den, ldx = a.ldx;
   const int64_t d = a.d, P = static_cast<int64_t>(N) * (N - 1) / 2;
-  const Stacked<T> pts{den_all + b * a.n_den * d, num_all + b * a.n_num * d, a.n_den, d};
+  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * a.n_den * d, num_all + static_cast<int64_t>(b) * a.n_num * d,
+                      a.n_den, d};
   double* coef = smem;
   double* X = smem + N;  // [N, ldx] when compute_dist
   double* region = X + (a.compute_dist ? N * ldx : 0);
@@ -301,13 +306,11 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  double sigma;
-  if (sigma_in != nullptr) {
-    sigma = sigma_in[b];
+  // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
+  double sigma = NAN;
+  if (all_finite(dist, P)) {
+    sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, sel);
     if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
-  } else {
-    sigma = median_distance(dist, P, sel);
-    if (!(sigma > 0.0)) sigma = NAN;  // a zero median (or NaN samples)
   }
   const double gamma = -0.5 / (sigma * sigma);
 
@@ -420,7 +423,8 @@ __global__ void __launch_bounds__(kPairThreads)
   const int N = n_den + n_num, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.y;
   const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
-  const Stacked<T> pts{den_all + b * n_den * d, num_all + b * n_num * d, n_den, d};
+  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
+                      n_den, d};
   double* tile = smem;                 // [N, chunk]
   double* part = smem + N * chunk;     // [P]
   for (int64_t p = tid; p < P; p += kPairThreads) part[p] = 0.0;
@@ -478,7 +482,8 @@ __global__ void grad_from_weights_kernel(const double* __restrict__ row_scale, c
   const int b = blockIdx.y, N = n_den + n_num;
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= d) return;
-  const Stacked<T> pts{den_all + b * n_den * d, num_all + b * n_num * d, n_den, d};
+  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
+                      n_den, d};
   const double* W = W_all + static_cast<int64_t>(b) * n_q * N;
   const double s = row_scale[b];
   for (int j = 0; j < n_q; ++j) {
@@ -496,16 +501,7 @@ __global__ void grad_from_weights_kernel(const double* __restrict__ row_scale, c
 // The weight-state backward's cost per thread is n_q * N; above this the generic path's GEMM wins.
 constexpr int64_t kMaxWeightWork = 4096;
 
-int max_shared_bytes(int device) {
-  static int cached[64] = {0};
-  int& v = cached[device & 63];
-  if (v == 0) {
-    int optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    v = optin;
-  }
-  return v;
-}
+int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin); }
 
 // Static shared memory of kl_forward_kernel (the selection's histogram, the reductions, the
 // projection's scratch), which counts against the same per-block limit.
@@ -523,9 +519,13 @@ int64_t forward_shared_doubles(int64_t N, int64_t n_den, int64_t d, bool compute
 
 }  // namespace
 
-bool handles_kl(int64_t n_total, int64_t d) {
+bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
   if (n_total > kMaxPoints) return false;
-  return n_total * d <= kSmallWork || n_total <= kMaxWidePoints;
+  const bool small = n_total * d <= kSmallWork;
+  if (!small && (n_total > kMaxWidePoints || batch > 65535)) return false;  // pair_sqdist_kernel's grid.y
+  // the leanest layout (distances and system in global memory) must fit this device's blocks
+  const int64_t least = forward_shared_doubles(n_total, 0, d, small, small ? (d | 1) : 0, false, false);
+  return 8 * least + kStaticShared <= max_shared_bytes(device);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Tensor& q_z_in, double lam, double clip,
@@ -580,27 +580,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
     const scalar_t* den = roles.denom.data_ptr<scalar_t>();
     const scalar_t* num = roles.numer.data_ptr<scalar_t>();
     if (!a.compute_dist) {
-      // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB
+      // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
       const int64_t chunk = std::max<int64_t>(32, ((6144 - P) / N) / 32 * 32);
       const int64_t bytes = 8 * (N * chunk + P);
       TORCH_CHECK(bytes <= limit, "kivi_fast::kl (CUDA): pair_sqdist_kernel needs ", bytes, " bytes of shared memory");
       const int64_t chunks = (d + chunk - 1) / chunk;
-      int sms = 0;
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
       const int64_t per_element = std::max<int64_t>(1, std::min<int64_t>(chunks, (4 * sms + B - 1) / B));
       const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(B));
-      if (bytes > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(pair_sqdist_kernel<scalar_t>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-      }
       pair_sqdist_kernel<scalar_t><<<grid, kPairThreads, bytes, stream>>>(den, num, a.n_den, a.n_num, d, chunk,
                                                                         dist.data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    // above 48 KB in all (static and dynamic) a kernel must opt in, on each device
     if (shared_bytes + kStaticShared > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kl_forward_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(shared_bytes)));
+      allow_all_shared_memory(reinterpret_cast<const void*>(kl_forward_kernel<scalar_t>), device, kStaticShared);
     }
     kl_forward_kernel<scalar_t><<<static_cast<unsigned>(B), kThreads, shared_bytes, stream>>>(
         den, num, sigma_given.defined() ? sigma_given.data_ptr<double>() : nullptr, dist.data_ptr<double>(),
@@ -611,8 +604,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   return {kl_out, state, sigma_out, clipped};
 }
 
-bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d) {
-  return kl_state_is_projection(n_total, d) || n_q * n_total <= kMaxWeightWork;
+bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
+  // the weight state's kernel: grid.y = batch
+  return kl_state_is_projection(n_total, d) || (n_q * n_total <= kMaxWeightWork && batch <= 65535);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,

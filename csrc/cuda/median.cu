@@ -12,8 +12,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "cuda/device.h"
 #include "kivi.h"
 
 namespace kivi_fast::cuda {
@@ -36,9 +38,9 @@ __device__ __forceinline__ uint64_t key_of(double v) { return static_cast<uint64
 // One digit's histogram over the keys that match the digits found so far. Blocks take rows i in turn,
 // threads the columns j > i.
 __global__ void __launch_bounds__(kThreads)
-    digit_histogram_kernel(const double* __restrict__ sq_all, int64_t N, const Selection* __restrict__ sel_all,
+    digit_histogram_kernel(const double* __restrict__ sq_all, int64_t N, const Selection* sel_all,
                            int lo_bit, unsigned bins, bool first, unsigned long long* __restrict__ hist_all,
-                           Selection* __restrict__ sel_out) {
+                           Selection* sel_out) {  // sel_out: sel_all (its not_finite flag)
   __shared__ unsigned hist[kMaxBins];
   const int b = blockIdx.y, tid = threadIdx.x, lane = tid & 31;
   const double* sq = sq_all + b * N * N;
@@ -154,27 +156,33 @@ Tensor median_from_sqdist(const Tensor& sq_in) {
   auto* h = reinterpret_cast<unsigned long long*>(hist.data_ptr<int64_t>());
   const int device = sq.get_device();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // enough blocks to fill the GPU, at most one per row
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(N - 1, (8 * sms + B - 1) / B))),
-                  static_cast<unsigned>(B));
-  bool first = true;
-  for (int shift = 64 - kBits; shift > -kBits; shift -= kBits) {
-    const int lo_bit = shift < 0 ? 0 : shift;
-    const unsigned bins = 1u << (shift < 0 ? kBits + shift : kBits);
-    digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(sq.data_ptr<double>(), N, sel, lo_bit, bins, first, h, sel);
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
+  // Batch elements in chunks of at most 65535 (the grids' y dimension), each chunk's grid with
+  // enough blocks to fill the GPU, at most one per row.
+  for (int64_t b0 = 0; b0 < B; b0 += 65535) {
+    const int64_t nb = std::min<int64_t>(65535, B - b0);
+    const double* sq_b = sq.data_ptr<double>() + b0 * N * N;
+    Selection* sel_b = sel + b0;
+    unsigned long long* h_b = h + b0 * kMaxBins;
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(N - 1, (8 * sms + nb - 1) / nb))),
+                    static_cast<unsigned>(nb));
+    bool first = true;
+    for (int shift = 64 - kBits; shift > -kBits; shift -= kBits) {
+      const int lo_bit = shift < 0 ? 0 : shift;
+      const unsigned bins = 1u << (shift < 0 ? kBits + shift : kBits);
+      digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(sq_b, N, sel_b, lo_bit, bins, first, h_b, sel_b);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      pick_digit_kernel<<<static_cast<unsigned>(nb), 32, 0, stream>>>(h_b, sel_b, lo_bit, bins);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      first = false;
+    }
+    if (P % 2 == 0) {
+      second_middle_kernel<<<grid, kThreads, 0, stream>>>(sq_b, N, sel_b);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    bandwidth_kernel<<<static_cast<unsigned>(nb), 1, 0, stream>>>(sel_b, P, sigma.data_ptr<double>() + b0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    pick_digit_kernel<<<static_cast<unsigned>(B), 32, 0, stream>>>(h, sel, lo_bit, bins);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    first = false;
   }
-  if (P % 2 == 0) {
-    second_middle_kernel<<<grid, kThreads, 0, stream>>>(sq.data_ptr<double>(), N, sel);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  bandwidth_kernel<<<static_cast<unsigned>(B), 1, 0, stream>>>(sel, P, sigma.data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return sigma;
 }
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU and never runs
+# this): builds kivi_fast with its CUDA kernels into that environment, then runs the CUDA tests, the
+# kernels under compute-sanitizer (where installed), bench/gpu.py and bench/train_steps.py. Everything
+# it prints also goes to OUT_DIR/gpu_check.log; the benches' JSON go to OUT_DIR.
+#   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
+#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps)
+#   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-runs/gpu_check}"
+mkdir -p "$out"
+exec > >(tee -a "$out/gpu_check.log") 2>&1
+PHASES="${PHASES:-build,tests,sanitizer,bench,steps}"
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+date
+nvidia-smi -L || { echo "gpu_check: no NVIDIA GPU visible"; exit 2; }
+python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda); sys.exit(not torch.cuda.is_available())" \
+  || { echo "gpu_check: python3's torch sees no CUDA device"; exit 2; }
+status=0
+if has build; then
+  arch=()
+  [ -n "${CUDA_ARCH:-}" ] && arch=(-Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH")
+  t0=$(date +%s)
+  if ! python3 -m pip install --no-build-isolation --no-deps -e . "${arch[@]}" > "$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"; echo "gpu_check: the build failed ($out/build.log)"; exit 1
+  fi
+  echo "built in $(( $(date +%s) - t0 )) s"
+fi
+if has tests; then
+  python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py || status=1
+fi
+if has sanitizer && command -v compute-sanitizer > /dev/null; then
+  # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses
+  compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || status=1
+import torch, kivi_fast
+for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100), (1, 300, 300, 3)]:
+    for reverse in (True, False):
+        p = torch.randn(b, n_p, d, device="cuda")
+        q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
+        kivi_fast.kernel_kl(p, q, reverse=reverse).sum().backward()
+torch.cuda.synchronize()
+print("compute-sanitizer: kernels ran")
+PY
+fi
+if has bench; then
+  python3 bench/gpu.py --dtypes float32 --shapes 128x100x8,1024x100x8,100x8,10x314000,100x50000,100x700,1000x32,2000x32,5000x64 \
+    --json "$out/cuda_results.json" || status=1
+  python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || status=1
+fi
+if has steps; then
+  python3 bench/train_steps.py --json "$out/train_steps.json" || status=1
+fi
+date
+exit $status
