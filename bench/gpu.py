@@ -59,6 +59,23 @@ def peak_mb(fn, p, q) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def device_info(script: str) -> dict | None:
+    """The GPU, torch and CUDA versions and kivi_fast's backend, printed; None (said so) without a GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script}: torch sees no CUDA device", file=sys.stderr)
+        return None
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "kivi_fast_backend": cpu_bench.kivi_fast.backend()}
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+    return info
+
+
+def save_json(path: str | None, info: dict, rows: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": info, "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=cpu_bench.DEFAULT_SHAPES, help="comma-separated NxD or BxNxD")
@@ -67,13 +84,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     ap.add_argument("--compiled", action="store_true", help="also the pure sides under torch.compile")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/gpu.py: torch sees no CUDA device", file=sys.stderr)
+    info = device_info("bench/gpu.py")
+    if info is None:
         return 2
     dev = torch.device("cuda")
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "kivi_fast_backend": cpu_bench.kivi_fast.backend()}
-    print(" ".join(f"{k}={v}" for k, v in info.items()))
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:
         for name in cpu_bench.PURE:
@@ -108,9 +122,7 @@ def main(argv=None) -> int:
                       + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in run_pure)
                       + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls) if backward else ""),
                       flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": info, "rows": rows}, f, indent=1)
+    save_json(args.json, info, rows)
     return 0
 
 

@@ -13,12 +13,11 @@ Random inputs of the real shapes: no data files are needed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-import kivi_fast
+import gpu as gpu_bench  # bench/gpu.py: the device line and the JSON file
 from kivi_fast.experiments import mnist as mnist_exp
 from kivi_fast.experiments import vae as vae_exp
 from kivi_fast.nn.classification import ClassificationBNN
@@ -48,12 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/train_steps.py: torch sees no CUDA device", file=sys.stderr)
+    info = gpu_bench.device_info("bench/train_steps.py")
+    if info is None:
         return 2
     device = torch.device("cuda")
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": kivi_fast.backend()}
-    print(" ".join(f"{k}={v}" for k, v in info.items()))
     cases = {"vae kivi-ac": lambda: vae_profile("kivi-ac", device, args.repeats),
              "vae kivi": lambda: vae_profile("kivi", device, args.repeats),
              "mnist kivi L=400": lambda: mnist_profile(device, args.repeats)}
@@ -70,9 +67,7 @@ def main(argv=None) -> int:
         print(f"{name:18} " + "  ".join(
             f"{k}: step {row[k]['step_seconds'] * 1e3:6.2f} ms, KL {row[k]['kl_seconds'] * 1e3:6.2f} ms "
             f"({100 * row[k]['kl_share']:4.1f}%)" for k in ("generic", "cuda")), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": info, "rows": rows}, f, indent=1)
+    gpu_bench.save_json(args.json, info, rows)
     return 0
 
 
