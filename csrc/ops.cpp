@@ -47,6 +47,14 @@ enum class Backend { cpu, generic, cuda };
 template <bool kCpu>
 constexpr Backend kl_backend = kCpu ? Backend::cpu : Backend::generic;
 
+// The backend that runs a call: the registered one; generic when forced, or for the shapes the CUDA
+// kernels do not take (cuda_takes() is asked for Backend::cuda only: it reads the device's limits).
+template <class CudaTakes>
+Backend resolve(Backend registered, CudaTakes cuda_takes) {
+  if (force_generic.load() || (registered == Backend::cuda && !cuda_takes())) return Backend::generic;
+  return registered;
+}
+
 // The ops are also callable directly (torch.ops.kivi_fast.*), without the Python checks of
 // kivi_fast/_validate.py: sample arguments are checked here too, so that a mismatch is an error and
 // never a read past the end of a buffer.
@@ -166,11 +174,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
   check_sigma("kl", sigma, q_z.size(0), q_z.device());
   const auto s = owned_double(sigma);
-  Backend backend = force_generic.load() ? Backend::generic : kB;
-  if (backend == Backend::cuda &&
-      !cuda::handles_kl(prior_z.size(1) + q_z.size(1), q_z.size(2), q_z.size(0), q_z.get_device())) {
-    backend = Backend::generic;
-  }
+  const Backend backend = resolve(kB, [&] {
+    return cuda::handles_kl(prior_z.size(1) + q_z.size(1), q_z.size(2), q_z.size(0), q_z.get_device());
+  });
   auto [kl, state, used, clipped] =
       backend == Backend::cpu    ? cpu::kl(prior_z.contiguous(), q_z.contiguous(), lam, clip, s, reverse, grad_state)
       : backend == Backend::cuda ? cuda::kl(prior_z, q_z, lam, clip, s, reverse, grad_state)
@@ -216,11 +222,9 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
   TORCH_CHECK(state.device() == q_z.device() && grad_kl.device() == q_z.device(),
               "kivi_fast::kl_grad: state and grad_kl must be on q_z's device ", q_z.device(), ", got ",
               state.device(), " and ", grad_kl.device());
-  Backend backend = force_generic.load() ? Backend::generic : kB;
-  if (backend == Backend::cuda &&
-      !cuda::handles_kl_grad(prior_z.size(1) + q_z.size(1), q_z.size(1), q_z.size(2), q_z.size(0))) {
-    backend = Backend::generic;
-  }
+  const Backend backend = resolve(kB, [&] {
+    return cuda::handles_kl_grad(prior_z.size(1) + q_z.size(1), q_z.size(1), q_z.size(2), q_z.size(0));
+  });
   auto grad = backend == Backend::cpu    ? cpu::kl_grad(grad_kl, state, q_z, prior_z, reverse)
               : backend == Backend::cuda ? cuda::kl_grad(grad_kl, state, q_z, prior_z, reverse)
                                          : generic::kl_grad(grad_kl, state, q_z, prior_z, reverse);

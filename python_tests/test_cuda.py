@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import kivi_fast
 from kivi_fast import reference
 
+from conftest import implementation
 from test_ops_vs_reference import MAX_WORK, make_samples, value_and_grad
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -129,16 +130,6 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(old)
 
 
-@contextlib.contextmanager
-def generic_kernels():
-    """The device-generic ATen kernels in place of csrc/cuda/ (what CUDA tensors ran before it)."""
-    old = torch.ops.kivi_fast_testing.set_force_generic(True)
-    try:
-        yield
-    finally:
-        torch.ops.kivi_fast_testing.set_force_generic(old)
-
-
 def kernels_run(fn) -> set:
     """The names of the CUDA kernels that fn() launches."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -176,7 +167,7 @@ def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
     # the op's other outputs against the generic kernels on the same GPU
     args = (p.to(CUDA), q.to(CUDA), 1e-3, 1e-8, None, reverse, True)
     ours = torch.ops.kivi_fast.kl(*args)
-    with generic_kernels():
+    with implementation("generic"):  # the ATen kernels, what CUDA tensors ran before csrc/cuda/
         theirs = torch.ops.kivi_fast.kl(*args)
     for a, e in zip(ours[1:], theirs[1:]):  # grad state, bandwidth, clipped fraction
         assert a.shape == e.shape

@@ -33,6 +33,7 @@
 #include <limits>
 
 #include "cuda/device.h"
+#include "cuda/radix.h"
 #include "kivi.h"
 
 namespace kivi_fast::cuda {
@@ -47,7 +48,6 @@ constexpr int kPairWarps = kPairThreads / 32;
 constexpr int64_t kMaxPoints = 512;       // N: the fused path's limit
 constexpr int64_t kSmallWork = 6144;      // N * d: the points fit in shared memory (48 KB of float64)
 constexpr int64_t kMaxWidePoints = 64;    // N with many dimensions (pair_sqdist_kernel)
-constexpr int kRadixBits = 11;            // digits of the median's radix selection: 6 passes over 64 bits
 
 // Offset of pair (i, j), i < j, in the packed upper triangle of N points (rows i = 0, 1, ...).
 __host__ __device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int64_t n) {
@@ -74,13 +74,11 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// Non-negative doubles (distances) order as their bit patterns; Inf and NaN patterns lie above every
-// finite one.
-__device__ __forceinline__ uint64_t key_of(double v) { return static_cast<uint64_t>(__double_as_longlong(v)); }
-constexpr uint64_t kNotFiniteKey = 0x7ff0000000000000ull;
+using radix::key_of;
+using radix::kNotFiniteKey;
 
 struct SelectShared {
-  unsigned hist[1 << kRadixBits];
+  unsigned hist[radix::kMaxBins];
   int64_t rank;
   unsigned digit;
   unsigned long long count;   // second middle: how many keys are <= the first
@@ -91,10 +89,9 @@ struct SelectShared {
 __device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, SelectShared& s) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint64_t prefix = 0, mask = 0;
-  for (int shift = 64 - kRadixBits; shift > -kRadixBits; shift -= kRadixBits) {
-    const int lo_bit = shift < 0 ? 0 : shift;
-    const int width = shift < 0 ? kRadixBits + shift : kRadixBits;
-    const unsigned bins = 1u << width;
+  for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
+    const int lo_bit = radix::digit_low_bit(shift);
+    const unsigned bins = radix::digit_bins(shift);
     for (unsigned i = tid; i < bins; i += kThreads) s.hist[i] = 0;
     if (tid == 0) s.rank = rank;
     __syncthreads();
@@ -111,27 +108,12 @@ __device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, Sel
       if (bin != ~0u && lane == __ffs(peers) - 1) atomicAdd(&s.hist[bin], static_cast<unsigned>(__popc(peers)));
     }
     __syncthreads();
-    if (warp == 0) {  // which digit holds the rank: each lane sums its slice of bins, then a warp scan
-      const unsigned per_lane = bins / 32;
-      unsigned long long sum = 0;
-      for (unsigned i = 0; i < per_lane; ++i) sum += s.hist[lane * per_lane + i];
-      unsigned long long incl = sum;
-      for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const unsigned long long excl = incl - sum;
-      if (static_cast<unsigned long long>(rank) >= excl && static_cast<unsigned long long>(rank) < incl) {
-        unsigned long long cum = excl;
-        for (unsigned i = 0; i < per_lane; ++i) {
-          const unsigned h = s.hist[lane * per_lane + i];
-          if (static_cast<unsigned long long>(rank) < cum + h) {
-            s.digit = lane * per_lane + i;
-            s.rank = rank - static_cast<int64_t>(cum);
-            break;
-          }
-          cum += h;
-        }
+    if (warp == 0) {
+      unsigned digit;
+      unsigned long long left;
+      if (radix::find_digit(s.hist, bins, static_cast<unsigned long long>(rank), &digit, &left)) {
+        s.digit = digit;
+        s.rank = static_cast<int64_t>(left);
       }
     }
     __syncthreads();
@@ -156,28 +138,24 @@ __device__ bool all_finite(const double* dist, int64_t P) {
 // of the two middle ones).
 __device__ double median_distance(const double* dist, int64_t P, SelectShared& s) {
   const int tid = threadIdx.x;
-  const int64_t k_lo = (P + 1) / 2 - 1;
-  const uint64_t lo = select_rank(dist, P, k_lo, s);
-  uint64_t hi = lo;
-  if (P % 2 == 0) {  // the next rank: lo again if more than k_lo + 1 keys are <= lo, else the least key above
-    if (tid == 0) {
-      s.count = 0;
-      s.min_gt = ~0ull;
-    }
-    __syncthreads();
-    unsigned long long count = 0, min_gt = ~0ull;
-    for (int64_t p = tid; p < P; p += kThreads) {
-      const uint64_t k = key_of(dist[p]);
-      if (k <= lo) ++count;
-      else if (k < min_gt) min_gt = k;
-    }
-    atomicAdd(&s.count, count);
-    atomicMin(&s.min_gt, min_gt);
-    __syncthreads();
-    hi = s.count > static_cast<unsigned long long>(k_lo + 1) ? lo : s.min_gt;
+  const uint64_t lo = select_rank(dist, P, radix::lower_middle_rank(P), s);
+  if (P % 2 == 1) return radix::median_of_middles(lo, P, 0, 0);
+  // the upper middle's statistics: how many keys are <= lo, and the least key above it
+  if (tid == 0) {
+    s.count = 0;
+    s.min_gt = ~0ull;
   }
-  return 0.5 * (sqrt(__longlong_as_double(static_cast<long long>(lo))) +
-                sqrt(__longlong_as_double(static_cast<long long>(hi))));
+  __syncthreads();
+  unsigned long long count = 0, min_gt = ~0ull;
+  for (int64_t p = tid; p < P; p += kThreads) {
+    const uint64_t k = key_of(dist[p]);
+    if (k <= lo) ++count;
+    else if (k < min_gt) min_gt = k;
+  }
+  atomicAdd(&s.count, count);
+  atomicMin(&s.min_gt, min_gt);
+  __syncthreads();
+  return radix::median_of_middles(lo, P, s.count, s.min_gt);
 }
 
 struct KlArgs {

@@ -16,15 +16,16 @@
 #include <cstdint>
 
 #include "cuda/device.h"
+#include "cuda/radix.h"
 #include "kivi.h"
 
 namespace kivi_fast::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kBits = 11;
-constexpr unsigned kMaxBins = 1u << kBits;
-constexpr uint64_t kNotFiniteKey = 0x7ff0000000000000ull;
+using radix::key_of;
+using radix::kMaxBins;
+using radix::kNotFiniteKey;
 
 // Per batch element, in device memory: the selection's progress and the second middle's statistics.
 struct Selection {
@@ -32,8 +33,6 @@ struct Selection {
   unsigned long long count_le, min_gt;    // even counts: keys <= the lower middle, least key above it
   unsigned long long not_finite;
 };
-
-__device__ __forceinline__ uint64_t key_of(double v) { return static_cast<uint64_t>(__double_as_longlong(v)); }
 
 // One digit's histogram over the keys that match the digits found so far. Blocks take rows i in turn,
 // threads the columns j > i.
@@ -77,27 +76,12 @@ __global__ void pick_digit_kernel(unsigned long long* __restrict__ hist_all, Sel
   const int b = blockIdx.x, lane = threadIdx.x;
   unsigned long long* hist = hist_all + static_cast<int64_t>(b) * kMaxBins;
   Selection& sel = sel_all[b];
-  const unsigned per_lane = bins / 32;
-  unsigned long long sum = 0;
-  for (unsigned i = 0; i < per_lane; ++i) sum += hist[lane * per_lane + i];
-  unsigned long long incl = sum;
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
-  const unsigned long long excl = incl - sum, rank = sel.rank;
-  __syncwarp();
-  if (rank >= excl && rank < incl) {
-    unsigned long long cum = excl;
-    for (unsigned i = 0; i < per_lane; ++i) {
-      const unsigned long long h = hist[lane * per_lane + i];
-      if (rank < cum + h) {
-        sel.prefix |= static_cast<unsigned long long>(lane * per_lane + i) << lo_bit;
-        sel.rank = rank - cum;
-        break;
-      }
-      cum += h;
-    }
+  const unsigned long long rank = sel.rank;  // read by every lane before one rewrites it
+  unsigned digit;
+  unsigned long long left;
+  if (radix::find_digit(hist, bins, rank, &digit, &left)) {
+    sel.prefix |= static_cast<unsigned long long>(digit) << lo_bit;
+    sel.rank = left;
   }
   __syncwarp();
   if (lane == 0) sel.mask |= static_cast<unsigned long long>(bins - 1) << lo_bit;
@@ -131,10 +115,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void bandwidth_kernel(const Selection* __restrict__ sel_all, int64_t P, double* __restrict__ sigma) {
   const int b = blockIdx.x;
   const Selection& sel = sel_all[b];
-  const unsigned long long lo = sel.prefix;
-  const unsigned long long hi = (P % 2 == 1 || sel.count_le > static_cast<unsigned long long>((P + 1) / 2)) ? lo : sel.min_gt;
-  const double s = 0.5 * (sqrt(__longlong_as_double(static_cast<long long>(lo))) +
-                          sqrt(__longlong_as_double(static_cast<long long>(hi))));
+  const double s = radix::median_of_middles(sel.prefix, P, sel.count_le, sel.min_gt);
   sigma[b] = (sel.not_finite || !(s > 0.0)) ? NAN : s;
 }
 
@@ -149,7 +130,7 @@ Tensor median_from_sqdist(const Tensor& sq_in) {
   static_assert(sizeof(Selection) == 6 * sizeof(int64_t));
   // prefix = mask = count_le = not_finite = 0, rank = the lower middle's, min_gt = all ones
   auto init = at::zeros({B, 6}, sq.options().dtype(at::kLong));
-  init.select(1, 2).fill_((P + 1) / 2 - 1);
+  init.select(1, 2).fill_(radix::lower_middle_rank(P));
   init.select(1, 4).fill_(-1);
   auto hist = at::zeros({B, static_cast<int64_t>(kMaxBins)}, sq.options().dtype(at::kLong));
   auto* sel = reinterpret_cast<Selection*>(init.data_ptr<int64_t>());
@@ -167,9 +148,9 @@ Tensor median_from_sqdist(const Tensor& sq_in) {
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(N - 1, (8 * sms + nb - 1) / nb))),
                     static_cast<unsigned>(nb));
     bool first = true;
-    for (int shift = 64 - kBits; shift > -kBits; shift -= kBits) {
-      const int lo_bit = shift < 0 ? 0 : shift;
-      const unsigned bins = 1u << (shift < 0 ? kBits + shift : kBits);
+    for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
+      const int lo_bit = radix::digit_low_bit(shift);
+      const unsigned bins = radix::digit_bins(shift);
       digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(sq_b, N, sel_b, lo_bit, bins, first, h_b, sel_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       pick_digit_kernel<<<static_cast<unsigned>(nb), 32, 0, stream>>>(h_b, sel_b, lo_bit, bins);

@@ -1,0 +1,65 @@
+// The exact median of squared distances by radix selection, shared by the block-level selection of
+// cuda/kl.cu and the multi-block one of cuda/median.cu: non-negative doubles order as their bit
+// patterns ("keys"), so the key of a rank is found digit by digit from the top, each digit from a
+// histogram of the keys that match the digits found so far.
+#pragma once
+
+#include <cstdint>
+
+namespace kivi_fast::cuda::radix {
+
+constexpr int kBits = 11;  // 6 digits cover 64 bits: 11 bits each, the last 9
+constexpr unsigned kMaxBins = 1u << kBits;
+constexpr uint64_t kNotFiniteKey = 0x7ff0000000000000ull;  // Inf and NaN keys lie at or above it
+
+__device__ __forceinline__ uint64_t key_of(double v) { return static_cast<uint64_t>(__double_as_longlong(v)); }
+
+// The digits from the top: for (int shift = kFirstShift; shift > kEndShift; shift -= kBits).
+constexpr int kFirstShift = 64 - kBits;
+constexpr int kEndShift = -kBits;
+__host__ __device__ constexpr int digit_low_bit(int shift) { return shift < 0 ? 0 : shift; }
+__host__ __device__ constexpr unsigned digit_bins(int shift) { return 1u << (shift < 0 ? kBits + shift : kBits); }
+
+// Called by a whole warp over one digit's histogram of `bins` counts: the lane whose slice of bins holds
+// the key of rank `rank` (0-based among the counted keys) sets *digit and *rank_left (the rank within
+// that bin) and returns true; the other lanes return false.
+template <typename Count>
+__device__ bool find_digit(const Count* hist, unsigned bins, unsigned long long rank, unsigned* digit,
+                           unsigned long long* rank_left) {
+  const unsigned lane = threadIdx.x & 31, per_lane = bins / 32;
+  unsigned long long sum = 0;
+  for (unsigned i = 0; i < per_lane; ++i) sum += hist[lane * per_lane + i];
+  unsigned long long incl = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= static_cast<unsigned>(o)) incl += v;
+  }
+  if (rank < incl - sum || rank >= incl) return false;
+  unsigned long long cum = incl - sum;
+  for (unsigned i = 0; i < per_lane; ++i) {
+    const unsigned long long h = hist[lane * per_lane + i];
+    if (rank < cum + h) {
+      *digit = lane * per_lane + i;
+      *rank_left = rank - cum;
+      return true;
+    }
+    cum += h;
+  }
+  return false;
+}
+
+// The lower middle's rank (0-based) among P pairs.
+__host__ __device__ constexpr int64_t lower_middle_rank(int64_t P) { return (P + 1) / 2 - 1; }
+
+// The median distance from the lower middle key, for an even P also from how many keys are <= it and
+// the least key above it (numpy's convention: the mean of the two middle distances; the upper middle
+// is the lower one again when it occurs more than once).
+__device__ __forceinline__ double median_of_middles(uint64_t lo, int64_t P, unsigned long long count_le,
+                                                    unsigned long long min_gt) {
+  const bool tied = count_le > static_cast<unsigned long long>(lower_middle_rank(P) + 1);
+  const uint64_t hi = (P % 2 == 1 || tied) ? lo : min_gt;
+  return 0.5 * (sqrt(__longlong_as_double(static_cast<long long>(lo))) +
+                sqrt(__longlong_as_double(static_cast<long long>(hi))));
+}
+
+}  // namespace kivi_fast::cuda::radix
