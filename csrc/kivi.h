@@ -74,11 +74,10 @@ inline int64_t kl_state_width(int64_t n_total, int64_t d) {
   return kl_state_is_projection(n_total, d) ? d + 1 : n_total;
 }
 
-// A fitted ratio together with what the evaluation at the fitted samples reuses.
+// A fitted ratio.
 struct Fit {
   Tensor coef;    // [B, N] float64: alpha for the denom points, then beta for the numer points
   Tensor sigma;   // [B] float64
-  Tensor kernel;  // [B, N, N] float64, k over the stacked points [denom; numer] (generic:: only)
 };
 
 // Each backend provides the same functions; generic:: uses ATen calls only (any device), cpu::
@@ -149,20 +148,19 @@ bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch);
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
-// The median of the distances over the pairs of N points from their squared distances [B, N, N]
-// (float64, CUDA; the upper triangle is read): as median_from_sqdist below, NaN where that raises.
-// cuda/median.cu; generic::'s median on CUDA tensors with many pairs.
-Tensor median_from_sqdist(const Tensor& sq);
+// The median of the distances over the pairs of N points (float64, CUDA) from their squared distances
+// in the generic fit's layout: rows 0..n_top-1 of the N x N matrix (top [B, n_top, N]) and the block of
+// the other rows and columns (tail [B, N - n_top, N - n_top]); the upper triangle is read. As the
+// generic median, NaN where that raises. cuda/median.cu; the generic path's median on CUDA tensors
+// with many pairs.
+Tensor median_of_pairs(const Tensor& top, const Tensor& tail);
 }  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path
 // CUDA tensors take); returns the old value.
 bool set_force_generic(bool flag);
 
-// ATen-only helpers of the generic path (stack_points also serves the ratio op on every device).
-Tensor median_from_sqdist(const Tensor& sq);  // [B, N, N] float64 -> [B] median distance, checked > 0
-Tensor solve_alpha(const Tensor& kernel, int64_t n_den, double lam);  // [B, n_den] float64
-Tensor stack_points(const Tensor& denom, const Tensor& numer);        // [B, N, d]
-void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names);  // norms [B, N] of [denom; numer]
+// The stacked points [denom; numer] ([B, N, d]) of a fit: generic.cpp, also for the ratio op.
+Tensor stack_points(const Tensor& denom, const Tensor& numer);
 
 }  // namespace kivi_fast

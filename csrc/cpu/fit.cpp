@@ -131,7 +131,7 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
     used.data_ptr<double>()[b] = fit_one(s, b, n_den, n_den, false, lam, sigma_data(sigma), names, parallel, work);
     std::copy_n(work.coef.get(n), n, coef.data_ptr<double>() + b * n);
   });
-  return {coef, used, Tensor()};
+  return {coef, used};
 }
 
 }  // namespace cpu
