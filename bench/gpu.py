@@ -3,6 +3,7 @@
     python bench/gpu.py                          # bench/run.py's shapes, float32 and float64
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
     python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
+    python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
 
 (Not named cuda.py: run as a script, bench/ comes first on sys.path, and torch's own ``import
 cuda.bindings`` would find it.) CUDA tensors run kivi_fast's device-generic kernels (ATen calls,
@@ -59,6 +60,17 @@ def peak_mb(fn, p, q) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def kernel_profile(fn, p, q, rows: int = 15) -> str:
+    """torch.profiler's table of one forward + backward (after a warm-up call), by GPU time."""
+    cpu_bench.call(fn, p, q, True)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        cpu_bench.call(fn, p, q, True)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def device_info(script: str) -> dict | None:
     """The GPU, torch and CUDA versions and kivi_fast's backend, printed; None (said so) without a GPU."""
     if not torch.cuda.is_available():
@@ -83,11 +95,21 @@ def main(argv=None) -> int:
     ap.add_argument("--target-s", type=float, default=0.5, help="seconds per implementation and timing")
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     ap.add_argument("--compiled", action="store_true", help="also the pure sides under torch.compile")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of timing: the GPU time of each kernel in one forward + backward of ours")
     args = ap.parse_args(argv)
     info = device_info("bench/gpu.py")
     if info is None:
         return 2
     dev = torch.device("cuda")
+    if args.profile:
+        for shape in args.shapes.split(","):
+            b, n, d, batched = cpu_bench.parse_shape(shape)
+            for dtype_name in args.dtypes.split(","):
+                p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
+                print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
+                print(kernel_profile(cpu_bench.IMPLS["ours"], p, q))
+        return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:
         for name in cpu_bench.PURE:

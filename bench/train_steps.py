@@ -7,6 +7,8 @@ the paper's setting, and kivi) and the MNIST BNN step (L = 400, 10 posterior sam
 Each step is the trainers' own ``step_profile`` (kivi_fast/experiments/vae.py and mnist.py): median
 seconds of a forward + backward, and of its KL part alone. "generic" forces the device-generic kernels
 (torch.ops.kivi_fast_testing.set_force_generic), which is what CUDA tensors ran before csrc/cuda/.
+Then the VAE trainer's whole step (forward, backward, Adam) eager and captured in a CUDA graph
+(``kivi-fast vae --cuda-graph``), with the CUDA kernels.
 Random inputs of the real shapes: no data files are needed.
 """
 
@@ -20,6 +22,8 @@ import torch
 import gpu as gpu_bench  # bench/gpu.py: the device line and the JSON file
 from kivi_fast.experiments import mnist as mnist_exp
 from kivi_fast.experiments import vae as vae_exp
+from kivi_fast.experiments.graphs import CapturedStep, capturable_adam
+from kivi_fast.experiments.training import timed
 from kivi_fast.nn.classification import ClassificationBNN
 from kivi_fast.nn.vae import build_vae
 
@@ -31,6 +35,26 @@ def vae_profile(method: str, device, repeats: int) -> dict:
     g = torch.Generator(device=device).manual_seed(1)
     vae_exp.step_profile(model, x, g, repeats=3)  # warm-up: cuBLAS handles, the caching allocator
     return vae_exp.step_profile(model, x, g, repeats=repeats)
+
+
+def vae_full_steps(method: str, device, repeats: int) -> dict:
+    """Median seconds of the VAE trainer's whole step (forward, backward, Adam) on one batch: eager, and
+    captured in a CUDA graph and replayed (``--cuda-graph``: graphs.CapturedStep, capturable Adam)."""
+    out = {}
+    for name in ("eager", "graph"):
+        torch.manual_seed(0)
+        model = build_vae(method, n_q=100, n_p=100, lam=1e-3, clip=1e-8, contrast="diagonal").to(device)
+        g = torch.Generator(device=device).manual_seed(1)
+        inputs = {"x": (torch.rand(128, 784, device=device) < 0.3).float(), **model.draws(128, g, device)}
+        if name == "graph":
+            run = CapturedStep(vae_exp.make_train_step(model, capturable_adam(model.parameters(), 1e-3, device)))
+        else:
+            run = vae_exp.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+        for _ in range(5):  # warm-up (and the capture)
+            run(inputs)
+        times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
+        out[name] = times[len(times) // 2]
+    return out
 
 
 def mnist_profile(device, repeats: int) -> dict:
@@ -67,6 +91,11 @@ def main(argv=None) -> int:
         print(f"{name:18} " + "  ".join(
             f"{k}: step {row[k]['step_seconds'] * 1e3:6.2f} ms, KL {row[k]['kl_seconds'] * 1e3:6.2f} ms "
             f"({100 * row[k]['kl_share']:4.1f}%)" for k in ("generic", "cuda")), flush=True)
+    for method in ("kivi-ac", "kivi"):
+        row = {"case": f"vae {method} full step", **vae_full_steps(method, device, args.repeats)}
+        rows.append(row)
+        print(f"{row['case']:24} eager {row['eager'] * 1e3:6.2f} ms, CUDA graph {row['graph'] * 1e3:6.2f} ms",
+              flush=True)
     gpu_bench.save_json(args.json, info, rows)
     return 0
 

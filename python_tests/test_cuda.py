@@ -186,6 +186,45 @@ def test_the_cuda_kernels_median_equals_the_reference(n, ties):
     assert_close_rel(sigma, reference.median_bandwidth(torch.cat([q, p], 1)), 1e-14)
 
 
+# (batch, n_p, n_q, d, ties): shapes the CUDA kernels leave to the generic ones (csrc/generic.cpp)
+GENERIC_SHAPES = [
+    (1, 300, 250, 3, False),   # 550 points: 150,975 pairs, the median by cuda/median.cu over both blocks
+    (2, 260, 300, 4, True),    # a batch, many tied distances (the two middles may coincide)
+    (1, 50, 50, 40000, False),  # 100 points in many dimensions: the columns in chunks
+]
+
+
+@pytest.mark.parametrize("shape", GENERIC_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + ("-ties" if s[4] else ""))
+@pytest.mark.parametrize("reverse", [True, False])
+def test_the_generic_kernels_on_cuda_equal_the_reference_within_their_memory(shape, reverse):
+    """Value and gradient against the reference, and the peak memory of one call within what the
+    generic layout needs: the denominator's kernel rows, then the larger of the numerator's block (the
+    median's other pairs) and the system, and buffers of a few MB (chunks, vectors), the gradient."""
+    b, n_p, n_q, d, ties = shape
+    g = torch.Generator().manual_seed(n_p + d + reverse)
+    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.2 + 0.3
+    if ties:
+        p, q = p.round(), q.round()
+    dtype = torch.float32 if d > 1000 else torch.float64
+    p, q = p.to(dtype), q.to(dtype)
+    kw = dict(lam=1e-3, reverse=reverse)
+    value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)  # library handles and workspaces
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)
+    peak = torch.cuda.max_memory_allocated() - base
+    ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-9
+    assert_close_rel(ours_v, ref_v, rtol)
+    assert_close_rel(ours_g, ref_g, rtol if dtype == torch.float32 else 1e-8)
+    n_den, n_num = (n_q, n_p) if reverse else (n_p, n_q)
+    blocks = b * 8 * (n_den * (n_p + n_q) + max(n_num * n_num, n_den * n_den) + (0 if reverse else n_num * n_num))
+    inputs = 4 * max(p.numel(), q.numel()) * p.element_size()  # the copies to the GPU, q's clone, the gradient
+    assert peak <= blocks + inputs + 16 * 2**20, (peak, blocks)
+
+
 @pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (300, 3)])  # CUDA kernels (small, wide), generic
 def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
     """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN:
@@ -223,7 +262,8 @@ def test_the_estimators_never_read_a_value_back_to_the_host(b, n, d):
         out = [kivi_fast.kernel_kl(p, q).sum(), kivi_fast.kernel_kl(p[0], q[0]),
                kivi_fast.kernel_kl(p, q, bandwidth=1.5).sum(),
                kivi_fast.kernel_kl(p, q, bandwidth=torch.full((b,), 2.0, device=CUDA)).sum(),
-               kivi_fast.kl(p, q, generator=g).sum(), kivi_fast.adaptive_contrast_kl(q, generator=g).sum()]
+               kivi_fast.kl(p, q, generator=g).sum(), kivi_fast.adaptive_contrast_kl(q, generator=g).sum(),
+               kivi_fast.adaptive_contrast_kl(q, contrast="diagonal", generator=g).sum()]  # the VAE's
         torch.stack(out).sum().backward()
         ratio = kivi_fast.DensityRatio().fit(numer=p[0], denom=q[0].detach())
         return ratio.log_ratio(q[0].detach()[:5])
@@ -305,3 +345,63 @@ def test_the_vae_trains_resumes_and_evaluates_on_cuda(tmp_path):
     for k in a:  # CUDA kernels may sum in another order from run to run: equal to float tolerance
         torch.testing.assert_close(a[k], b[k])
     assert cli.main(["vae-ais", "--quick", "--no-progress", "--device", "cuda", str(tmp_path / "a")]) == 0
+
+
+def test_the_vae_step_captured_in_a_cuda_graph_equals_its_eager_steps():
+    """graphs.CapturedStep: three eager warm-up steps, the capture, replays; the learning rate halved
+    midway (written in place: the replays read it). Same losses and weights as the eager steps."""
+    from kivi_fast.experiments.graphs import CapturedStep, capturable_adam
+    from kivi_fast.experiments.training import set_lr
+    from kivi_fast.experiments.vae import make_train_step
+    from kivi_fast.nn.vae import build_vae
+
+    torch.manual_seed(0)
+    base = build_vae("kivi-ac", n_q=20, n_p=20, lam=1e-3, clip=1e-8).to(CUDA)
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    batches = [{"x": (torch.rand(16, 784, device=CUDA) < 0.3).float(), **base.draws(16, g, CUDA)} for _ in range(8)]
+    results = {}
+    for name in ("eager", "graph"):
+        model = copy.deepcopy(base)
+        opt = capturable_adam(model.parameters(), 1e-3, CUDA)
+        step = make_train_step(model, opt)
+        run = CapturedStep(step) if name == "graph" else step
+        losses = []
+        for i, inputs in enumerate(batches):
+            if i == 5:
+                set_lr(opt, 5e-4)
+            losses.append(run(inputs).clone())
+        results[name] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()])
+    assert results["graph"][0].isfinite().all()
+    torch.testing.assert_close(results["graph"][0], results["eager"][0], rtol=1e-5, atol=1e-5)
+    for w0, a, b in zip(base.parameters(), results["graph"][1], results["eager"][1]):
+        assert not torch.equal(a, w0.detach())
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_vae_trains_with_a_cuda_graph_and_resumes(tmp_path):
+    """--cuda-graph: an interrupted run resumes (warm-up and capture again) to the uninterrupted run's
+    weights, and both follow the eager run (another Adam implementation: to rounding)."""
+    from kivi_fast import cli
+    from kivi_fast.experiments import runs
+    from kivi_fast.experiments import vae as vae_cmd
+
+    parser = cli.build_parser()[1]["vae"]
+    argv = ["--train-images", "96", "--batch", "32", "--n-q", "10", "--n-p", "10", "--epochs", "3",
+            "--eval-images", "16", "--no-progress", "--device", "cuda"]
+
+    def train(folder, *extra, max_steps=None):
+        return vae_cmd.train(parser.parse_args([*argv, *extra, "--run-dir", str(tmp_path / folder)]),
+                             tmp_path / folder, max_steps=max_steps)
+
+    result = train("graph", "--cuda-graph")
+    assert result["epochs"] == 3
+    assert train("resumed", "--cuda-graph", max_steps=5) is None
+    train("resumed", "--cuda-graph")
+    train("eager")
+    weights = {name: runs.load_checkpoint(tmp_path / name / "checkpoint.pt")["model"]
+               for name in ("graph", "resumed", "eager")}
+    for k in weights["graph"]:
+        torch.testing.assert_close(weights["resumed"][k], weights["graph"][k])
+        torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)
+    with pytest.raises(runs.CheckpointError, match="other settings"):  # the optimizers differ
+        train("graph", "--epochs", "4")

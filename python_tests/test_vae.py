@@ -18,6 +18,7 @@ import kivi_fast
 from kivi_fast import cli
 from kivi_fast.experiments import ais, runs
 from kivi_fast.experiments import vae as vae_cmd
+from kivi_fast.experiments.training import set_lr
 from kivi_fast.nn.vae import BernoulliDecoder, ImplicitEncoder, build_vae, slice_draws
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,6 +165,25 @@ def test_resuming_with_other_settings_is_refused(tmp_path, one_thread):
     vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
     with pytest.raises(runs.CheckpointError, match="other settings"):
         vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1, lr=0.01), tmp_path)
+    # a checkpoint from before --cuda-graph existed was made without it: it resumes, it is not refused
+    path = tmp_path / "checkpoint.pt"
+    state = runs.load_checkpoint(path)
+    del state["config"]["cuda_graph"]
+    torch.save(state, path)
+    assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=2), tmp_path)["epochs"] == 2
+
+
+def test_set_lr_writes_a_tensor_learning_rate_in_place():
+    """A step captured in a CUDA graph reads Adam's learning rate from its tensor: the schedule must write
+    that tensor, not replace it; a number stays a number."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    as_tensor = torch.optim.Adam([w], lr=torch.tensor(1e-3))
+    lr = as_tensor.param_groups[0]["lr"]
+    set_lr(as_tensor, 5e-4)
+    assert as_tensor.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(5e-4)
+    as_number = torch.optim.Adam([w], lr=1e-3)
+    set_lr(as_number, 5e-4)
+    assert as_number.param_groups[0]["lr"] == 5e-4
 
 
 def test_two_processes_follow_one_process(tmp_path):
@@ -226,6 +246,7 @@ def test_the_command_lines_write_their_files(tmp_path, capsys):
     (["vae", "--lam", "0"], "lam"),
     (["vae", "--device", "tpu"], "--device"),
     (["vae", "--method", "avb"], "invalid choice"),
+    (["vae", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs a GPU"),
 ])
 def test_bad_values_are_usage_errors(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU and never runs
 # this): builds kivi_fast with its CUDA kernels into that environment, then runs the CUDA tests, the
-# kernels under compute-sanitizer (where installed), bench/gpu.py and bench/train_steps.py. Everything
+# kernels under compute-sanitizer (where installed), bench/gpu.py and bench/train_steps.py, and a
+# profile of where ours spends its GPU time on four shapes (bench/gpu.py --profile). Everything
 # it prints also goes to OUT_DIR/gpu_check.log; the benches' JSON go to OUT_DIR.
 #   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
-#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps)
+#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps,profile)
 #   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
-PHASES="${PHASES:-build,tests,sanitizer,bench,steps}"
+PHASES="${PHASES:-build,tests,sanitizer,bench,steps,profile}"
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 date
@@ -48,6 +49,9 @@ if has bench; then
   python3 bench/gpu.py --dtypes float32 --shapes 128x100x8,1024x100x8,100x8,10x314000,100x50000,100x700,1000x32,2000x32,5000x64 \
     --json "$out/cuda_results.json" || status=1
   python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || status=1
+fi
+if has profile; then
+  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,100x50000,1000x32,5000x64 || status=1
 fi
 if has steps; then
   python3 bench/train_steps.py --json "$out/train_steps.json" || status=1

@@ -62,9 +62,30 @@ def halved_lr(base: float, epoch: int, every: int) -> float:
     return base * 0.5 ** (epoch // every)
 
 
+def set_lr(optimizer, value: float) -> None:
+    """Every parameter group's learning rate to ``value``. A learning rate held as a tensor (a step
+    captured in a CUDA graph reads it from there: graphs.capturable_adam) is written in place, on its
+    device even where a checkpoint's load brought it back as a number or a CPU tensor."""
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor):
+            group["lr"] = value
+            continue
+        device = group["params"][0].device
+        if lr.device != device:
+            group["lr"] = lr = torch.tensor(0.0, dtype=lr.dtype, device=device)
+        lr.fill_(value)
+
+
+# Settings added after checkpoints with other settings were written: an older checkpoint, without the
+# key, was made with this value.
+ADDED_SETTINGS = {"cuda_graph": False}
+
+
 def check_resumable(state: dict, config: dict, path) -> None:
     """A checkpoint continues only the run that made it: every setting in ``config`` must match."""
-    differs = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+    saved = {**ADDED_SETTINGS, **state["config"]}
+    differs = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
     if differs:
         raise CheckpointError(f"{path} was made with other settings ({differs}: checkpoint's, this run's); "
                               "use another --run-dir")

@@ -29,6 +29,10 @@ Several processes: ``torchrun --nproc-per-node 2 -m kivi_fast.cli vae ...`` trai
 DistributedDataParallel (gloo on CPU, NCCL on CUDA); each process takes its rows of every global
 batch, and the random draws are made for the global batch and sliced, so the parameters follow a
 single process's on the same batches (to float tolerance). Rank 0 writes the run folder.
+
+On a GPU, ``--cuda-graph`` captures the training step in a CUDA graph after three eager steps and
+replays it (graphs.py): the same draws and updates, without the host launching each of the step's
+kernels (one process; Adam then keeps its learning rate and step counters on the GPU).
 """
 
 from __future__ import annotations
@@ -45,16 +49,17 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
+from .graphs import CapturedStep, capturable_adam
 from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
                        config_of, device_of, halved_lr, kl_share, timed,
-                       restore, save_resumable, start)
+                       restore, save_resumable, set_lr, start)
 from .options import UsageError, add_common, int_at_least, positive_int
 
 NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
 QUICK = {"epochs": 1, "train_images": 512, "eval_images": 64, "n_q": 20, "n_p": 20}
 CONFIG_KEYS = ("method", "train_images", "batch", "lr", "lr_halve_every", "n_q", "n_p", "lam", "clip", "contrast",
-               "seed", "eval_images", "eval_every")
+               "seed", "eval_images", "eval_every", "cuda_graph")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=1000,
                    help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
     add_device_options(p, "binarized_mnist")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the training step in a CUDA graph after 3 eager steps and replay it (one "
+                        "process on a GPU): the same run, without the host launching each kernel")
     add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
 
 
@@ -91,12 +99,31 @@ def evaluate_elbo(model, x: torch.Tensor, generator: torch.Generator, n_rec: int
 def run(args) -> int:
     if args.method == "kivi-ac" and args.contrast == "full" and args.n_q <= 8:
         raise UsageError("--contrast full needs --n-q > 8 (the latent dimension)")
+    if args.cuda_graph and device_of(args.device).type != "cuda":
+        raise UsageError(f"--cuda-graph needs a GPU (--device cuda), got --device {args.device}")
     comm, run_dir = start(args, QUICK, f"{NAME}-{args.method}")
+    if args.cuda_graph and comm.world > 1:
+        raise UsageError("--cuda-graph runs in one process (a graph does not capture DistributedDataParallel's "
+                         "communication here)")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
         print(summary_line(result))
     comm.close()
     return 0
+
+
+def make_train_step(net, optimizer):
+    """One training step on ``{"x": images, **draws}``: the loss (the minibatch's negative ELBO), its
+    backward and the optimizer's step; returns the loss, detached. (A step of fixed shapes that
+    graphs.CapturedStep can capture.)"""
+    def train_step(inputs: dict) -> torch.Tensor:
+        rec, kl = net(inputs["x"], {k: v for k, v in inputs.items() if k != "x"})
+        loss = (kl - rec).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return train_step
 
 
 def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
@@ -116,7 +143,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     torch.manual_seed(args.seed)
     model = build_vae(args.method, n_q=args.n_q, n_p=args.n_p, lam=args.lam, clip=args.clip,
                       contrast=args.contrast).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    graphed = args.cuda_graph
+    optimizer = (capturable_adam(model.parameters(), args.lr, device) if graphed
+                 else torch.optim.Adam(model.parameters(), lr=args.lr))
     data_rng = torch.Generator().manual_seed(args.seed)
     draw_rng = torch.Generator(device=device).manual_seed(args.seed + 1)
     config = config_of(args, CONFIG_KEYS, comm.world)
@@ -133,6 +162,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                                                   "machine": runs.machine()})
     net = comm.wrap(model)
     lo, hi = comm.shard(args.batch)
+    run_step = CapturedStep(make_train_step(net, optimizer)) if graphed else make_train_step(net, optimizer)
 
     def save():
         if comm.main:
@@ -149,8 +179,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     while epoch < args.epochs:
         if perm is None:
             perm = torch.randperm(args.train_images, generator=data_rng)
-        for group in optimizer.param_groups:
-            group["lr"] = halved_lr(args.lr, epoch, args.lr_halve_every)
+        set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
         model.train()
         while step < steps_per_epoch:
             if max_steps is not None and done_here >= max_steps:
@@ -160,12 +189,8 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             t0 = time.perf_counter()
             idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
             draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
-            rec, kl = net(x_train[idx], draws)
-            loss = (kl - rec).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            value, = comm.mean([-loss.detach()])  # also waits for the device: the step's time is its own
+            loss = run_step({"x": x_train[idx], **draws})
+            value, = comm.mean([-loss])  # also waits for the device: the step's time is its own
             if not math.isfinite(value):
                 save()
                 raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last checkpoint "

@@ -1,0 +1,74 @@
+"""Training steps captured in a CUDA graph (the trainers' ``--cuda-graph``): on a GPU a small model's step
+is bound by the host launching its kernels one by one (the paper's VAE step: a few hundred launches,
+most of its 3.9 ms on an H200), and a graph replays them all in one launch.
+
+A step (forward, backward, optimizer step) of fixed shapes is captured once and replayed at every step
+after: its inputs are copied into the captured ones, its loss is read from the captured output. The
+run stays the eager run:
+
+- the warm-up steps that torch's recipe asks for before a capture (lazy library handles, the autograd
+  engine's streams) are real training steps, run eagerly on a side stream;
+- the random numbers are made outside the graph by the trainer's generators and copied in, so that the
+  draws (and a resumed run's) are the eager run's;
+- the optimizer is made by :func:`capturable_adam`: its step counters live on the device and its learning
+  rate is a device tensor that :func:`kivi_fast.experiments.training.set_lr` writes in place, so that
+  the schedule's halvings reach the replayed step.
+
+Nothing in kivi_fast's estimators reads a value back to the host on a GPU (python_tests/test_cuda.py
+checks it under torch's sync debug mode), which is what lets a step that calls them be captured.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Step = Callable[[dict], torch.Tensor]
+
+
+def capturable_adam(params, lr: float, device: torch.device) -> torch.optim.Adam:
+    """Adam whose step a CUDA graph can capture: step counters on the device, the learning rate a tensor
+    there (written in place by ``training.set_lr``)."""
+    return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), capturable=True)
+
+
+class CapturedStep:
+    """``step(inputs)`` (a dict of tensors -> the step's loss, a 0-d tensor; it runs the backward and the
+    optimizer step) run eagerly for ``warmup`` calls, then captured in a CUDA graph and replayed.
+
+    Every call must pass tensors of the same shapes, dtypes and devices under the same keys: they are
+    copied into the captured inputs. The returned loss of a replayed step is the graph's output tensor,
+    overwritten by the next replay."""
+
+    def __init__(self, step: Step, warmup: int = 3):
+        if warmup < 1:
+            raise ValueError(f"warmup must be at least 1 (an eager step before the capture), got {warmup}")
+        self.step, self.warmup, self.done = step, warmup, 0
+        self.side = torch.cuda.Stream()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.loss: torch.Tensor | None = None
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.graph is None and self.done < self.warmup:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                loss = self.step(inputs)
+            torch.cuda.current_stream().wait_stream(self.side)
+            self.done += 1
+            return loss
+        if self.graph is None:
+            self._capture(inputs)
+        for key, value in inputs.items():
+            self.inputs[key].copy_(value)
+        self.graph.replay()
+        return self.loss
+
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> None:
+        # The capture records the step without running it; the replay that follows runs this step.
+        self.inputs = {key: value.clone() for key, value in inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.loss = self.step(self.inputs)
+        self.graph = graph
