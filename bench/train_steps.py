@@ -47,7 +47,8 @@ def vae_full_steps(method: str, device, repeats: int) -> dict:
         g = torch.Generator(device=device).manual_seed(1)
         inputs = {"x": (torch.rand(128, 784, device=device) < 0.3).float(), **model.draws(128, g, device)}
         if name == "graph":
-            run = CapturedStep(vae_exp.make_train_step(model, capturable_adam(model.parameters(), 1e-3, device)))
+            step = vae_exp.make_train_step(model, capturable_adam(model.parameters(), 1e-3, device))
+            run = CapturedStep(step, device)
         else:
             run = vae_exp.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-3))
         for _ in range(5):  # warm-up (and the capture)

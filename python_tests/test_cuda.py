@@ -174,6 +174,34 @@ def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
         assert_close_rel(a, e.cpu(), 1e-9)
 
 
+# (batch, n_p, n_q, d): the weight state's backward kernel (d + 1 >= N) over its tiles: 8 rows of q_z
+# per block, the weights staged 256 points at a time, 256 dimensions per block
+WEIGHT_STATE_SHAPES = [
+    (1, 9, 13, 3000),   # the CUDA forward (N <= 64); two row tiles, the second partial
+    (2, 150, 141, 600),  # the generic forward; 291 points: two weight tiles; 600 = 2 x 256 + 88 dimensions
+    (3, 40, 300, 400),  # 38 row tiles of q_z
+]
+
+
+@pytest.mark.parametrize("shape", WEIGHT_STATE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_the_weight_state_backward_kernel_equals_the_cpu_kernels(shape, dtype, reverse):
+    """Against the CPU kernels (themselves checked against the reference in test_ops_vs_reference.py;
+    the reference's [N, N, d] differences would not fit these shapes)."""
+    b, n_p, n_q, d = shape
+    g = torch.Generator().manual_seed(sum(shape) + reverse)
+    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64).to(dtype)
+    q = (torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.1 + 0.2).to(dtype)
+    names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
+    assert any("grad_from_weights_kernel" in n for n in names), sorted(names)
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse)
+    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-8
+    assert_close_rel(ours_v, cpu_v, rtol)
+    assert_close_rel(ours_g, cpu_g, rtol)
+
+
 @pytest.mark.parametrize("n", [120, 122])  # 7140 pairs (even count), 7381 (odd)
 @pytest.mark.parametrize("ties", [False, True])
 def test_the_cuda_kernels_median_equals_the_reference(n, ties):
@@ -186,20 +214,22 @@ def test_the_cuda_kernels_median_equals_the_reference(n, ties):
     assert_close_rel(sigma, reference.median_bandwidth(torch.cat([q, p], 1)), 1e-14)
 
 
-# (batch, n_p, n_q, d, ties): shapes the CUDA kernels leave to the generic ones (csrc/generic.cpp)
+# (batch, n_p, n_q, d, ties): shapes the CUDA forward leaves to the generic one (csrc/generic.cpp)
 GENERIC_SHAPES = [
     (1, 300, 250, 3, False),   # 550 points: 150,975 pairs, the median by cuda/median.cu over both blocks
     (2, 260, 300, 4, True),    # a batch, many tied distances (the two middles may coincide)
-    (1, 50, 50, 40000, False),  # 100 points in many dimensions: the columns in chunks
+    (1, 30, 40, 12000, False),  # 70 points in many dimensions: the columns in two chunks
 ]
 
 
 @pytest.mark.parametrize("shape", GENERIC_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + ("-ties" if s[4] else ""))
 @pytest.mark.parametrize("reverse", [True, False])
-def test_the_generic_kernels_on_cuda_equal_the_reference_within_their_memory(shape, reverse):
-    """Value and gradient against the reference, and the peak memory of one call within what the
-    generic layout needs: the denominator's kernel rows, then the larger of the numerator's block (the
-    median's other pairs) and the system, and buffers of a few MB (chunks, vectors), the gradient."""
+def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(shape, reverse):
+    """Value and gradient against the CPU kernels (checked against the reference in
+    test_ops_vs_reference.py), with the CUDA backward and with the generic one too; the peak memory of
+    one call within what the generic layout needs: the denominator's kernel rows, then the larger of the
+    numerator's block (the median's other pairs) and the system, and buffers of a few MB (chunks,
+    vectors), the gradient."""
     b, n_p, n_q, d, ties = shape
     g = torch.Generator().manual_seed(n_p + d + reverse)
     p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64)
@@ -215,10 +245,13 @@ def test_the_generic_kernels_on_cuda_equal_the_reference_within_their_memory(sha
     base = torch.cuda.memory_allocated()
     ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)
     peak = torch.cuda.max_memory_allocated() - base
-    ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
+    ref_v, ref_g = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+    with implementation("generic"):  # the generic backward as well (the CUDA one takes every shape)
+        gen_v, gen_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)
     rtol = 1e-5 if dtype == torch.float32 else 1e-9
-    assert_close_rel(ours_v, ref_v, rtol)
-    assert_close_rel(ours_g, ref_g, rtol if dtype == torch.float32 else 1e-8)
+    for v, grad in ((ours_v, ours_g), (gen_v, gen_g)):
+        assert_close_rel(v, ref_v, rtol)
+        assert_close_rel(grad, ref_g, rtol if dtype == torch.float32 else 1e-8)
     n_den, n_num = (n_q, n_p) if reverse else (n_p, n_q)
     blocks = b * 8 * (n_den * (n_p + n_q) + max(n_num * n_num, n_den * n_den) + (0 if reverse else n_num * n_num))
     inputs = 4 * max(p.numel(), q.numel()) * p.element_size()  # the copies to the GPU, q's clone, the gradient
@@ -364,7 +397,7 @@ def test_the_vae_step_captured_in_a_cuda_graph_equals_its_eager_steps():
         model = copy.deepcopy(base)
         opt = capturable_adam(model.parameters(), 1e-3, CUDA)
         step = make_train_step(model, opt)
-        run = CapturedStep(step) if name == "graph" else step
+        run = CapturedStep(step, CUDA) if name == "graph" else step
         losses = []
         for i, inputs in enumerate(batches):
             if i == 5:

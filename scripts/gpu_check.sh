@@ -36,7 +36,8 @@ if has sanitizer && command -v compute-sanitizer > /dev/null; then
   # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses
   compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || status=1
 import torch, kivi_fast
-for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100), (1, 300, 300, 3)]:
+for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
+                       (1, 300, 300, 3), (2, 150, 141, 600)]:
     for reverse in (True, False):
         p = torch.randn(b, n_p, d, device="cuda")
         q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)

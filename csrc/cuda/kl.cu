@@ -10,9 +10,10 @@
 // elimination and solve, the evaluation of the ratio at q_z's points, the KL and the backward's grad
 // state. With many dimensions a first launch splits the distances over dimension chunks
 // (pair_sqdist_kernel), so that the whole GPU reads the samples once. The backward is one elementwise
-// launch (projection state) or one pass over the samples (weight state). The dimension-split
-// distances are summed with atomics, so on that path results can differ in their last bits from run
-// to run.
+// launch (projection state) or one launch whose blocks each read the samples' columns for 8 rows of
+// q_z (weight state, any size: the generic forward's weight state comes here too). The
+// dimension-split distances are summed with atomics, so on that path results can differ in their last
+// bits from run to run.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -451,33 +452,57 @@ __global__ void grad_from_projection_kernel(const double* __restrict__ row_scale
   }
 }
 
-// grad[b, j, t] = row_scale_b (sum_c W_jc x_c[t] - (sum_c W_jc) z_j[t]) (weight state): one thread per
-// dimension t reads each point's coordinate t once per q point; W's rows are read by the whole block.
+// grad[b, j, t] = row_scale_b (sum_c W_jc x_c[t] - wsum_j z_j[t]) (weight state, wsum_j = sum_c W_jc): one
+// thread per dimension t and kWeightRows rows j per block (grid: dimensions, row tiles, batch), W's
+// tile staged in shared memory kWeightCols points at a time, so that each thread reads each point's
+// coordinate t once per row tile and does kWeightRows multiply-adds with it. No buffer besides the
+// gradient, and the samples in their own dtype: float64 products without a float64 copy.
+constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256;
+
 template <typename T>
-__global__ void grad_from_weights_kernel(const double* __restrict__ row_scale, const double* __restrict__ W_all,
-                                         const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den,
-                                         int n_num, int n_q, int row0, int64_t d, T* __restrict__ grad_all) {
-  const int b = blockIdx.y, N = n_den + n_num;
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= d) return;
+__global__ void __launch_bounds__(kWeightThreads)
+    grad_from_weights_kernel(const double* __restrict__ row_scale, const double* __restrict__ W_all,
+                             const double* __restrict__ wsum_all, const T* __restrict__ den_all,
+                             const T* __restrict__ num_all, int n_den, int n_num, int n_q, int row0, int64_t d,
+                             T* __restrict__ grad_all) {
+  __shared__ double w_tile[kWeightRows][kWeightCols];
+  const int b = blockIdx.z, j0 = blockIdx.y * kWeightRows, N = n_den + n_num;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kWeightThreads) + threadIdx.x;
+  const bool active = t < d;  // the others still stage W's tiles
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
                       n_den, d};
   const double* W = W_all + static_cast<int64_t>(b) * n_q * N;
-  const double s = row_scale[b];
-  for (int j = 0; j < n_q; ++j) {
-    double acc = 0.0, wsum = 0.0;
-    for (int c = 0; c < N; ++c) {
-      const double w = W[j * N + c];
-      acc += w * static_cast<double>(pts.row(c)[t]);
-      wsum += w;
+  double acc[kWeightRows];
+#pragma unroll
+  for (int k = 0; k < kWeightRows; ++k) acc[k] = 0.0;
+  for (int c0 = 0; c0 < N; c0 += kWeightCols) {
+    const int cols = min(kWeightCols, N - c0);
+    __syncthreads();  // the previous tile is read by every thread
+    for (int e = threadIdx.x; e < kWeightRows * kWeightCols; e += kWeightThreads) {
+      const int k = e / kWeightCols, c = e - k * kWeightCols;
+      w_tile[k][c] = (j0 + k < n_q && c < cols) ? W[static_cast<int64_t>(j0 + k) * N + c0 + c] : 0.0;
     }
-    const double zt = static_cast<double>(pts.row(row0 + j)[t]);
-    grad_all[(static_cast<int64_t>(b) * n_q + j) * d + t] = static_cast<T>(s * (acc - wsum * zt));
+    __syncthreads();
+    if (active) {
+      for (int c = 0; c < cols; ++c) {
+        const double x = static_cast<double>(pts.row(c0 + c)[t]);
+#pragma unroll
+        for (int k = 0; k < kWeightRows; ++k) acc[k] += w_tile[k][c] * x;
+      }
+    }
+  }
+  if (!active) return;
+  const double s = row_scale[b];
+#pragma unroll
+  for (int k = 0; k < kWeightRows; ++k) {
+    const int j = j0 + k;
+    if (j < n_q) {
+      const int64_t row = static_cast<int64_t>(b) * n_q + j;
+      const double zt = static_cast<double>(pts.row(row0 + j)[t]);
+      grad_all[row * d + t] = static_cast<T>(s * (acc[k] - wsum_all[row] * zt));
+    }
   }
 }
-
-// The weight-state backward's cost per thread is n_q * N; above this the generic path's GEMM wins.
-constexpr int64_t kMaxWeightWork = 4096;
 
 int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin); }
 
@@ -583,8 +608,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
 }
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
-  // the weight state's kernel: grid.y = batch
-  return kl_state_is_projection(n_total, d) || (n_q * n_total <= kMaxWeightWork && batch <= 65535);
+  // the weight state's kernel: grid.z = batch, grid.y = row tiles
+  return kl_state_is_projection(n_total, d) || (batch <= 65535 && (n_q + kWeightRows - 1) / kWeightRows <= 65535);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
@@ -608,10 +633,12 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
       }
     } else {
       const KlRoles roles = kl_roles(prior_z, q_z, reverse);
-      const dim3 grid(static_cast<unsigned>((d + 255) / 256), static_cast<unsigned>(B));
-      grad_from_weights_kernel<scalar_t><<<grid, 256, 0, stream>>>(
-          row_scale.data_ptr<double>(), state.data_ptr<double>(), roles.denom.data_ptr<scalar_t>(),
-          roles.numer.data_ptr<scalar_t>(), static_cast<int>(roles.denom.size(1)),
+      const auto wsum = state.sum(-1);  // [B, n_q]
+      const dim3 grid(static_cast<unsigned>((d + kWeightThreads - 1) / kWeightThreads),
+                      static_cast<unsigned>((n_q + kWeightRows - 1) / kWeightRows), static_cast<unsigned>(B));
+      grad_from_weights_kernel<scalar_t><<<grid, kWeightThreads, 0, stream>>>(
+          row_scale.data_ptr<double>(), state.data_ptr<double>(), wsum.data_ptr<double>(),
+          roles.denom.data_ptr<scalar_t>(), roles.numer.data_ptr<scalar_t>(), static_cast<int>(roles.denom.size(1)),
           static_cast<int>(roles.numer.size(1)), static_cast<int>(n_q), static_cast<int>(roles.row0), d,
           grad.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -35,40 +35,44 @@ def capturable_adam(params, lr: float, device: torch.device) -> torch.optim.Adam
 
 class CapturedStep:
     """``step(inputs)`` (a dict of tensors -> the step's loss, a 0-d tensor; it runs the backward and the
-    optimizer step) run eagerly for ``warmup`` calls, then captured in a CUDA graph and replayed.
+    optimizer step) on ``device`` (a GPU) run eagerly for ``warmup`` calls, then captured in a CUDA
+    graph and replayed.
 
     Every call must pass tensors of the same shapes, dtypes and devices under the same keys: they are
     copied into the captured inputs. The returned loss of a replayed step is the graph's output tensor,
     overwritten by the next replay."""
 
-    def __init__(self, step: Step, warmup: int = 3):
+    def __init__(self, step: Step, device: torch.device, warmup: int = 3):
         if warmup < 1:
             raise ValueError(f"warmup must be at least 1 (an eager step before the capture), got {warmup}")
         self.step, self.warmup, self.done = step, warmup, 0
-        self.side = torch.cuda.Stream()
+        # Streams and the capture belong to the step's GPU, which need not be the current one (cuda:1)
+        self.device = torch.device(device)
+        self.side = torch.cuda.Stream(self.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.loss: torch.Tensor | None = None
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.graph is None and self.done < self.warmup:
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                loss = self.step(inputs)
-            torch.cuda.current_stream().wait_stream(self.side)
-            self.done += 1
-            return loss
-        if self.graph is None:
-            self._capture(inputs)
-        for key, value in inputs.items():
-            self.inputs[key].copy_(value)
-        self.graph.replay()
-        return self.loss
+        with torch.cuda.device(self.device):
+            if self.graph is None and self.done < self.warmup:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    loss = self.step(inputs)
+                torch.cuda.current_stream().wait_stream(self.side)
+                self.done += 1
+                return loss
+            if self.graph is None:
+                self._capture(inputs)
+            for key, value in inputs.items():
+                self.inputs[key].copy_(value)
+            self.graph.replay()
+            return self.loss
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> None:
         # The capture records the step without running it; the replay that follows runs this step.
         self.inputs = {key: value.clone() for key, value in inputs.items()}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
             self.loss = self.step(self.inputs)
         self.graph = graph

@@ -162,7 +162,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                                                   "machine": runs.machine()})
     net = comm.wrap(model)
     lo, hi = comm.shard(args.batch)
-    run_step = CapturedStep(make_train_step(net, optimizer)) if graphed else make_train_step(net, optimizer)
+    run_step = CapturedStep(make_train_step(net, optimizer), device) if graphed else make_train_step(net, optimizer)
 
     def save():
         if comm.main:
