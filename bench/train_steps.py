@@ -7,8 +7,8 @@ the paper's setting, and kivi) and the MNIST BNN step (L = 400, 10 posterior sam
 Each step is the trainers' own ``step_profile`` (kivi_fast/experiments/vae.py and mnist.py): median
 seconds of a forward + backward, and of its KL part alone. "generic" forces the device-generic kernels
 (torch.ops.kivi_fast_testing.set_force_generic), which is what CUDA tensors ran before csrc/cuda/.
-Then the VAE trainer's whole step (forward, backward, Adam) eager and captured in a CUDA graph
-(``kivi-fast vae --cuda-graph``), with the CUDA kernels.
+Then the VAE and MNIST trainers' whole steps (forward, backward, Adam) eager and captured in a CUDA
+graph (``--cuda-graph``), with the CUDA kernels.
 Random inputs of the real shapes: no data files are needed.
 """
 
@@ -58,6 +58,25 @@ def vae_full_steps(method: str, device, repeats: int) -> dict:
     return out
 
 
+def mnist_full_steps(device, repeats: int) -> dict:
+    """Median seconds of the MNIST trainer's whole step (L = 400, 10 samples; forward, backward, Adam):
+    eager, and captured in a CUDA graph and replayed (``--cuda-graph``)."""
+    out = {}
+    for name in ("eager", "graph"):
+        torch.manual_seed(0)
+        model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
+        inputs = {"x": torch.rand(100, 784, device=device), "y": torch.randint(0, 10, (100,), device=device)}
+        opt = (capturable_adam(model.parameters(), 1e-3, device) if name == "graph"
+               else torch.optim.Adam(model.parameters(), lr=1e-3))
+        step = mnist_exp.make_train_step(model, opt, 60000, 10)
+        run = CapturedStep(step, device) if name == "graph" else step
+        for _ in range(5):  # warm-up (and the capture)
+            run(inputs)
+        times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
+        out[name] = times[len(times) // 2]
+    return out
+
+
 def mnist_profile(device, repeats: int) -> dict:
     torch.manual_seed(0)
     model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
@@ -92,8 +111,11 @@ def main(argv=None) -> int:
         print(f"{name:18} " + "  ".join(
             f"{k}: step {row[k]['step_seconds'] * 1e3:6.2f} ms, KL {row[k]['kl_seconds'] * 1e3:6.2f} ms "
             f"({100 * row[k]['kl_share']:4.1f}%)" for k in ("generic", "cuda")), flush=True)
-    for method in ("kivi-ac", "kivi"):
-        row = {"case": f"vae {method} full step", **vae_full_steps(method, device, args.repeats)}
+    full_steps = {"vae kivi-ac full step": lambda: vae_full_steps("kivi-ac", device, args.repeats),
+                  "vae kivi full step": lambda: vae_full_steps("kivi", device, args.repeats),
+                  "mnist L=400 full step": lambda: mnist_full_steps(device, args.repeats)}
+    for name, run in full_steps.items():
+        row = {"case": name, **run()}
         rows.append(row)
         print(f"{row['case']:24} eager {row['eager'] * 1e3:6.2f} ms, CUDA graph {row['graph'] * 1e3:6.2f} ms",
               flush=True)

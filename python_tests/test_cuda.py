@@ -438,3 +438,32 @@ def test_the_vae_trains_with_a_cuda_graph_and_resumes(tmp_path):
         torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)
     with pytest.raises(runs.CheckpointError, match="other settings"):  # the optimizers differ
         train("graph", "--epochs", "4")
+
+
+@pytest.mark.parametrize("method", ["kivi", "pc"])
+def test_mnist_trains_with_a_cuda_graph_and_resumes(method, tmp_path):
+    """--cuda-graph with posterior draws inside the graph (torch's generator of the device, which each
+    replay advances as the eager step would): an interrupted run resumes to the uninterrupted run's
+    weights, and both follow the eager run (another Adam implementation: to rounding)."""
+    from kivi_fast import cli
+    from kivi_fast.experiments import mnist as mnist_cmd
+    from kivi_fast.experiments import runs
+
+    parser = cli.build_parser()[1]["mnist"]
+    argv = ["--method", method, "--hidden", "16", "--mmnn-hidden", "12", "--train-images", "100", "--batch", "20",
+            "--epochs", "2", "--samples", "4", "--n-p", "4", "--eval-images", "50", "--no-progress",
+            "--device", "cuda"]
+
+    def train(folder, *extra, max_steps=None):
+        return mnist_cmd.train(parser.parse_args([*argv, *extra, "--run-dir", str(tmp_path / folder)]),
+                               tmp_path / folder, max_steps=max_steps)
+
+    train("graph", "--cuda-graph")
+    assert train("resumed", "--cuda-graph", max_steps=6) is None
+    train("resumed", "--cuda-graph")
+    train("eager")
+    weights = {name: runs.load_checkpoint(tmp_path / name / "checkpoint.pt")["model"]
+               for name in ("graph", "resumed", "eager")}
+    for k in weights["graph"]:
+        torch.testing.assert_close(weights["resumed"][k], weights["graph"][k])
+        torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)

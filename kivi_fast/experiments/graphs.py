@@ -3,7 +3,7 @@ is bound by the host launching its kernels one by one (the paper's VAE step: a f
 most of its 3.9 ms on an H200), and a graph replays them all in one launch.
 
 A step (forward, backward, optimizer step) of fixed shapes is captured once and replayed at every step
-after: its inputs are copied into the captured ones, its loss is read from the captured output. The
+after: its inputs are copied into the captured ones, its outputs read from the captured ones. The
 run stays the eager run:
 
 - the warm-up steps that torch's recipe asks for before a capture (lazy library handles, the autograd
@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-Step = Callable[[dict], torch.Tensor]
+Step = Callable[[dict], object]  # inputs -> the step's outputs: a tensor, or a dict of tensors
 
 
 def capturable_adam(params, lr: float, device: torch.device) -> torch.optim.Adam:
@@ -34,13 +34,14 @@ def capturable_adam(params, lr: float, device: torch.device) -> torch.optim.Adam
 
 
 class CapturedStep:
-    """``step(inputs)`` (a dict of tensors -> the step's loss, a 0-d tensor; it runs the backward and the
-    optimizer step) on ``device`` (a GPU) run eagerly for ``warmup`` calls, then captured in a CUDA
-    graph and replayed.
+    """``step(inputs)`` (a dict of tensors -> the step's outputs, a tensor or a dict of tensors; it runs
+    the backward and the optimizer step) on ``device`` (a GPU) run eagerly for ``warmup`` calls, then
+    captured in a CUDA graph and replayed.
 
     Every call must pass tensors of the same shapes, dtypes and devices under the same keys: they are
-    copied into the captured inputs. The returned loss of a replayed step is the graph's output tensor,
-    overwritten by the next replay."""
+    copied into the captured inputs. The outputs of a replayed step are the graph's output tensors,
+    overwritten by the next replay. Random numbers drawn inside the step from torch's generator of the
+    device are drawn in the graph too: each replay advances that generator as the eager step would."""
 
     def __init__(self, step: Step, device: torch.device, warmup: int = 3):
         if warmup < 1:
@@ -51,28 +52,28 @@ class CapturedStep:
         self.side = torch.cuda.Stream(self.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict[str, torch.Tensor] = {}
-        self.loss: torch.Tensor | None = None
+        self.outputs = None
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.cuda.device(self.device):
             if self.graph is None and self.done < self.warmup:
                 self.side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.side):
-                    loss = self.step(inputs)
+                    outputs = self.step(inputs)
                 torch.cuda.current_stream().wait_stream(self.side)
                 self.done += 1
-                return loss
+                return outputs
             if self.graph is None:
                 self._capture(inputs)
             for key, value in inputs.items():
                 self.inputs[key].copy_(value)
             self.graph.replay()
-            return self.loss
+            return self.outputs
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> None:
         # The capture records the step without running it; the replay that follows runs this step.
         self.inputs = {key: value.clone() for key, value in inputs.items()}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-            self.loss = self.step(self.inputs)
+            self.outputs = self.step(self.inputs)
         self.graph = graph

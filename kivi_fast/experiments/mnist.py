@@ -23,6 +23,10 @@ device). ``kivi-fast mnist-report`` collects runs into ``results/mnist/``.
 Several processes: ``torchrun --nproc-per-node K -m kivi_fast.cli mnist ...`` (DistributedDataParallel):
 each process takes its shard of every global batch and draws its own posterior samples; the gradients
 are averaged, so the parameters stay equal on every process.
+
+On a GPU, ``--cuda-graph`` captures the training step in a CUDA graph after three eager steps and
+replays it (graphs.py), posterior draws included (one process; Adam then keeps its learning rate and
+step counters on the GPU).
 """
 
 from __future__ import annotations
@@ -40,14 +44,15 @@ from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
-from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
-                       config_of, device_of, halved_lr, kl_share, timed,
-                       restore, save_resumable, start)
+from .graphs import CapturedStep, capturable_adam
+from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
+                       add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
+                       restore, save_resumable, set_lr, start)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
-               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples")
+               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
     p.add_argument("--eval-samples", type=positive_int, default=10, help="weight draws of the posterior predictive")
     add_device_options(p, "mnist")
+    add_cuda_graph_option(p)
     add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
 
 
@@ -88,6 +94,7 @@ def error_rate(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, sampl
 def run(args) -> int:
     if args.eval_images > 10000:
         raise UsageError(f"--eval-images: the validation and test sets have 10000 images, got {args.eval_images}")
+    check_cuda_graph(args)
     comm, run_dir = start(args, QUICK, f"{NAME}-{args.hidden}-{args.method}")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
@@ -96,6 +103,23 @@ def run(args) -> int:
               f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; {run_dir}")
     comm.close()
     return 0
+
+
+STEP_OUTPUTS = ("elbo", "log_lik", "kl")
+
+
+def make_train_step(net, optimizer, n_data: int, samples: int):
+    """One training step on ``{"x": images, "y": labels}``: the negative lower bound's backward and the
+    optimizer's step; returns the step's estimates (:data:`STEP_OUTPUTS`), detached. The posterior
+    samples come from torch's generator of the device (in a CUDA graph too: each replay advances it as
+    the eager step would). A step of fixed shapes that graphs.CapturedStep can capture."""
+    def train_step(inputs: dict) -> dict:
+        loss, out = net(inputs["x"], inputs["y"], n_data, samples)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return {k: out[k].detach() for k in STEP_OUTPUTS}
+    return train_step
 
 
 def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
@@ -112,7 +136,8 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     torch.manual_seed(args.seed)
     model = build(args).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = (capturable_adam(model.parameters(), args.lr, device) if args.cuda_graph
+                 else torch.optim.Adam(model.parameters(), lr=args.lr))
     data_rng = torch.Generator().manual_seed(args.seed)
     # each process its own posterior samples (torch's default generator of the device)
     torch.manual_seed(args.seed + 1000 * (comm.rank + 1))
@@ -133,6 +158,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                                                   "machine": runs.machine()})
     net = comm.wrap(model)
     lo, hi = comm.shard(args.batch)
+    run_step = make_train_step(net, optimizer, args.train_images, args.samples)
+    if args.cuda_graph:
+        run_step = CapturedStep(run_step, device)
     epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
 
     def save():
@@ -153,8 +181,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     while epoch < args.epochs:
         if perm is None:
             perm = torch.randperm(args.train_images, generator=data_rng)
-        for group in optimizer.param_groups:
-            group["lr"] = halved_lr(args.lr, epoch, args.lr_halve_every)
+        set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
         while step < steps_per_epoch:
             if max_steps is not None and done_here >= max_steps:
                 save()
@@ -162,13 +189,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                 return None
             t0 = time.perf_counter()
             idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
-            loss, out = net(x_train[idx], y_train[idx], args.train_images, args.samples)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            out = run_step({"x": x_train[idx], "y": y_train[idx]})
             # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
-            elbo, log_lik, kl = (v / args.train_images for v in
-                                 comm.mean([out[k].detach() for k in ("elbo", "log_lik", "kl")]))
+            elbo, log_lik, kl = (v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS]))
             if not math.isfinite(elbo):
                 save()
                 raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "

@@ -165,6 +165,23 @@ def add_device_options(p, data_folder: str) -> None:
                    help=f"folder holding {data_folder}/ (default: the checkout's data/)")
 
 
+def add_cuda_graph_option(p) -> None:
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the training step in a CUDA graph after 3 eager steps and replay it (one "
+                        "process on a GPU): the same run, without the host launching each kernel")
+
+
+def check_cuda_graph(args) -> None:
+    """--cuda-graph's conditions, checked before a run folder is made: a GPU and one process (a graph here
+    does not capture DistributedDataParallel's communication)."""
+    if not args.cuda_graph:
+        return
+    if device_of(args.device).type != "cuda":
+        raise UsageError(f"--cuda-graph needs a GPU (--device cuda), got --device {args.device}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--cuda-graph runs in one process, not under torchrun with several")
+
+
 def device_of(text: str) -> torch.device:
     try:
         device = torch.device(text)

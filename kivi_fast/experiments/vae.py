@@ -50,8 +50,8 @@ from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import CapturedStep, capturable_adam
-from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_training_options,
-                       config_of, device_of, halved_lr, kl_share, timed,
+from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
+                       add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start)
 from .options import UsageError, add_common, int_at_least, positive_int
 
@@ -75,9 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=1000,
                    help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
     add_device_options(p, "binarized_mnist")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="capture the training step in a CUDA graph after 3 eager steps and replay it (one "
-                        "process on a GPU): the same run, without the host launching each kernel")
+    add_cuda_graph_option(p)
     add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
 
 
@@ -99,12 +97,8 @@ def evaluate_elbo(model, x: torch.Tensor, generator: torch.Generator, n_rec: int
 def run(args) -> int:
     if args.method == "kivi-ac" and args.contrast == "full" and args.n_q <= 8:
         raise UsageError("--contrast full needs --n-q > 8 (the latent dimension)")
-    if args.cuda_graph and device_of(args.device).type != "cuda":
-        raise UsageError(f"--cuda-graph needs a GPU (--device cuda), got --device {args.device}")
+    check_cuda_graph(args)
     comm, run_dir = start(args, QUICK, f"{NAME}-{args.method}")
-    if args.cuda_graph and comm.world > 1:
-        raise UsageError("--cuda-graph runs in one process (a graph does not capture DistributedDataParallel's "
-                         "communication here)")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
         print(summary_line(result))
