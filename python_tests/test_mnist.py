@@ -15,6 +15,7 @@ import torch
 
 from kivi_fast import cli
 from kivi_fast.experiments import mnist as mnist_cmd
+from kivi_fast.experiments import mnist_report
 from kivi_fast.experiments import runs
 from kivi_fast.nn.classification import (ClassificationBNN, LogisticDiscriminator, MatrixPosterior, mmnn_shapes,
                                          n_weights)
@@ -140,6 +141,16 @@ def test_two_processes_keep_equal_parameters(tmp_path):
     start = ClassificationBNN((784, 16, 16, 10), "kivi", mmnn_hidden=12).state_dict()
     final = runs.load_checkpoint(tmp_path / "checkpoint.pt")["model"]
     assert any(not torch.equal(final[k], start[k]) for k in final)  # trained
+
+
+def test_the_committed_runs_load_in_the_report():
+    """results/mnist/'s runs were made by earlier versions: settings added since (--cuda-graph) must not
+    make the report refuse them."""
+    folders = [f for f in (Path(__file__).resolve().parents[1] / "results" / "mnist").iterdir()
+               if (f / "results.json").exists()]
+    assert folders
+    for folder in folders:
+        assert mnist_report.load_run(folder)["results.json"]["config"]["method"] in ("kivi", "bbb", "pc")
 
 
 def test_the_command_line_writes_its_files_and_refuses_bad_values(tmp_path, capsys):

@@ -8,8 +8,9 @@ run stays the eager run:
 
 - the warm-up steps that torch's recipe asks for before a capture (lazy library handles, the autograd
   engine's streams) are real training steps, run eagerly on a side stream;
-- the random numbers are made outside the graph by the trainer's generators and copied in, so that the
-  draws (and a resumed run's) are the eager run's;
+- the random numbers are the eager run's: made outside the graph by the trainer's generator and copied
+  in (vae), or drawn inside it from torch's generator of the device, which each replay advances as the
+  eager step would, so that its saved state resumes the draws (mnist);
 - the optimizer is made by :func:`capturable_adam`: its step counters live on the device and its learning
   rate is a device tensor that :func:`kivi_fast.experiments.training.set_lr` writes in place, so that
   the schedule's halvings reach the replayed step.

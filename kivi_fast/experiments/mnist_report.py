@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import runs
 from .mnist import CONFIG_KEYS, plot_history
+from .training import ADDED_SETTINGS
 from .options import add_common
 
 FILES = ("results.json", "history.json", "config.json", "curves.png")
@@ -56,7 +57,8 @@ def run_label(config: dict) -> str:
 
 def load_run(folder: Path) -> dict:
     run = runs.load_finished_run(folder, "mnist")
-    missing = [k for k in CONFIG_KEYS if k not in run["results.json"].get("config", {})]
+    # a setting added later (ADDED_SETTINGS) was, in an older run, the value it holds there
+    missing = [k for k in CONFIG_KEYS if k not in {**ADDED_SETTINGS, **run["results.json"].get("config", {})}]
     if missing:
         raise runs.RunError(f"{folder}/results.json lacks the settings {', '.join(missing)}: not a kivi-fast "
                             "mnist run of this version")
