@@ -138,8 +138,9 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 // The CUDA kernels (cuda/kl.cu, built when torch is a CUDA build; KIVI_FAST_WITH_CUDA): the kl op and
 // its backward, for the shapes handles_kl and handles_kl_grad accept (the forward: a whole fit in one
 // thread block, N = n_p + n_q <= 512 points with N d <= 6144, or N <= 64 in any d, within the device's
-// shared memory per block; the backward: any shape up to 65535 batch elements, whichever backend ran
-// the forward, since the grad state is the same); other shapes take generic::.
+// shared memory per block; the backward: the projection state, and weight states of up to 65,536
+// weights per element, whichever backend ran the forward, since the grad state is the same); other
+// shapes take generic::.
 // Arguments as generic::kl and generic::kl_grad; no value is read back to the host, so bad values
 // (NaN/Inf samples, a zero median, a bandwidth <= 0, a system that is not positive definite) give NaN
 // for their batch element instead of an error.

@@ -11,9 +11,9 @@
 // state. With many dimensions a first launch splits the distances over dimension chunks
 // (pair_sqdist_kernel), so that the whole GPU reads the samples once. The backward is one elementwise
 // launch (projection state) or one launch whose blocks each read the samples' columns for 8 rows of
-// q_z (weight state, any size: the generic forward's weight state comes here too). The
-// dimension-split distances are summed with atomics, so on that path results can differ in their last
-// bits from run to run.
+// q_z (weight state up to kMaxWeightWork weights, the generic forward's too). The dimension-split
+// distances are summed with atomics, so on that path results can differ in their last bits from run
+// to run.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -458,6 +458,11 @@ __global__ void grad_from_projection_kernel(const double* __restrict__ row_scale
 // coordinate t once per row tile and does kWeightRows multiply-adds with it. No buffer besides the
 // gradient, and the samples in their own dtype: float64 products without a float64 copy.
 constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256;
+// Weights per batch element (n_q N) up to which the backward takes this kernel: each point coordinate
+// it reads serves kWeightRows multiply-adds, so for many more weights cuBLAS's float64 GEMM (the generic
+// path, which converts the samples in chunks) is assumed to win. (100, 50000), an MNIST-sized layer
+// with many posterior samples, has 20,000. The crossover is not measured yet.
+constexpr int64_t kMaxWeightWork = int64_t{1} << 16;
 
 template <typename T>
 __global__ void __launch_bounds__(kWeightThreads)
@@ -608,8 +613,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
 }
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
-  // the weight state's kernel: grid.z = batch, grid.y = row tiles
-  return kl_state_is_projection(n_total, d) || (batch <= 65535 && (n_q + kWeightRows - 1) / kWeightRows <= 65535);
+  // the weight state's kernel: grid.z = batch (grid.y = row tiles: within limits below kMaxWeightWork)
+  return kl_state_is_projection(n_total, d) || (batch <= 65535 && n_q * n_total <= kMaxWeightWork);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
