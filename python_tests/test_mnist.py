@@ -143,6 +143,14 @@ def test_two_processes_keep_equal_parameters(tmp_path):
     assert any(not torch.equal(final[k], start[k]) for k in final)  # trained
 
 
+def test_minutes_stops_with_a_checkpoint(tmp_path, one_thread, capsys):
+    assert mnist_cmd.run(mnist_args(tmp_path, minutes=1e-9)) == 0
+    assert "stopped after --minutes" in capsys.readouterr().out
+    state = runs.load_checkpoint(tmp_path / "checkpoint.pt")
+    assert (state["epoch"], state["step"]) == (0, 1) and not (tmp_path / "results.json").exists()
+    assert mnist_cmd.run(mnist_args(tmp_path)) == 0 and (tmp_path / "results.json").exists()
+
+
 def test_the_committed_runs_load_in_the_report():
     """results/mnist/'s runs were made by earlier versions: settings added since (--cuda-graph) must not
     make the report refuse them."""

@@ -161,6 +161,20 @@ def test_an_interrupted_run_resumes_exactly(method, tmp_path, one_thread):
     assert [h["epoch"] for h in history] == [1, 2]
 
 
+def test_minutes_stops_with_a_checkpoint_and_a_rerun_finishes_the_same_run(tmp_path, one_thread, capsys):
+    """--minutes (a time-limited job): a tiny limit stops after the first step, saved; rerunning the same
+    command (the limit lifted) finishes the run with the uninterrupted run's weights."""
+    vae_cmd.train(vae_args(tmp_path / "straight"), tmp_path / "straight")
+    stopped = vae_args(tmp_path / "limited", minutes=1e-9)
+    assert vae_cmd.run(stopped) == 0
+    assert "stopped after --minutes" in capsys.readouterr().out
+    state = runs.load_checkpoint(tmp_path / "limited" / "checkpoint.pt")
+    assert (state["epoch"], state["step"]) == (0, 1) and not (tmp_path / "limited" / "results.json").exists()
+    assert vae_cmd.run(vae_args(tmp_path / "limited")) == 0
+    a, b = final_params(tmp_path / "straight"), final_params(tmp_path / "limited")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resuming_with_other_settings_is_refused(tmp_path, one_thread):
     vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
     with pytest.raises(runs.CheckpointError, match="other settings"):

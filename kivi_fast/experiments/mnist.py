@@ -47,7 +47,7 @@ from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import CapturedStep, capturable_adam
 from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
                        add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
-                       restore, save_resumable, set_lr, start)
+                       restore, save_resumable, set_lr, start, stopped_message)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
@@ -101,6 +101,8 @@ def run(args) -> int:
         print(f"mnist L = {args.hidden} {args.method}: {result['epochs']} epochs, test error "
               f"{100 * result['test_error']:.2f}% (validation {100 * result['valid_error']:.2f}%), "
               f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; {run_dir}")
+    elif comm.main:
+        print(stopped_message(NAME, args.minutes, run_dir))
     comm.close()
     return 0
 
@@ -123,8 +125,9 @@ def make_train_step(net, optimizer, n_data: int, samples: int):
 
 
 def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
-    """Train (or resume) into ``run_dir``; results.json's content at the end (rank 0), None when stopped by
-    ``max_steps`` (steps of this call: a test's interruption)."""
+    """Train (or resume) into ``run_dir``; results.json's content at the end (rank 0), None when stopped
+    early (with a checkpoint) by ``--minutes`` or by ``max_steps`` (steps of this call: a test's
+    interruption)."""
     comm = comm or Distributed(device_of(args.device))
     device, run_dir = comm.device, Path(run_dir)
     if comm.main:
@@ -175,7 +178,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     if state is not None:
         epoch_sums.update(state["epoch_sums"])
     total = args.epochs * steps_per_epoch
-    done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm)
+    done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm, args.minutes)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step), unit="step",
                desc=f"mnist L={args.hidden} {args.method}", disable=args.no_progress or not comm.main)
     while epoch < args.epochs:
@@ -205,7 +208,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             done_here += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, bound=f"{epoch_sums['elbo'] / epoch_sums['steps']:.3f}")
-            checkpoints.tick()
+            if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
+                bar.close()
+                return None
         epoch, step, perm = epoch + 1, 0, None
         if comm.main:
             n = max(1, epoch_sums["steps"])
@@ -221,7 +226,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                               f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
             history.append(entry)
         epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
-        checkpoints.tick(force=epoch == args.epochs)
+        if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
+            bar.close()
+            return None
     bar.close()
     # DistributedDataParallel averages the gradients, so every process must hold the same parameters
     checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))

@@ -45,16 +45,30 @@ def config_of(args, keys, world: int) -> dict:
 
 class Checkpoints:
     """Calls ``save`` when ``every`` seconds have passed since the last save (at every call if ``every`` is
-    0), or when forced (the end of a run). Rank 0's clock decides for every rank, so that a ``save`` that
-    gathers from all processes is called by all of them at the same step."""
+    0), or when forced (the end of a run). With ``minutes`` (``--minutes``), :meth:`tick` also says when
+    this call has trained that long: it saves then, and the trainer stops (rerunning continues). Rank 0's
+    clock decides for every rank, so that a ``save`` that gathers from all processes is called by all of
+    them at the same step, and all of them stop there."""
 
-    def __init__(self, save, every: float, comm: "Distributed"):
+    def __init__(self, save, every: float, comm: "Distributed", minutes: float = 0.0):
         self.save, self.every, self.comm, self.last = save, every, comm, time.monotonic()
+        self.deadline = self.last + 60.0 * minutes if minutes > 0 else None
 
-    def tick(self, force: bool = False) -> None:
-        if self.comm.share(force or time.monotonic() - self.last >= self.every):
+    def tick(self, force: bool = False) -> bool:
+        """Saves when it is time; returns whether the trainer must stop (``--minutes`` have passed)."""
+        now = time.monotonic()
+        stop = self.deadline is not None and now >= self.deadline
+        save, stop = self.comm.share((force or stop or now - self.last >= self.every, stop))
+        if save:
             self.save()
             self.last = time.monotonic()
+        return stop
+
+
+def stopped_message(command: str, minutes: float, run_dir) -> str:
+    """What a trainer prints when ``--minutes`` stopped it."""
+    return (f"{command}: stopped after --minutes {minutes:g}, checkpoint in {run_dir}; rerun the same command to "
+            "continue (the run is finished when its folder holds results.json)")
 
 
 def halved_lr(base: float, epoch: int, every: int) -> float:
@@ -155,6 +169,9 @@ def add_training_options(p, *, epochs: int, batch: int, lr_halve_every: int) -> 
     p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
     p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
     p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
+    p.add_argument("--minutes", type=nonnegative_float, default=0.0,
+                   help="stop after training this many minutes, with a checkpoint; rerunning the same command "
+                        "continues (for time-limited jobs; 0: no limit)")
 
 
 def add_device_options(p, data_folder: str) -> None:

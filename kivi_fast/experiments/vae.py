@@ -52,7 +52,7 @@ from .mnist_data import load_binarized_mnist
 from .graphs import CapturedStep, capturable_adam
 from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
                        add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
-                       restore, save_resumable, set_lr, start)
+                       restore, save_resumable, set_lr, start, stopped_message)
 from .options import UsageError, add_common, int_at_least, positive_int
 
 NAME = "vae"
@@ -102,6 +102,8 @@ def run(args) -> int:
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
         print(summary_line(result))
+    elif comm.main:
+        print(stopped_message(NAME, args.minutes, run_dir))
     comm.close()
     return 0
 
@@ -122,7 +124,8 @@ def make_train_step(net, optimizer):
 
 def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None = None) -> dict | None:
     """Train (or resume) into ``run_dir``; returns results.json's content at the end (rank 0), None when
-    stopped early by ``max_steps`` (steps of this call: a test's interruption)."""
+    stopped early (with a checkpoint) by ``--minutes`` or by ``max_steps`` (steps of this call: a test's
+    interruption)."""
     comm = comm or Distributed(device_of(args.device))
     device = comm.device
     run_dir = Path(run_dir)
@@ -166,7 +169,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     total = args.epochs * steps_per_epoch
     done_here = 0
-    checkpoints = Checkpoints(save, args.checkpoint_every, comm)
+    checkpoints = Checkpoints(save, args.checkpoint_every, comm, args.minutes)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step),
                desc=f"vae {args.method}", disable=args.no_progress or not comm.main, unit="step")
     running = None
@@ -195,7 +198,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             done_here += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, elbo=f"{running:.1f}")
-            checkpoints.tick()
+            if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
+                bar.close()
+                return None
         epoch, step, perm = epoch + 1, 0, None
         if comm.main and (epoch % args.eval_every == 0 or epoch == args.epochs):
             model.eval()
@@ -206,7 +211,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             if not args.no_progress:
                 bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
                           f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
-        checkpoints.tick(force=epoch == args.epochs)
+        if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
+            bar.close()
+            return None
     bar.close()
     comm.barrier()
     if not comm.main:
