@@ -37,44 +37,42 @@ def vae_profile(method: str, device, repeats: int) -> dict:
     return vae_exp.step_profile(model, x, g, repeats=repeats)
 
 
-def vae_full_steps(method: str, device, repeats: int) -> dict:
-    """Median seconds of the VAE trainer's whole step (forward, backward, Adam) on one batch: eager, and
-    captured in a CUDA graph and replayed (``--cuda-graph``: graphs.CapturedStep, capturable Adam)."""
+def full_steps(setup, device, repeats: int) -> dict:
+    """Median seconds of a trainer's whole step (forward, backward, Adam) on one batch: eager, and
+    captured in a CUDA graph and replayed (``--cuda-graph``: graphs.CapturedStep, capturable Adam).
+    ``setup(make_optimizer)`` -> (the trainer's step function, its inputs), on a freshly seeded model."""
     out = {}
     for name in ("eager", "graph"):
         torch.manual_seed(0)
+        if name == "graph":
+            step, inputs = setup(lambda params: capturable_adam(params, 1e-3, device))
+            run = CapturedStep(step, device)
+        else:
+            run, inputs = setup(lambda params: torch.optim.Adam(params, lr=1e-3))
+        for _ in range(5):  # warm-up (and the capture)
+            run(inputs)
+        times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
+        out[name] = times[len(times) // 2]
+    return out
+
+
+def vae_step(method: str, device):
+    """The VAE trainer's step (the paper's batch and sample sizes) and its inputs, for full_steps."""
+    def setup(make_optimizer):
         model = build_vae(method, n_q=100, n_p=100, lam=1e-3, clip=1e-8, contrast="diagonal").to(device)
         g = torch.Generator(device=device).manual_seed(1)
         inputs = {"x": (torch.rand(128, 784, device=device) < 0.3).float(), **model.draws(128, g, device)}
-        if name == "graph":
-            step = vae_exp.make_train_step(model, capturable_adam(model.parameters(), 1e-3, device))
-            run = CapturedStep(step, device)
-        else:
-            run = vae_exp.make_train_step(model, torch.optim.Adam(model.parameters(), lr=1e-3))
-        for _ in range(5):  # warm-up (and the capture)
-            run(inputs)
-        times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
-        out[name] = times[len(times) // 2]
-    return out
+        return vae_exp.make_train_step(model, make_optimizer(model.parameters())), inputs
+    return setup
 
 
-def mnist_full_steps(device, repeats: int) -> dict:
-    """Median seconds of the MNIST trainer's whole step (L = 400, 10 samples; forward, backward, Adam):
-    eager, and captured in a CUDA graph and replayed (``--cuda-graph``)."""
-    out = {}
-    for name in ("eager", "graph"):
-        torch.manual_seed(0)
+def mnist_step(device):
+    """The MNIST trainer's step (L = 400, 10 samples) and its inputs, for full_steps."""
+    def setup(make_optimizer):
         model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
         inputs = {"x": torch.rand(100, 784, device=device), "y": torch.randint(0, 10, (100,), device=device)}
-        opt = (capturable_adam(model.parameters(), 1e-3, device) if name == "graph"
-               else torch.optim.Adam(model.parameters(), lr=1e-3))
-        step = mnist_exp.make_train_step(model, opt, 60000, 10)
-        run = CapturedStep(step, device) if name == "graph" else step
-        for _ in range(5):  # warm-up (and the capture)
-            run(inputs)
-        times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
-        out[name] = times[len(times) // 2]
-    return out
+        return mnist_exp.make_train_step(model, make_optimizer(model.parameters()), 60000, 10), inputs
+    return setup
 
 
 def mnist_profile(device, repeats: int) -> dict:
@@ -111,11 +109,10 @@ def main(argv=None) -> int:
         print(f"{name:18} " + "  ".join(
             f"{k}: step {row[k]['step_seconds'] * 1e3:6.2f} ms, KL {row[k]['kl_seconds'] * 1e3:6.2f} ms "
             f"({100 * row[k]['kl_share']:4.1f}%)" for k in ("generic", "cuda")), flush=True)
-    full_steps = {"vae kivi-ac full step": lambda: vae_full_steps("kivi-ac", device, args.repeats),
-                  "vae kivi full step": lambda: vae_full_steps("kivi", device, args.repeats),
-                  "mnist L=400 full step": lambda: mnist_full_steps(device, args.repeats)}
-    for name, run in full_steps.items():
-        row = {"case": name, **run()}
+    setups = {"vae kivi-ac full step": vae_step("kivi-ac", device), "vae kivi full step": vae_step("kivi", device),
+              "mnist L=400 full step": mnist_step(device)}
+    for name, setup in setups.items():
+        row = {"case": name, **full_steps(setup, device, args.repeats)}
         rows.append(row)
         print(f"{row['case']:24} eager {row['eager'] * 1e3:6.2f} ms, CUDA graph {row['graph'] * 1e3:6.2f} ms",
               flush=True)

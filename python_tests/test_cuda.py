@@ -411,6 +411,22 @@ def test_the_vae_step_captured_in_a_cuda_graph_equals_its_eager_steps():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def assert_graphed_runs_resume_and_follow_eager(train, tmp_path, stop_after: int) -> None:
+    """After train("graph", "--cuda-graph"): a graphed run stopped after ``stop_after`` steps and resumed
+    (warm-up and capture again) ends with the uninterrupted run's weights, and an eager run with close
+    ones (another Adam implementation: to rounding). train(folder, *options, max_steps=None)."""
+    from kivi_fast.experiments import runs
+
+    assert train("resumed", "--cuda-graph", max_steps=stop_after) is None
+    train("resumed", "--cuda-graph")
+    train("eager")
+    weights = {name: runs.load_checkpoint(tmp_path / name / "checkpoint.pt")["model"]
+               for name in ("graph", "resumed", "eager")}
+    for k in weights["graph"]:
+        torch.testing.assert_close(weights["resumed"][k], weights["graph"][k])
+        torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)
+
+
 def test_the_vae_trains_with_a_cuda_graph_and_resumes(tmp_path):
     """--cuda-graph: an interrupted run resumes (warm-up and capture again) to the uninterrupted run's
     weights, and both follow the eager run (another Adam implementation: to rounding)."""
@@ -426,16 +442,8 @@ def test_the_vae_trains_with_a_cuda_graph_and_resumes(tmp_path):
         return vae_cmd.train(parser.parse_args([*argv, *extra, "--run-dir", str(tmp_path / folder)]),
                              tmp_path / folder, max_steps=max_steps)
 
-    result = train("graph", "--cuda-graph")
-    assert result["epochs"] == 3
-    assert train("resumed", "--cuda-graph", max_steps=5) is None
-    train("resumed", "--cuda-graph")
-    train("eager")
-    weights = {name: runs.load_checkpoint(tmp_path / name / "checkpoint.pt")["model"]
-               for name in ("graph", "resumed", "eager")}
-    for k in weights["graph"]:
-        torch.testing.assert_close(weights["resumed"][k], weights["graph"][k])
-        torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)
+    assert train("graph", "--cuda-graph")["epochs"] == 3
+    assert_graphed_runs_resume_and_follow_eager(train, tmp_path, stop_after=5)
     with pytest.raises(runs.CheckpointError, match="other settings"):  # the optimizers differ
         train("graph", "--epochs", "4")
 
@@ -447,7 +455,6 @@ def test_mnist_trains_with_a_cuda_graph_and_resumes(method, tmp_path):
     weights, and both follow the eager run (another Adam implementation: to rounding)."""
     from kivi_fast import cli
     from kivi_fast.experiments import mnist as mnist_cmd
-    from kivi_fast.experiments import runs
 
     parser = cli.build_parser()[1]["mnist"]
     argv = ["--method", method, "--hidden", "16", "--mmnn-hidden", "12", "--train-images", "100", "--batch", "20",
@@ -459,11 +466,4 @@ def test_mnist_trains_with_a_cuda_graph_and_resumes(method, tmp_path):
                                tmp_path / folder, max_steps=max_steps)
 
     train("graph", "--cuda-graph")
-    assert train("resumed", "--cuda-graph", max_steps=6) is None
-    train("resumed", "--cuda-graph")
-    train("eager")
-    weights = {name: runs.load_checkpoint(tmp_path / name / "checkpoint.pt")["model"]
-               for name in ("graph", "resumed", "eager")}
-    for k in weights["graph"]:
-        torch.testing.assert_close(weights["resumed"][k], weights["graph"][k])
-        torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)
+    assert_graphed_runs_resume_and_follow_eager(train, tmp_path, stop_after=6)
