@@ -22,7 +22,7 @@ import torch
 import gpu as gpu_bench  # bench/gpu.py: the device line and the JSON file
 from kivi_fast.experiments import mnist as mnist_exp
 from kivi_fast.experiments import vae as vae_exp
-from kivi_fast.experiments.graphs import CapturedStep, capturable_adam
+from kivi_fast.experiments.graphs import trainer_adam, trainer_step
 from kivi_fast.experiments.training import timed
 from kivi_fast.nn.classification import ClassificationBNN
 from kivi_fast.nn.vae import build_vae
@@ -39,16 +39,13 @@ def vae_profile(method: str, device, repeats: int) -> dict:
 
 def full_steps(setup, device, repeats: int) -> dict:
     """Median seconds of a trainer's whole step (forward, backward, Adam) on one batch: eager, and
-    captured in a CUDA graph and replayed (``--cuda-graph``: graphs.CapturedStep, capturable Adam).
-    ``setup(make_optimizer)`` -> (the trainer's step function, its inputs), on a freshly seeded model."""
+    captured in a CUDA graph and replayed (``--cuda-graph``). ``setup(cuda_graph)`` -> (the trainer's
+    step with its optimizer for that setting, its inputs), on a freshly seeded model."""
     out = {}
     for name in ("eager", "graph"):
         torch.manual_seed(0)
-        if name == "graph":
-            step, inputs = setup(lambda params: capturable_adam(params, 1e-3, device))
-            run = CapturedStep(step, device)
-        else:
-            run, inputs = setup(lambda params: torch.optim.Adam(params, lr=1e-3))
+        step, inputs = setup(name == "graph")
+        run = trainer_step(step, device, name == "graph")
         for _ in range(5):  # warm-up (and the capture)
             run(inputs)
         times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
@@ -58,20 +55,21 @@ def full_steps(setup, device, repeats: int) -> dict:
 
 def vae_step(method: str, device):
     """The VAE trainer's step (the paper's batch and sample sizes) and its inputs, for full_steps."""
-    def setup(make_optimizer):
+    def setup(cuda_graph: bool):
         model = build_vae(method, n_q=100, n_p=100, lam=1e-3, clip=1e-8, contrast="diagonal").to(device)
         g = torch.Generator(device=device).manual_seed(1)
         inputs = {"x": (torch.rand(128, 784, device=device) < 0.3).float(), **model.draws(128, g, device)}
-        return vae_exp.make_train_step(model, make_optimizer(model.parameters())), inputs
+        return vae_exp.make_train_step(model, trainer_adam(model.parameters(), 1e-3, device, cuda_graph)), inputs
     return setup
 
 
 def mnist_step(device):
     """The MNIST trainer's step (L = 400, 10 samples) and its inputs, for full_steps."""
-    def setup(make_optimizer):
+    def setup(cuda_graph: bool):
         model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
         inputs = {"x": torch.rand(100, 784, device=device), "y": torch.randint(0, 10, (100,), device=device)}
-        return mnist_exp.make_train_step(model, make_optimizer(model.parameters()), 60000, 10), inputs
+        optimizer = trainer_adam(model.parameters(), 1e-3, device, cuda_graph)
+        return mnist_exp.make_train_step(model, optimizer, 60000, 10), inputs
     return setup
 
 

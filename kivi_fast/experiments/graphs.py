@@ -34,6 +34,16 @@ def capturable_adam(params, lr: float, device: torch.device) -> torch.optim.Adam
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), capturable=True)
 
 
+def trainer_adam(params, lr: float, device: torch.device, cuda_graph: bool) -> torch.optim.Adam:
+    """The trainers' optimizer: :func:`capturable_adam` for ``--cuda-graph``, torch's default Adam else."""
+    return capturable_adam(params, lr, device) if cuda_graph else torch.optim.Adam(params, lr=lr)
+
+
+def trainer_step(step: Step, device: torch.device, cuda_graph: bool) -> Step:
+    """The trainers' step: captured and replayed (:class:`CapturedStep`) for ``--cuda-graph``, else itself."""
+    return CapturedStep(step, device) if cuda_graph else step
+
+
 class CapturedStep:
     """``step(inputs)`` (a dict of tensors -> the step's outputs, a tensor or a dict of tensors; it runs
     the backward and the optimizer step) on ``device`` (a GPU) run eagerly for ``warmup`` calls, then
@@ -55,7 +65,7 @@ class CapturedStep:
         self.inputs: dict[str, torch.Tensor] = {}
         self.outputs = None
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, inputs: dict[str, torch.Tensor]):
         with torch.cuda.device(self.device):
             if self.graph is None and self.done < self.warmup:
                 self.side.wait_stream(torch.cuda.current_stream())

@@ -44,7 +44,7 @@ from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
-from .graphs import CapturedStep, capturable_adam
+from .graphs import trainer_adam, trainer_step
 from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
                        add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start, stopped_message)
@@ -139,8 +139,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     torch.manual_seed(args.seed)
     model = build(args).to(device)
-    optimizer = (capturable_adam(model.parameters(), args.lr, device) if args.cuda_graph
-                 else torch.optim.Adam(model.parameters(), lr=args.lr))
+    optimizer = trainer_adam(model.parameters(), args.lr, device, args.cuda_graph)
     data_rng = torch.Generator().manual_seed(args.seed)
     # each process its own posterior samples (torch's default generator of the device)
     torch.manual_seed(args.seed + 1000 * (comm.rank + 1))
@@ -161,9 +160,8 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                                                   "machine": runs.machine()})
     net = comm.wrap(model)
     lo, hi = comm.shard(args.batch)
-    run_step = make_train_step(net, optimizer, args.train_images, args.samples)
-    if args.cuda_graph:
-        run_step = CapturedStep(run_step, device)
+    run_step = trainer_step(make_train_step(net, optimizer, args.train_images, args.samples), device,
+                            args.cuda_graph)
     epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
 
     def save():

@@ -49,7 +49,7 @@ from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
-from .graphs import CapturedStep, capturable_adam
+from .graphs import trainer_adam, trainer_step
 from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
                        add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start, stopped_message)
@@ -140,9 +140,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     torch.manual_seed(args.seed)
     model = build_vae(args.method, n_q=args.n_q, n_p=args.n_p, lam=args.lam, clip=args.clip,
                       contrast=args.contrast).to(device)
-    graphed = args.cuda_graph
-    optimizer = (capturable_adam(model.parameters(), args.lr, device) if graphed
-                 else torch.optim.Adam(model.parameters(), lr=args.lr))
+    optimizer = trainer_adam(model.parameters(), args.lr, device, args.cuda_graph)
     data_rng = torch.Generator().manual_seed(args.seed)
     draw_rng = torch.Generator(device=device).manual_seed(args.seed + 1)
     config = config_of(args, CONFIG_KEYS, comm.world)
@@ -159,7 +157,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                                                   "machine": runs.machine()})
     net = comm.wrap(model)
     lo, hi = comm.shard(args.batch)
-    run_step = CapturedStep(make_train_step(net, optimizer), device) if graphed else make_train_step(net, optimizer)
+    run_step = trainer_step(make_train_step(net, optimizer), device, args.cuda_graph)
 
     def save():
         if comm.main:
