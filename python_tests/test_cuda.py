@@ -169,9 +169,12 @@ def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
     ours = torch.ops.kivi_fast.kl(*args)
     with implementation("generic"):  # the ATen kernels, what CUDA tensors ran before csrc/cuda/
         theirs = torch.ops.kivi_fast.kl(*args)
-    for a, e in zip(ours[1:], theirs[1:]):  # grad state, bandwidth, clipped fraction
+    # grad state, bandwidth, clipped fraction. The state's weights come out of a solve whose condition
+    # number grows like 1/lam: the two kernels' summation orders differ by more than the values' 1e-9
+    # there (1.6e-9 of the largest weight was seen in float64 on an H200).
+    for a, e in zip(ours[1:], theirs[1:]):
         assert a.shape == e.shape
-        assert_close_rel(a, e.cpu(), 1e-9)
+        assert_close_rel(a, e.cpu(), 1e-7)
 
 
 # (batch, n_p, n_q, d): the weight state's backward kernel (d + 1 >= N) over its tiles: 8 rows of q_z
@@ -422,9 +425,16 @@ def assert_graphed_runs_resume_and_follow_eager(train, tmp_path, stop_after: int
     train("eager")
     weights = {name: runs.load_checkpoint(tmp_path / name / "checkpoint.pt")["model"]
                for name in ("graph", "resumed", "eager")}
+    off = total = 0
     for k in weights["graph"]:
         torch.testing.assert_close(weights["resumed"][k], weights["graph"][k])
-        torch.testing.assert_close(weights["eager"][k], weights["graph"][k], rtol=1e-3, atol=1e-4)
+        eager, graph = weights["eager"][k], weights["graph"][k]
+        off += int(((eager - graph).abs() > 1e-4 + 1e-3 * graph.abs()).sum())
+        total += graph.numel()
+    # Not every weight: where a gradient is near zero, a rounding difference can flip the sign of its
+    # Adam step (m / sqrt(v) is about +-1 whatever the magnitude), a difference of 2 lr per step. A
+    # graph that replayed stale inputs or missed an update would move most weights off.
+    assert off <= 1e-3 * total, (off, total)
 
 
 def test_the_vae_trains_with_a_cuda_graph_and_resumes(tmp_path):
