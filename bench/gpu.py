@@ -4,6 +4,7 @@
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
     python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
     python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
+                                         # (by kernel, and by stage of kl.cu's forward kernel)
 
 (Not named cuda.py: run as a script, bench/ comes first on sys.path, and torch's own ``import
 cuda.bindings`` would find it.) CUDA tensors run kivi_fast's device-generic kernels (ATen calls,
@@ -71,6 +72,28 @@ def kernel_profile(fn, p, q, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
+STAGES = ("distances", "median", "system", "solve", "evaluation")
+
+
+def forward_stages(fn, p, q) -> str:
+    """Block 0 of kl.cu's forward kernel: the clock cycles of each stage in one call (after a warm-up),
+    from the kernel's own clock64() reads (torch.ops.kivi_fast_testing.set_forward_stage_clocks)."""
+    clocks = torch.zeros(6, dtype=torch.int64, device=p.device)
+    cpu_bench.call(fn, p, q, False)
+    torch.ops.kivi_fast_testing.set_forward_stage_clocks(clocks)
+    try:
+        cpu_bench.call(fn, p, q, False)
+        torch.cuda.synchronize()
+    finally:
+        torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)
+    c = clocks.tolist()
+    if c[-1] == 0:
+        return "  (no kl.cu forward kernel ran)"
+    total = c[-1] - c[0]
+    parts = [f"{name} {c[i + 1] - c[i]} ({100 * (c[i + 1] - c[i]) / total:.0f}%)" for i, name in enumerate(STAGES)]
+    return f"  kl_forward_kernel, block 0: {total} cycles: " + ", ".join(parts)
+
+
 def device_info(script: str) -> dict | None:
     """The GPU, torch and CUDA versions and kivi_fast's backend, printed; None (said so) without a GPU."""
     if not torch.cuda.is_available():
@@ -109,6 +132,7 @@ def main(argv=None) -> int:
                 p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
                 print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
                 print(kernel_profile(cpu_bench.IMPLS["ours"], p, q))
+                print(forward_stages(cpu_bench.IMPLS["ours"], p, q))
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:

@@ -3,6 +3,7 @@ replace, in one process: the paper's VAE step (batch 128, n_q = n_p = 100, z in 
 the paper's setting, and kivi) and the MNIST BNN step (L = 400, 10 posterior samples, KIVI per layer).
 
     python bench/train_steps.py --json bench/train_steps.json
+    python bench/train_steps.py --profile    # the replayed steps' kernels by GPU time instead
 
 Each step is the trainers' own ``step_profile`` (kivi_fast/experiments/vae.py and mnist.py): median
 seconds of a forward + backward, and of its KL part alone. "generic" forces the device-generic kernels
@@ -53,6 +54,23 @@ def full_steps(setup, device, repeats: int) -> dict:
     return out
 
 
+def graph_profile(setup, device, rows: int = 20) -> str:
+    """torch.profiler's table of three replays of a trainer's step captured in a CUDA graph, by GPU
+    time: where the replayed step's time goes (the KL's kernels against the networks' and Adam's)."""
+    torch.manual_seed(0)
+    step, inputs = setup(True)
+    run = trainer_step(step, device, True)
+    for _ in range(5):
+        run(inputs)
+    torch.cuda.synchronize(device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            run(inputs)
+        torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def vae_step(method: str, device):
     """The VAE trainer's step (the paper's batch and sample sizes) and its inputs, for full_steps."""
     def setup(cuda_graph: bool):
@@ -86,11 +104,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
+    ap.add_argument("--profile", action="store_true", help="print the replayed steps' kernels by GPU time")
     args = ap.parse_args(argv)
     info = gpu_bench.device_info("bench/train_steps.py")
     if info is None:
         return 2
     device = torch.device("cuda")
+    if args.profile:
+        for name, setup in {"vae kivi-ac": vae_step("kivi-ac", device), "mnist L=400": mnist_step(device)}.items():
+            print(f"{name}: three replays of the step captured in a CUDA graph\n{graph_profile(setup, device)}",
+                  flush=True)
+        return 0
     cases = {"vae kivi-ac": lambda: vae_profile("kivi-ac", device, args.repeats),
              "vae kivi": lambda: vae_profile("kivi", device, args.repeats),
              "mnist kivi L=400": lambda: mnist_profile(device, args.repeats)}

@@ -137,7 +137,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 
 // The CUDA kernels (cuda/kl.cu, built when torch is a CUDA build; KIVI_FAST_WITH_CUDA): the kl op and
 // its backward, for the shapes handles_kl and handles_kl_grad accept (the forward: a whole fit in one
-// thread block, N = n_p + n_q <= 512 points with N d <= 6144, or N <= 64 in any d, within the device's
+// thread block, N = n_p + n_q <= 512 points with N d <= 6144, or N <= 256 with d + 1 >= N, within the device's
 // shared memory per block; the backward: the projection state, and weight states of up to 65,536
 // weights per element, whichever backend ran the forward, since the grad state is the same); other
 // shapes take generic::.
@@ -156,6 +156,11 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 // generic median, NaN where that raises. cuda/median.cu; the generic path's median on CUDA tensors
 // with many pairs.
 Tensor median_of_pairs(const Tensor& top, const Tensor& tail);
+// Benches (testing.cpp): the kl forwards that follow on the buffer's device write block 0's clock64()
+// at each of its kForwardStages stage boundaries into the buffer (int64, CUDA, kept alive by the
+// caller) until it is unset (nullopt).
+constexpr int64_t kForwardStages = 6;
+void set_stage_clocks(const std::optional<Tensor>& buffer);
 }  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path

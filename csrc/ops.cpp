@@ -27,6 +27,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor&, const Tensor&, doub
 Tensor kl_grad(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool) {
   TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels");
 }
+void set_stage_clocks(const std::optional<Tensor>&) {
+  TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels");
+}
 }  // namespace cuda
 #endif
 

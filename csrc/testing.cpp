@@ -37,6 +37,10 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   m.def("set_portable_gather(bool flag) -> bool", &rows::set_portable_gather);
   // How many kept buffers were allocated afresh since load (cpu/kept_outputs.h).
   m.def("kept_fresh_buffers() -> int", &kept_outputs::fresh_buffers);
+  // Benches: CUDA kl forwards record block 0's clock at their stages into buffer (int64 [6], on the
+  // samples' GPU: start, distances, median, system, solve, end); None stops it. An error in a build
+  // without the CUDA kernels.
+  m.def("set_forward_stage_clocks(Tensor? buffer) -> ()", &cuda::set_stage_clocks);
 }
 
 }  // namespace kivi_fast

@@ -143,8 +143,12 @@ CUDA_KERNEL_SHAPES = [
     (128, 100, 100, 8),  # the VAE: distances in the kernel, projection state, system in shared memory
     (3, 256, 256, 4),    # N = 512, the largest: the system in global memory
     (2, 5, 7, 20),       # d + 1 >= N: the weight state and its backward
-    (1, 10, 10, 30000),  # N <= 64 in many dimensions: distances split over dimension chunks
+    (1, 10, 10, 30000),  # N <= 64 in many dimensions: pair_sqdist_kernel over dimension chunks
     (2, 40, 24, 700),    # N = 64, the widest such set
+    (2, 100, 100, 700),  # N = 200 in many dimensions: pair_tile_kernel, distances in global memory
+    (1, 70, 60, 1000),   # N = 130: three tiles a side, the last partial; ranges of dimensions, the
+                         # last slab partial; the distances staged in shared memory
+    (1, 56, 200, 300),   # N = 256, four full tiles; reverse: the 200 x 200 system in global memory
 ]
 
 
@@ -159,6 +163,8 @@ def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
     kw = dict(lam=1e-3, reverse=reverse)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw))
     assert any("kl_forward_kernel" in n for n in names), sorted(names)
+    if n_p + n_q > 64 and (n_p + n_q) * d > 6144:
+        assert any("pair_tile_kernel" in n for n in names), sorted(names)
     ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw)
     ref_v, ref_g = value_and_grad(reference.kernel_kl, p, q, **kw)
     rtol = 1e-5 if dtype == torch.float32 else 1e-9
@@ -182,7 +188,7 @@ def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
 WEIGHT_STATE_SHAPES = [
     (1, 9, 13, 3000),   # the CUDA forward (N <= 64); two row tiles, the second partial
     (2, 150, 141, 600),  # the generic forward; 291 points: two weight tiles; 600 = 2 x 256 + 88 dimensions
-    (3, 40, 150, 400),  # 19 row tiles of q_z, the last partial
+    (3, 40, 150, 400),  # the tiled forward (N = 190); 19 row tiles of q_z, the last partial
 ]
 
 
@@ -205,6 +211,47 @@ def test_the_weight_state_backward_kernel_equals_the_cpu_kernels(shape, dtype, r
     assert_close_rel(ours_g, cpu_g, rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernels(dtype, reverse):
+    """More batch elements than SMs: kl_forward_kernel<T, 2> (two blocks per SM, the distances in
+    global memory) for the VAE's shape, against the CPU kernels (themselves checked against the
+    reference in test_ops_vs_reference.py)."""
+    b = 2 * torch.cuda.get_device_properties(CUDA).multi_processor_count + 3
+    g = torch.Generator().manual_seed(7 + reverse)
+    p = torch.randn(b, 100, 8, generator=g, dtype=torch.float64).to(dtype)
+    q = (torch.randn(b, 100, 8, generator=g, dtype=torch.float64) * 1.2 + 0.3).to(dtype)
+    names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
+    assert any("kl_forward_kernel" in n and ", 2>" in n for n in names), sorted(names)
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse)
+    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-9
+    assert_close_rel(ours_v, cpu_v, rtol)
+    assert_close_rel(ours_g, cpu_g, rtol if dtype == torch.float32 else 1e-8)
+
+
+def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():
+    """bench/gpu.py --profile's per-stage latency: block 0's clock at each stage, nondecreasing; none
+    once the buffer is unset."""
+    assert kivi_fast.backend() == "cpp"  # the library loaded (its testing ops with it)
+    clocks = torch.zeros(6, dtype=torch.int64, device=CUDA)
+    p, q = torch.randn(4, 100, 8, device=CUDA), torch.randn(4, 100, 8, device=CUDA)
+    torch.ops.kivi_fast_testing.set_forward_stage_clocks(clocks)
+    try:
+        kivi_fast.kernel_kl(p, q)
+        torch.cuda.synchronize()
+    finally:
+        torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)
+    c = clocks.tolist()
+    assert c[0] > 0 and all(a <= b for a, b in zip(c, c[1:])) and c[-1] > c[0], c
+    clocks.zero_()
+    kivi_fast.kernel_kl(p, q)
+    torch.cuda.synchronize()
+    assert clocks.count_nonzero() == 0
+    with pytest.raises(ValueError, match="int64 CUDA tensor"):
+        torch.ops.kivi_fast_testing.set_forward_stage_clocks(torch.zeros(6, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("n", [120, 122])  # 7140 pairs (even count), 7381 (odd)
 @pytest.mark.parametrize("ties", [False, True])
 def test_the_cuda_kernels_median_equals_the_reference(n, ties):
@@ -221,7 +268,7 @@ def test_the_cuda_kernels_median_equals_the_reference(n, ties):
 GENERIC_SHAPES = [
     (1, 300, 250, 3, False),   # 550 points: 150,975 pairs, the median by cuda/median.cu over both blocks
     (2, 260, 300, 4, True),    # a batch, many tied distances (the two middles may coincide)
-    (1, 30, 40, 12000, False),  # 70 points in many dimensions: the columns in two chunks
+    (1, 130, 140, 4000, False),  # 270 points in many dimensions (above kl.cu's 256): columns in 3 chunks
 ]
 
 
@@ -261,7 +308,7 @@ def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(s
     assert peak <= blocks + inputs + 16 * 2**20, (peak, blocks)
 
 
-@pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (300, 3)])  # CUDA kernels (small, wide), generic
+@pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (100, 700), (300, 3)])  # CUDA (small, wide, tiles), generic
 def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
     """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN:
     a NaN in q_z, every distance 0 (a zero median), an Inf in prior_z (with an explicit bandwidth too,
@@ -287,8 +334,8 @@ def test_direct_op_calls_with_arguments_on_another_device_raise():
         torch.ops.kivi_fast.kl_grad(torch.ones(2), state, q, p, True)
 
 
-@pytest.mark.parametrize("b,n,d", [(4, 100, 8), (2, 10, 30000), (2, 300, 8), (2, 100, 700)],
-                         ids=["cuda-kernels", "cuda-kernels-wide", "generic", "generic-wide"])
+@pytest.mark.parametrize("b,n,d", [(4, 100, 8), (2, 10, 30000), (2, 100, 700), (2, 300, 8), (2, 300, 700)],
+                         ids=["cuda-kernels", "cuda-kernels-wide", "cuda-kernels-tiles", "generic", "generic-wide"])
 def test_the_estimators_never_read_a_value_back_to_the_host(b, n, d):
     p = torch.randn(b, n, d, device=CUDA)
     q = torch.randn(b, n, d, device=CUDA, requires_grad=True)

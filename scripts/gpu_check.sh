@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU and never runs
 # this): builds kivi_fast with its CUDA kernels into that environment, then runs the CUDA tests, the
-# kernels under compute-sanitizer (where installed), bench/gpu.py and bench/train_steps.py, and a
-# profile of where ours spends its GPU time on four shapes (bench/gpu.py --profile). Everything
-# it prints also goes to OUT_DIR/gpu_check.log; the benches' JSON go to OUT_DIR.
+# kernels under compute-sanitizer (where installed: memcheck, and racecheck on kernels that stage
+# tiles in shared memory), bench/gpu.py and bench/train_steps.py, and profiles of where the GPU time
+# goes: ours on six shapes (bench/gpu.py --profile), the training steps replayed from CUDA graphs
+# (bench/train_steps.py --profile). Everything it prints also goes to OUT_DIR/gpu_check.log; the
+# benches' JSON go to OUT_DIR.
 #   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
 #   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps,profile)
 #   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
@@ -37,13 +39,23 @@ if has sanitizer && command -v compute-sanitizer > /dev/null; then
   compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || status=1
 import torch, kivi_fast
 for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
-                       (1, 300, 300, 3), (2, 150, 141, 600)]:
+                       (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8)]:
     for reverse in (True, False):
         p = torch.randn(b, n_p, d, device="cuda")
         q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
         kivi_fast.kernel_kl(p, q, reverse=reverse).sum().backward()
 torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
+PY
+  # shared-memory races in the kernels that stage tiles (the tiled distances, the forward, the backward)
+  compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || status=1
+import torch, kivi_fast
+for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000)]:
+    p = torch.randn(b, n_p, d, device="cuda")
+    q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
+    kivi_fast.kernel_kl(p, q).sum().backward()
+torch.cuda.synchronize()
+print("compute-sanitizer racecheck: kernels ran")
 PY
 fi
 if has bench; then
@@ -52,7 +64,8 @@ if has bench; then
   python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || status=1
 fi
 if has profile; then
-  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,100x50000,1000x32,5000x64 || status=1
+  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64 || status=1
+  python3 bench/train_steps.py --profile || status=1
 fi
 if has steps; then
   python3 bench/train_steps.py --json "$out/train_steps.json" || status=1

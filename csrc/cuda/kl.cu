@@ -1,25 +1,25 @@
 // The kl op and its backward on CUDA tensors (the cuda:: functions of kivi.h), for the shapes where a
 // whole fit fits one thread block: few points (N = n_p + n_q <= 512) in few dimensions (N d <= 6144:
-// the VAE's B x (100, 8)), or very few points (N <= 64) in any number of dimensions (an MNIST layer,
-// (10, 314000)). Other shapes take the device-generic ATen path (csrc/generic.cpp); handles_kl says
-// which.
+// the VAE's B x (100, 8)), or up to 256 points in at least as many dimensions (an MNIST layer,
+// (10, 314000); with many posterior samples, (100, 50000)). Other shapes take the device-generic ATen
+// path (csrc/generic.cpp); handles_kl says which.
 //
 // One block per batch element does the whole forward in one launch, in shared memory where it fits
 // (kl_forward_kernel says what goes where): the points as float64, every pair's distance, the exact
 // median by radix selection on the distances' bit patterns, the system K_dd / n_den + lam I, its
 // elimination and solve, the evaluation of the ratio at q_z's points, the KL and the backward's grad
 // state. With many dimensions a first launch splits the distances over dimension chunks
-// (pair_sqdist_kernel), so that the whole GPU reads the samples once. The backward is one elementwise
-// launch (projection state) or one launch whose blocks each read the samples' columns for 8 rows of
-// q_z (weight state up to kMaxWeightWork weights, the generic forward's too). The dimension-split
-// distances are summed with atomics, so on that path results can differ in their last bits from run
-// to run.
+// (pair_sqdist_kernel; pair_tile_kernel above 64 points), so that the whole GPU reads the samples
+// once. The backward is one elementwise launch (projection state) or one launch whose blocks each
+// read the samples' columns for 8 rows of q_z (weight state up to kMaxWeightWork weights, the generic
+// forward's too). The dimension-split distances are summed with atomics, so on that path results can
+// differ in their last bits from run to run.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
 // that is not positive definite), so that a training step neither stalls nor breaks CUDA-graph capture.
 //
-// One block per element is latency-bound: ~0.2 ms per (100, 8) element on an H200, mostly the
+// One block per element is latency-bound: ~0.27 ms per (100, 8) element on an H200, mostly the
 // elimination and the median's passes over shared memory (bench/README.md, "GPU").
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -29,6 +29,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -48,7 +49,11 @@ constexpr int kPairThreads = 256;  // pair_sqdist_kernel
 constexpr int kPairWarps = kPairThreads / 32;
 constexpr int64_t kMaxPoints = 512;       // N: the fused path's limit
 constexpr int64_t kSmallWork = 6144;      // N * d: the points fit in shared memory (48 KB of float64)
-constexpr int64_t kMaxWidePoints = 64;    // N with many dimensions (pair_sqdist_kernel)
+constexpr int64_t kMaxWidePoints = 256;   // N with many dimensions (weight state only: d + 1 >= N)
+constexpr int64_t kMaxWarpPairPoints = 64;  // up to here pair_sqdist_kernel, above pair_tile_kernel
+constexpr int kTile = 64;                 // pair_tile_kernel: points per tile side
+constexpr int kTileDims = 32;             // and dimensions per staged slab
+constexpr int kTileThreads = 256;         // 16 x 16 threads, each 4 x 4 pairs
 
 // Offset of pair (i, j), i < j, in the packed upper triangle of N points (rows i = 0, 1, ...).
 __host__ __device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int64_t n) {
@@ -171,7 +176,14 @@ struct KlArgs {
                             // consecutive points hit distinct banks)
   bool dist_in_shared;      // the distances in shared memory (else in the global workspace)
   bool system_in_shared;    // the n_den x n_den system in shared memory, else in sys_ws
+  long long* clocks;        // benches: block 0's clock64() at the stage boundaries (kForwardStages), or null
 };
+
+// Where block 0 of kl_forward_kernel is when it reads the clock (a bench's per-stage latency):
+// 0 start, 1 distances, 2 median, 3 system made, 4 solved, 5 evaluated (the end).
+__device__ __forceinline__ void stage_clock(const KlArgs& a, int stage) {
+  if (a.clocks != nullptr && blockIdx.x == 0 && threadIdx.x == 0) a.clocks[stage] = clock64();
+}
 
 // Solves the symmetric positive definite n x n system S x = b (S row-major, b in x; S's upper
 // triangle is read and overwritten). Gaussian elimination of the upper triangle (symmetric, so row
@@ -233,9 +245,11 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd) {
 // [N, ldx] (compute_dist); then the distances (dist_in_shared) and a work region for the system (when
 // it fits) and the weights per warp. With compute_dist the later stages recompute distances from the
 // staged points (d <= a few dozen: cheaper than reading them back), so the distances share the work
-// region; otherwise (the wide path) they stay and the work region follows them.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
+// region; otherwise (the wide path) they stay and the work region follows them. kBlocksPerSm: 2 caps
+// the registers (64 a thread, some spilled) so that two blocks can share a multiprocessor, for
+// batches of more than one wave of blocks (see kl()).
+template <typename T, int kBlocksPerSm>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     kl_forward_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, const double* __restrict__ sigma_in,
                       double* __restrict__ dist_all, double* __restrict__ sys_all, double* __restrict__ kl_out,
                       double* __restrict__ state_all, double* __restrict__ sigma_out, double* __restrict__ clipped_out,
@@ -270,6 +284,7 @@ __global__ void __launch_bounds__(kThreads)
     return s;
   };
 
+  stage_clock(a, 0);
   if (a.compute_dist) {  // the points as float64 in shared memory, then every pair's squared distance
     for (int64_t e = tid; e < N * d; e += kThreads) {
       const int c = static_cast<int>(e / d);
@@ -284,6 +299,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t p = tid; p < P; p += kThreads) dist[p] = dist_all[b * P + p];
     __syncthreads();
   }
+  stage_clock(a, 1);
 
   // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
   double sigma = NAN;
@@ -291,6 +307,7 @@ __global__ void __launch_bounds__(kThreads)
     sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, sel);
     if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
   }
+  stage_clock(a, 2);
   const double gamma = -0.5 / (sigma * sigma);
 
   // The system S = K_dd / n + lam I (its upper triangle, row-major) and the right-hand side
@@ -308,7 +325,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (tid == 0) not_pd = 0;
   __syncthreads();
+  stage_clock(a, 3);
   solve_spd(S, coef, n, &not_pd);  // ends with a barrier
+  stage_clock(a, 4);
   const bool bad = not_pd || isnan(sigma);
   const double beta = 1.0 / (a.lam * a.n_num);
   for (int c = tid; c < N; c += kThreads) coef[c] = bad ? NAN : (c < n ? -coef[c] : beta);
@@ -389,9 +408,10 @@ __global__ void __launch_bounds__(kThreads)
     clipped_out[b] = static_cast<double>(c) / a.n_q;
     sigma_out[b] = sigma;
   }
+  stage_clock(a, 5);
 }
 
-// Squared distances of every pair of N <= kMaxWidePoints points in many dimensions, summed over
+// Squared distances of every pair of N <= kMaxWarpPairPoints points in many dimensions, summed over
 // dimension chunks: each block takes chunks in turn (grid-stride), stages a chunk of all N rows in
 // shared memory, lets each warp own a fixed set of pairs, and adds its partial sums into dist once.
 template <typename T>
@@ -436,6 +456,69 @@ __global__ void __launch_bounds__(kPairThreads)
   __syncthreads();
   double* dist = dist_all + b * P;
   for (int64_t p = tid; p < P; p += kPairThreads) atomicAdd(dist + p, part[p]);
+}
+
+// Squared distances of every pair of kMaxWarpPairPoints < N <= kMaxWidePoints points in many
+// dimensions (an MNIST layer with many posterior samples: (100, 50000)), added into dist (zeroed):
+// the pairs in kTile x kTile tiles of points (I <= J: blockIdx.x), the dimensions split in ranges
+// (blockIdx.y), the batch (blockIdx.z). A block stages kTileDims dimensions of its two tiles' points
+// as float64 (a diagonal tile once) and each thread accumulates 4 x 4 pairs in registers, so that
+// eight shared-memory loads serve 16 pairs' differences (one warp per pair, as pair_sqdist_kernel,
+// would load two values per difference). Differences, not the GEMM's norms minus products: the
+// same rounding as the other paths' distances.
+template <typename T>
+__global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() sizes the grid for that
+    pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
+                     int64_t dims_per_split, double* __restrict__ dist_all) {
+  __shared__ double tile_a[kTileDims][kTile + 1];  // +1: the staging stores (a row's dimensions by
+  __shared__ double tile_b[kTileDims][kTile + 1];  // consecutive threads) fall in distinct banks
+  const int N = n_den + n_num, tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
+  const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
+  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
+                      n_den, d};
+  int I = 0, rest = blockIdx.x;  // tile pair (I, J), I <= J, of blockIdx.x: walk the tile rows
+  const int tiles = (N + kTile - 1) / kTile;
+  while (rest >= tiles - I) {
+    rest -= tiles - I;
+    ++I;
+  }
+  const int J = I + rest;
+  const int64_t t_begin = blockIdx.y * dims_per_split, t_end = min(d, t_begin + dims_per_split);
+  double (*tb)[kTile + 1] = I == J ? tile_a : tile_b;
+  double acc[4][4] = {};
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileDims) {
+    const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
+    __syncthreads();  // the previous slab's reads are done
+    // element e of a tile's slab: point e / kTileDims, dimension e % kTileDims (a row's dimensions
+    // by consecutive threads: coalesced); zeros past N and past the range (they add nothing)
+    for (int e = tid; e < kTile * kTileDims; e += kTileThreads) {
+      const int r = e / kTileDims, k = e % kTileDims;
+      const int ia = I * kTile + r, ib = J * kTile + r;
+      tile_a[k][r] = (ia < N && k < len) ? static_cast<double>(pts.row(ia)[t0 + k]) : 0.0;
+      if (I != J) tile_b[k][r] = (ib < N && k < len) ? static_cast<double>(pts.row(ib)[t0 + k]) : 0.0;
+    }
+    __syncthreads();
+    for (int k = 0; k < len; ++k) {
+      double xa[4], xb[4];
+      for (int u = 0; u < 4; ++u) {
+        xa[u] = tile_a[k][ty + 16 * u];
+        xb[u] = tb[k][tx + 16 * u];
+      }
+      for (int u = 0; u < 4; ++u) {
+        for (int v = 0; v < 4; ++v) {
+          const double diff = xa[u] - xb[v];
+          acc[u][v] = fma(diff, diff, acc[u][v]);
+        }
+      }
+    }
+  }
+  double* dist = dist_all + b * P;
+  for (int u = 0; u < 4; ++u) {
+    for (int v = 0; v < 4; ++v) {
+      const int i = I * kTile + ty + 16 * u, j = J * kTile + tx + 16 * v;
+      if (i < j && j < N) atomicAdd(dist + pair_index(i, j, N), acc[u][v]);
+    }
+  }
 }
 
 // grad[b, j, t] = row_scale_b (proj[b, j, t] - proj[b, j, d] z[b, j, t]) (projection state).
@@ -511,6 +594,10 @@ __global__ void __launch_bounds__(kWeightThreads)
 
 int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin); }
 
+// set_stage_clocks's buffer (benches only), and the device it lives on.
+std::atomic<long long*> stage_clocks{nullptr};
+std::atomic<int> stage_clocks_device{-1};
+
 // Static shared memory of kl_forward_kernel (the selection's histogram, the reductions, the
 // projection's scratch), which counts against the same per-block limit.
 constexpr int kStaticShared = static_cast<int>(sizeof(SelectShared)) + kWarps * (12 + 8 * 32) + 16;
@@ -530,7 +617,9 @@ int64_t forward_shared_doubles(int64_t N, int64_t n_den, int64_t d, bool compute
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
   if (n_total > kMaxPoints) return false;
   const bool small = n_total * d <= kSmallWork;
-  if (!small && (n_total > kMaxWidePoints || batch > 65535)) return false;  // pair_sqdist_kernel's grid.y
+  // many dimensions: the distances by pair_sqdist_kernel or pair_tile_kernel (batch on the grid's y
+  // or z), and the points are not staged in shared memory, which a projection state reads
+  if (!small && (n_total > kMaxWidePoints || batch > 65535 || kl_state_is_projection(n_total, d))) return false;
   // the leanest layout (distances and system in global memory) must fit this device's blocks
   const int64_t least = forward_shared_doubles(n_total, 0, d, small, small ? (d | 1) : 0, false, false);
   return 8 * least + kStaticShared <= max_shared_bytes(device);
@@ -546,6 +635,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   const auto f64 = q_z.options().dtype(at::kDouble);
   const int device = q_z.get_device();
   const int limit = max_shared_bytes(device) - kStaticShared;
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
 
   KlArgs a{};
   a.n_den = static_cast<int>(n_den);
@@ -560,13 +650,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   a.projection = kl_state_is_projection(N, d);
   a.compute_dist = N * d <= kSmallWork;
   a.ldx = a.compute_dist ? static_cast<int>(d | 1) : 0;
+  a.clocks = stage_clocks_device.load() == device ? stage_clocks.load() : nullptr;
+  // the projection state reads the points staged in shared memory (handles_kl keeps the others out)
+  TORCH_CHECK(a.compute_dist || !a.projection, "kivi_fast::kl (CUDA): a projection state needs N d <= ", kSmallWork);
   // In shared memory what fits: both the distances (the median's passes) and the system (the
   // elimination), else the system, else the distances, else neither.
   const auto doubles = [&](bool dist_sh, bool sys_sh) {
     return forward_shared_doubles(N, n_den, d, a.compute_dist, a.ldx, dist_sh, sys_sh);
   };
   const bool layouts[4][2] = {{true, true}, {false, true}, {true, false}, {false, false}};
+  // More than one wave of blocks (B > SMs, one block per SM): the first layout with which two blocks
+  // share an SM, if any (kl_forward_kernel<T, 2>: half the waves, each block slower), e.g. the
+  // distances in global memory (L2) at 1024 x (100, 8). Else the first that fits one block.
+  bool two_per_sm = false;
+  if (B > sms) {
+    const int pair_limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor) / 2 -
+                           device_attribute(device, cudaDevAttrReservedSharedMemoryPerBlock) - kStaticShared;
+    for (const auto& l : layouts) {
+      if (8 * doubles(l[0], l[1]) <= pair_limit) {
+        a.dist_in_shared = l[0];
+        a.system_in_shared = l[1];
+        two_per_sm = true;
+        break;
+      }
+    }
+  }
   for (const auto& l : layouts) {
+    if (two_per_sm) break;
     a.dist_in_shared = l[0];
     a.system_in_shared = l[1];
     if (8 * doubles(l[0], l[1]) <= limit) break;
@@ -587,29 +697,56 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl", [&] {
     const scalar_t* den = roles.denom.data_ptr<scalar_t>();
     const scalar_t* num = roles.numer.data_ptr<scalar_t>();
-    if (!a.compute_dist) {
+    if (!a.compute_dist && N > kMaxWarpPairPoints) {
+      const int64_t tiles = (N + kTile - 1) / kTile, tile_pairs = tiles * (tiles + 1) / 2;
+      // dimension ranges: at most one wave of 4 blocks per SM (rounded down: a partial second wave
+      // would run its ranges alone), each range a whole number of slabs
+      const int64_t slabs = (d + kTileDims - 1) / kTileDims;
+      const int64_t blocks_per_range = tile_pairs * B;
+      const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(slabs, 4 * sms / blocks_per_range));
+      const int64_t dims_per_split = (slabs + splits - 1) / splits * kTileDims;
+      const int64_t ranges = (d + dims_per_split - 1) / dims_per_split;
+      const dim3 grid(static_cast<unsigned>(tile_pairs), static_cast<unsigned>(ranges), static_cast<unsigned>(B));
+      pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den, num, a.n_den, a.n_num, d, dims_per_split,
+                                                                  dist.data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else if (!a.compute_dist) {
       // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
       const int64_t chunk = std::max<int64_t>(32, ((6144 - P) / N) / 32 * 32);
       const int64_t bytes = 8 * (N * chunk + P);
       TORCH_CHECK(bytes <= limit, "kivi_fast::kl (CUDA): pair_sqdist_kernel needs ", bytes, " bytes of shared memory");
       const int64_t chunks = (d + chunk - 1) / chunk;
-      const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
       const int64_t per_element = std::max<int64_t>(1, std::min<int64_t>(chunks, (4 * sms + B - 1) / B));
       const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(B));
       pair_sqdist_kernel<scalar_t><<<grid, kPairThreads, bytes, stream>>>(den, num, a.n_den, a.n_num, d, chunk,
                                                                         dist.data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    const auto forward = two_per_sm ? kl_forward_kernel<scalar_t, 2> : kl_forward_kernel<scalar_t, 1>;
     if (shared_bytes + kStaticShared > 48 * 1024) {
-      allow_all_shared_memory(reinterpret_cast<const void*>(kl_forward_kernel<scalar_t>), device, kStaticShared);
+      allow_all_shared_memory(reinterpret_cast<const void*>(forward), device, kStaticShared);
     }
-    kl_forward_kernel<scalar_t><<<static_cast<unsigned>(B), kThreads, shared_bytes, stream>>>(
+    forward<<<static_cast<unsigned>(B), kThreads, shared_bytes, stream>>>(
         den, num, sigma_given.defined() ? sigma_given.data_ptr<double>() : nullptr, dist.data_ptr<double>(),
         sys.defined() ? sys.data_ptr<double>() : nullptr, kl_out.data_ptr<double>(), state.data_ptr<double>(),
         sigma_out.data_ptr<double>(), clipped.data_ptr<double>(), a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {kl_out, state, sigma_out, clipped};
+}
+
+void set_stage_clocks(const std::optional<Tensor>& buffer) {
+  if (!buffer.has_value()) {
+    stage_clocks_device.store(-1);
+    stage_clocks.store(nullptr);
+    return;
+  }
+  TORCH_CHECK_VALUE(buffer->is_cuda() && buffer->scalar_type() == at::kLong && buffer->is_contiguous() &&
+                        buffer->numel() >= kForwardStages,
+                    "set_forward_stage_clocks: buffer must be a contiguous int64 CUDA tensor of at least ",
+                    kForwardStages, " elements");
+  stage_clocks.store(reinterpret_cast<long long*>(buffer->data_ptr<int64_t>()));
+  stage_clocks_device.store(buffer->get_device());
 }
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
