@@ -94,6 +94,23 @@ def forward_stages(fn, p, q) -> str:
     return f"  kl_forward_kernel, block 0: {total} cycles: " + ", ".join(parts)
 
 
+def forward_variants(p, q, target_s: float) -> str:
+    """A batch of more than one wave of blocks: ours (forward + backward) with the forward kernel's
+    two-blocks-per-SM variant against the one-block one (torch.ops.kivi_fast_testing.set_two_blocks_per_sm),
+    timed alternately."""
+    def ours_with(two: bool):
+        def fn(p_, q_):
+            old = torch.ops.kivi_fast_testing.set_two_blocks_per_sm(two)
+            try:
+                return cpu_bench.IMPLS["ours"](p_, q_)
+            finally:
+                torch.ops.kivi_fast_testing.set_two_blocks_per_sm(old)
+        return fn
+    t = time_sides({"ours": ours_with(True), "one_per_sm": ours_with(False)}, ("one_per_sm",), p, q, True, target_s)
+    return (f"  two blocks per SM {t['ours'] * 1e3:.3f} ms, one {t['one_per_sm'] * 1e3:.3f} ms: "
+            f"one/two {t['one_per_sm_ratio']:.2f}")
+
+
 def device_info(script: str) -> dict | None:
     """The GPU, torch and CUDA versions and kivi_fast's backend, printed; None (said so) without a GPU."""
     if not torch.cuda.is_available():
@@ -133,6 +150,8 @@ def main(argv=None) -> int:
                 print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
                 print(kernel_profile(cpu_bench.IMPLS["ours"], p, q))
                 print(forward_stages(cpu_bench.IMPLS["ours"], p, q))
+                if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:
+                    print(forward_variants(p, q, args.target_s))
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:

@@ -158,9 +158,13 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 Tensor median_of_pairs(const Tensor& top, const Tensor& tail);
 // Benches (testing.cpp): the kl forwards that follow on the buffer's device write block 0's clock64()
 // at each of its kForwardStages stage boundaries into the buffer (int64, CUDA, kept alive by the
-// caller) until it is unset (nullopt).
+// caller, also by one that captures a CUDA graph meanwhile: the graph keeps the pointer) until it is
+// unset (nullopt).
 constexpr int64_t kForwardStages = 6;
 void set_stage_clocks(const std::optional<Tensor>& buffer);
+// Benches and tests: whether batches of more than one wave of blocks take the forward kernel's
+// two-blocks-per-SM variant (the default); returns the old value.
+bool set_two_blocks_per_sm(bool flag);
 }  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path

@@ -30,6 +30,7 @@ Tensor kl_grad(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool)
 void set_stage_clocks(const std::optional<Tensor>&) {
   TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels");
 }
+bool set_two_blocks_per_sm(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 }  // namespace cuda
 #endif
 

@@ -41,6 +41,9 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // samples' GPU: start, distances, median, system, solve, end); None stops it. An error in a build
   // without the CUDA kernels.
   m.def("set_forward_stage_clocks(Tensor? buffer) -> ()", &cuda::set_stage_clocks);
+  // Whether CUDA batches of more than one wave of blocks take the forward kernel's two-blocks-per-SM
+  // variant (default true). An error in a build without the CUDA kernels.
+  m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
 }
 
 }  // namespace kivi_fast

@@ -36,6 +36,10 @@ inline void allow_all_shared_memory(const void* kernel, int device, int static_b
   if (flag) return;
   const int optin = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - static_bytes));
+  // the split of the SM's memory between L1 and shared memory is a hint: ask for all of it shared, so
+  // that as many blocks fit as the shared memory arithmetic says
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
   flag = true;
 }
 

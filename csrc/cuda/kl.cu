@@ -594,6 +594,9 @@ __global__ void __launch_bounds__(kWeightThreads)
 
 int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin); }
 
+// set_two_blocks_per_sm's switch (benches: the one-block variant against the two-block one).
+std::atomic<bool> two_blocks_per_sm{true};
+
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
 std::atomic<int> stage_clocks_device{-1};
@@ -663,7 +666,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   // share an SM, if any (kl_forward_kernel<T, 2>: half the waves, each block slower), e.g. the
   // distances in global memory (L2) at 1024 x (100, 8). Else the first that fits one block.
   bool two_per_sm = false;
-  if (B > sms) {
+  if (B > sms && two_blocks_per_sm.load()) {
     const int pair_limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor) / 2 -
                            device_attribute(device, cudaDevAttrReservedSharedMemoryPerBlock) - kStaticShared;
     for (const auto& l : layouts) {
@@ -734,6 +737,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   });
   return {kl_out, state, sigma_out, clipped};
 }
+
+bool set_two_blocks_per_sm(bool flag) { return two_blocks_per_sm.exchange(flag); }
 
 void set_stage_clocks(const std::optional<Tensor>& buffer) {
   if (!buffer.has_value()) {
