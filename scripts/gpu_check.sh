@@ -22,6 +22,8 @@ nvidia-smi -L || { echo "gpu_check: no NVIDIA GPU visible"; exit 2; }
 python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda); sys.exit(not torch.cuda.is_available())" \
   || { echo "gpu_check: python3's torch sees no CUDA device"; exit 2; }
 status=0
+failed=()
+fail() { status=1; failed+=("$1"); }  # a phase's step failed: say which at the end
 if has build; then
   arch=()
   [ -n "${CUDA_ARCH:-}" ] && arch=(-Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH")
@@ -32,11 +34,11 @@ if has build; then
   echo "built in $(( $(date +%s) - t0 )) s"
 fi
 if has tests; then
-  python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py || status=1
+  python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py || fail tests
 fi
 if has sanitizer && command -v compute-sanitizer > /dev/null; then
   # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses
-  compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || status=1
+  timeout 180 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || fail memcheck
 import torch, kivi_fast
 for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
                        (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8)]:
@@ -48,7 +50,7 @@ torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
 PY
   # shared-memory races in the kernels that stage tiles (the tiled distances, the forward, the backward)
-  compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || status=1
+  timeout 180 compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || fail racecheck
 import torch, kivi_fast
 for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000)]:
     p = torch.randn(b, n_p, d, device="cuda")
@@ -60,15 +62,16 @@ PY
 fi
 if has bench; then
   python3 bench/gpu.py --dtypes float32 --shapes 128x100x8,1024x100x8,100x8,10x314000,100x50000,100x700,1000x32,2000x32,5000x64 \
-    --json "$out/cuda_results.json" || status=1
-  python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || status=1
+    --json "$out/cuda_results.json" || fail bench
+  python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || fail bench64
 fi
 if has profile; then
-  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64 || status=1
-  python3 bench/train_steps.py --profile || status=1
+  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64 || fail profile
+  python3 bench/train_steps.py --profile || fail steps-profile
 fi
 if has steps; then
-  python3 bench/train_steps.py --json "$out/train_steps.json" || status=1
+  python3 bench/train_steps.py --json "$out/train_steps.json" || fail steps
 fi
 date
+if [ "$status" -eq 0 ]; then echo "gpu_check: all phases passed ($PHASES)"; else echo "gpu_check: failed: ${failed[*]}"; fi
 exit $status
