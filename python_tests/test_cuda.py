@@ -130,6 +130,15 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(old)
 
 
+def assert_cuda_equals_cpu_kernels(p, q, reverse: bool, rtol: float, value_rtol: float | None = None) -> None:
+    """kernel_kl's value (within value_rtol, default rtol) and gradient w.r.t. q (within rtol) on CUDA
+    against the CPU kernels' (themselves checked against the reference in test_ops_vs_reference.py)."""
+    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse)
+    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+    assert_close_rel(ours_v, cpu_v, rtol if value_rtol is None else value_rtol)
+    assert_close_rel(ours_g, cpu_g, rtol)
+
+
 def kernels_run(fn) -> set:
     """The names of the CUDA kernels that fn() launches."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -196,38 +205,31 @@ WEIGHT_STATE_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reverse", [True, False])
 def test_the_weight_state_backward_kernel_equals_the_cpu_kernels(shape, dtype, reverse):
-    """Against the CPU kernels (themselves checked against the reference in test_ops_vs_reference.py;
-    the reference's [N, N, d] differences would not fit these shapes)."""
+    """Against the CPU kernels (the reference's [N, N, d] differences would not fit these shapes)."""
     b, n_p, n_q, d = shape
     g = torch.Generator().manual_seed(sum(shape) + reverse)
     p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64).to(dtype)
     q = (torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.1 + 0.2).to(dtype)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
     assert any("grad_from_weights_kernel" in n for n in names), sorted(names)
-    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse)
-    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
-    rtol = 1e-5 if dtype == torch.float32 else 1e-8
-    assert_close_rel(ours_v, cpu_v, rtol)
-    assert_close_rel(ours_g, cpu_g, rtol)
+    assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-5 if dtype == torch.float32 else 1e-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reverse", [True, False])
 def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernels(dtype, reverse):
     """More batch elements than SMs: kl_forward_kernel<T, 2> (two blocks per SM, the distances in
-    global memory) for the VAE's shape, against the CPU kernels (themselves checked against the
-    reference in test_ops_vs_reference.py)."""
+    global memory) for the VAE's shape, against the CPU kernels."""
     b = 2 * torch.cuda.get_device_properties(CUDA).multi_processor_count + 3
     g = torch.Generator().manual_seed(7 + reverse)
     p = torch.randn(b, 100, 8, generator=g, dtype=torch.float64).to(dtype)
     q = (torch.randn(b, 100, 8, generator=g, dtype=torch.float64) * 1.2 + 0.3).to(dtype)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
     assert any("kl_forward_kernel" in n and ", 2>" in n for n in names), sorted(names)
-    ours_v, ours_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse)
-    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
-    rtol = 1e-5 if dtype == torch.float32 else 1e-9
-    assert_close_rel(ours_v, cpu_v, rtol)
-    assert_close_rel(ours_g, cpu_g, rtol if dtype == torch.float32 else 1e-8)
+    if dtype == torch.float32:
+        assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-5)
+    else:
+        assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
 
 
 def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():

@@ -60,6 +60,17 @@ __host__ __device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int
   return i * (2 * n - i - 1) / 2 + (j - i - 1);
 }
 
+// (row, column) of entry p of the upper triangle of an n x n matrix stored row by row, from the
+// diagonal on (offset 0) or from the first entry right of it (offset 1): walks the rows (small n).
+__device__ __forceinline__ int2 triangle_entry(int64_t p, int n, int offset) {
+  int i = 0;
+  while (p >= n - offset - i) {
+    p -= n - offset - i;
+    ++i;
+  }
+  return make_int2(i, i + offset + static_cast<int>(p));
+}
+
 __device__ __forceinline__ double packed_sqdist(const double* dist, int i, int j, int n) {
   if (i == j) return 0.0;
   return i < j ? dist[pair_index(i, j, n)] : dist[pair_index(j, i, n)];
@@ -436,14 +447,8 @@ __global__ void __launch_bounds__(kPairThreads)
     }
     __syncthreads();
     for (int64_t p = warp; p < P; p += kPairWarps) {
-      // (i, j) of packed index p: walk the rows (N <= 64)
-      int i = 0;
-      int64_t rest = p;
-      while (rest >= N - 1 - i) {
-        rest -= N - 1 - i;
-        ++i;
-      }
-      const int j = i + 1 + static_cast<int>(rest);
+      const int2 ij = triangle_entry(p, N, 1);  // N <= 64
+      const int i = ij.x, j = ij.y;
       double s = 0.0;
       for (int64_t t = lane; t < len; t += 32) {
         const double diff = tile[i * chunk + t] - tile[j * chunk + t];
@@ -476,13 +481,8 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() siz
   const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
                       n_den, d};
-  int I = 0, rest = blockIdx.x;  // tile pair (I, J), I <= J, of blockIdx.x: walk the tile rows
-  const int tiles = (N + kTile - 1) / kTile;
-  while (rest >= tiles - I) {
-    rest -= tiles - I;
-    ++I;
-  }
-  const int J = I + rest;
+  const int2 tile = triangle_entry(blockIdx.x, (N + kTile - 1) / kTile, 0);  // tile pair (I, J), I <= J
+  const int I = tile.x, J = tile.y;
   const int64_t t_begin = blockIdx.y * dims_per_split, t_end = min(d, t_begin + dims_per_split);
   double (*tb)[kTile + 1] = I == J ? tile_a : tile_b;
   double acc[4][4] = {};
@@ -665,25 +665,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   // More than one wave of blocks (B > SMs, one block per SM): the first layout with which two blocks
   // share an SM, if any (kl_forward_kernel<T, 2>: half the waves, each block slower), e.g. the
   // distances in global memory (L2) at 1024 x (100, 8). Else the first that fits one block.
-  bool two_per_sm = false;
-  if (B > sms && two_blocks_per_sm.load()) {
-    const int pair_limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor) / 2 -
-                           device_attribute(device, cudaDevAttrReservedSharedMemoryPerBlock) - kStaticShared;
-    for (const auto& l : layouts) {
-      if (8 * doubles(l[0], l[1]) <= pair_limit) {
-        a.dist_in_shared = l[0];
-        a.system_in_shared = l[1];
-        two_per_sm = true;
-        break;
-      }
+  const auto first_fitting = [&](int64_t bytes) {  // the first layout within bytes, else -1
+    for (int l = 0; l < 4; ++l) {
+      if (8 * doubles(layouts[l][0], layouts[l][1]) <= bytes) return l;
     }
+    return -1;
+  };
+  int layout = -1;
+  if (B > sms && two_blocks_per_sm.load()) {
+    layout = first_fitting(device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor) / 2 -
+                           device_attribute(device, cudaDevAttrReservedSharedMemoryPerBlock) - kStaticShared);
   }
-  for (const auto& l : layouts) {
-    if (two_per_sm) break;
-    a.dist_in_shared = l[0];
-    a.system_in_shared = l[1];
-    if (8 * doubles(l[0], l[1]) <= limit) break;
-  }
+  const bool two_per_sm = layout >= 0;
+  if (!two_per_sm) layout = first_fitting(limit);
+  if (layout < 0) layout = 3;  // the leanest: too large for this device, which the check below says
+  a.dist_in_shared = layouts[layout][0];
+  a.system_in_shared = layouts[layout][1];
   const int64_t shared_bytes = 8 * doubles(a.dist_in_shared, a.system_in_shared);
   TORCH_CHECK(shared_bytes <= limit, "kivi_fast::kl (CUDA): ", shared_bytes, " bytes of shared memory needed, ",
               limit, " available");
