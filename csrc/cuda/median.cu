@@ -4,8 +4,10 @@
 // replaces the generic path's copy of the N (N - 1) / 2 pairs and its sort (at N = 10,000 points: the
 // pairs' 400 MB, their 800 MB of int64 indices and the sort's buffers) with 6 passes that each read the
 // triangle once and build a 2048-bin histogram of one 11-bit digit of the distances' bit patterns
-// (non-negative doubles order as their bit patterns). Nothing is read back to the host: NaN/Inf
-// distances or a zero median give a NaN bandwidth.
+// (non-negative doubles order as their bit patterns); the last block to finish a pass picks its digit,
+// and the last pass (or, for an even count, the second middle's) writes the bandwidth, so a median is
+// 6 or 7 kernels after two fills (the workspace, the bandwidths). Nothing is read back to the host: NaN/Inf distances or a
+// zero median give a NaN bandwidth.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,12 +30,17 @@ using radix::key_of;
 using radix::kMaxBins;
 using radix::kNotFiniteKey;
 
-// Per batch element, in device memory: the selection's progress and the second middle's statistics.
+// Per batch element, in device memory (one zeroed workspace with the histogram): the selection's
+// progress, the second middle's statistics, and how many blocks of the current launch are done.
 struct Selection {
   unsigned long long prefix, mask, rank;  // the digits found so far, and the rank left within them
   unsigned long long count_le, min_gt;    // even counts: keys <= the lower middle, least key above it
   unsigned long long not_finite;
+  unsigned long long blocks_done;         // the launch's blocks that have added their counts
+  unsigned long long pad;
 };
+constexpr int64_t kSelectionWords = sizeof(Selection) / sizeof(int64_t);
+static_assert(sizeof(Selection) == 8 * sizeof(int64_t));
 
 // Where row i of one batch element's N x N squared distances lies: rows below n_top in `top`
 // ([B, n_top, N]), the others in `tail` ([B, N - n_top, N - n_top], its columns from n_top on).
@@ -49,17 +56,47 @@ struct Rows {
   }
 };
 
-// One digit's histogram over the keys that match the digits found so far. Blocks take rows i in turn,
-// threads the columns j > i.
+// Whether this block is the last of its batch element's blocks to finish (block-wide result): the
+// blocks' global atomics before it are then visible to it. Resets the count for the next launch.
+__device__ bool last_block_of_element(Selection& sel) {
+  __shared__ bool last;
+  __threadfence();  // this block's atomics before its count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(&sel.blocks_done, 1ull) == gridDim.x - 1;
+    if (last) sel.blocks_done = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();  // and the other blocks' writes before its reads
+  return last;
+}
+
+// The bandwidth from the selection: NaN for NaN/Inf distances or a zero median.
+__device__ double bandwidth_of(uint64_t lo, int64_t P, unsigned long long count_le, unsigned long long min_gt,
+                               unsigned long long not_finite) {
+  const double s = radix::median_of_middles(lo, P, count_le, min_gt);
+  return (not_finite || !(s > 0.0)) ? NAN : s;
+}
+
+// One digit's histogram over the keys that match the digits found so far; blocks take rows i in
+// turn, threads the columns j > i. The last block of each batch element then picks the digit that
+// holds the rank (and clears the histogram for the next digit); after the last digit of an odd pair
+// count it writes the bandwidth. The first digit starts from prefix = mask = 0 and rank = first_rank.
 __global__ void __launch_bounds__(kThreads)
-    digit_histogram_kernel(Rows rows, const Selection* sel_all, int lo_bit, unsigned bins, bool first,
-                           unsigned long long* __restrict__ hist_all,
-                           Selection* sel_out) {  // sel_out: sel_all (its not_finite flag)
-  __shared__ unsigned hist[kMaxBins];
+    digit_histogram_kernel(Rows rows, Selection* __restrict__ sel_all, int lo_bit, unsigned bins, bool first,
+                           unsigned long long first_rank, bool last_digit, int64_t P,
+                           unsigned long long* __restrict__ hist_all, double* __restrict__ sigma) {
+  // the block's counts (32-bit atomics), then in the last block the element's (up to P: 64-bit)
+  __shared__ union {
+    unsigned block[kMaxBins];
+    unsigned long long element[kMaxBins];
+  } hist;
   const int b = blockIdx.y, tid = threadIdx.x, lane = tid & 31;
   const int64_t N = rows.N;
-  const Selection sel = sel_all[b];
-  for (unsigned i = tid; i < bins; i += kThreads) hist[i] = 0;
+  Selection& sel_b = sel_all[b];
+  const uint64_t prefix = first ? 0 : sel_b.prefix, mask = first ? 0 : sel_b.mask;
+  const unsigned long long rank = first ? first_rank : sel_b.rank;
+  for (unsigned i = tid; i < bins; i += kThreads) hist.block[i] = 0;
   __syncthreads();
   bool bad = false;
   for (int64_t i = blockIdx.x; i < N - 1; i += gridDim.x) {
@@ -71,43 +108,46 @@ __global__ void __launch_bounds__(kThreads)
       if (j < N) {
         const uint64_t k = key_of(row[j]);
         bad |= first && k >= kNotFiniteKey;
-        if ((k & sel.mask) == sel.prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
+        if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
       }
       const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (bin != ~0u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+      if (bin != ~0u && lane == __ffs(peers) - 1) atomicAdd(&hist.block[bin], static_cast<unsigned>(__popc(peers)));
     }
   }
-  if (bad) sel_out[b].not_finite = 1;
+  if (bad) sel_b.not_finite = 1;
   __syncthreads();
   unsigned long long* out = hist_all + static_cast<int64_t>(b) * kMaxBins;
   for (unsigned i = tid; i < bins; i += kThreads) {
-    if (hist[i] != 0) atomicAdd(out + i, static_cast<unsigned long long>(hist[i]));
+    if (hist.block[i] != 0) atomicAdd(out + i, static_cast<unsigned long long>(hist.block[i]));
   }
-}
-
-// Which digit holds the rank (one warp per batch element); clears the histogram for the next digit.
-__global__ void pick_digit_kernel(unsigned long long* __restrict__ hist_all, Selection* __restrict__ sel_all,
-                                  int lo_bit, unsigned bins) {
-  const int b = blockIdx.x, lane = threadIdx.x;
-  unsigned long long* hist = hist_all + static_cast<int64_t>(b) * kMaxBins;
-  Selection& sel = sel_all[b];
-  const unsigned long long rank = sel.rank;  // read by every lane before one rewrites it
+  if (!last_block_of_element(sel_b)) return;  // (its barriers: every thread is past the reads above)
+  // the element's whole histogram, read past L1 (the atomics were made in L2), then cleared
+  for (unsigned i = tid; i < bins; i += kThreads) {
+    hist.element[i] = __ldcg(out + i);
+    out[i] = 0;
+  }
+  __syncthreads();
+  if (tid >= 32) return;
   unsigned digit;
   unsigned long long left;
-  if (radix::find_digit(hist, bins, rank, &digit, &left)) {
-    sel.prefix |= static_cast<unsigned long long>(digit) << lo_bit;
-    sel.rank = left;
+  if (radix::find_digit(hist.element, bins, rank, &digit, &left)) {  // one lane
+    const uint64_t lo = prefix | static_cast<uint64_t>(digit) << lo_bit;
+    sel_b.prefix = lo;
+    sel_b.mask = mask | static_cast<uint64_t>(bins - 1) << lo_bit;
+    sel_b.rank = left;
+    if (first) sel_b.min_gt = ~0ull;  // for second_middle_kernel's atomicMin
+    if (last_digit && P % 2 == 1) sigma[b] = bandwidth_of(lo, P, 0, 0, __ldcg(&sel_b.not_finite));
   }
-  __syncwarp();
-  if (lane == 0) sel.mask |= static_cast<unsigned long long>(bins - 1) << lo_bit;
-  for (unsigned i = lane; i < bins; i += 32) hist[i] = 0;
 }
 
-// Even pair counts: how many keys are <= the lower middle, and the least key above it.
-__global__ void __launch_bounds__(kThreads) second_middle_kernel(Rows rows, Selection* __restrict__ sel_all) {
+// Even pair counts: how many keys are <= the lower middle, and the least key above it; the last
+// block of each batch element writes the bandwidth.
+__global__ void __launch_bounds__(kThreads)
+    second_middle_kernel(Rows rows, Selection* __restrict__ sel_all, int64_t P, double* __restrict__ sigma) {
   const int b = blockIdx.y;
   const int64_t N = rows.N;
-  const unsigned long long lo = sel_all[b].prefix;
+  Selection& sel_b = sel_all[b];
+  const unsigned long long lo = sel_b.prefix;
   unsigned long long count = 0, min_gt = ~0ull;
   for (int64_t i = blockIdx.x; i < N - 1; i += gridDim.x) {
     const double* row = rows.row(b, i);
@@ -122,16 +162,13 @@ __global__ void __launch_bounds__(kThreads) second_middle_kernel(Rows rows, Sele
     min_gt = min(min_gt, __shfl_xor_sync(0xffffffffu, min_gt, o));
   }
   if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&sel_all[b].count_le, count);
-    atomicMin(&sel_all[b].min_gt, min_gt);
+    atomicAdd(&sel_b.count_le, count);
+    atomicMin(&sel_b.min_gt, min_gt);
   }
-}
-
-__global__ void bandwidth_kernel(const Selection* __restrict__ sel_all, int64_t P, double* __restrict__ sigma) {
-  const int b = blockIdx.x;
-  const Selection& sel = sel_all[b];
-  const double s = radix::median_of_middles(sel.prefix, P, sel.count_le, sel.min_gt);
-  sigma[b] = (sel.not_finite || !(s > 0.0)) ? NAN : s;
+  if (!last_block_of_element(sel_b)) return;
+  if (threadIdx.x == 0) {
+    sigma[b] = bandwidth_of(lo, P, __ldcg(&sel_b.count_le), __ldcg(&sel_b.min_gt), __ldcg(&sel_b.not_finite));
+  }
 }
 
 }  // namespace
@@ -144,16 +181,12 @@ Tensor median_of_pairs(const Tensor& top_in, const Tensor& tail_in) {
                   tail.size(1) == N - n_top && tail.size(2) == N - n_top,
               "kivi_fast: median_of_pairs expects float64 blocks [B, n, N] and [B, N - n, N - n], got ",
               top.sizes(), " and ", tail.sizes());
-  auto sigma = at::empty({B}, top.options());
+  auto sigma = at::full({B}, NAN, top.options());  // written by the kernels' last blocks
   if (B == 0) return sigma;
-  static_assert(sizeof(Selection) == 6 * sizeof(int64_t));
-  // prefix = mask = count_le = not_finite = 0, rank = the lower middle's, min_gt = all ones
-  auto init = at::zeros({B, 6}, top.options().dtype(at::kLong));
-  init.select(1, 2).fill_(radix::lower_middle_rank(P));
-  init.select(1, 4).fill_(-1);
-  auto hist = at::zeros({B, static_cast<int64_t>(kMaxBins)}, top.options().dtype(at::kLong));
-  auto* sel = reinterpret_cast<Selection*>(init.data_ptr<int64_t>());
-  auto* h = reinterpret_cast<unsigned long long*>(hist.data_ptr<int64_t>());
+  // one zeroed workspace (one launch): the elements' Selections, then their histograms
+  auto ws = at::zeros({B * (kSelectionWords + static_cast<int64_t>(kMaxBins))}, top.options().dtype(at::kLong));
+  auto* sel = reinterpret_cast<Selection*>(ws.data_ptr<int64_t>());
+  auto* h = reinterpret_cast<unsigned long long*>(ws.data_ptr<int64_t>()) + B * kSelectionWords;
   const int device = top.get_device();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
@@ -166,24 +199,21 @@ Tensor median_of_pairs(const Tensor& top_in, const Tensor& tail_in) {
     const Rows rows{top.data_ptr<double>() + b0 * n_top * N, tail_data, N, n_top};
     Selection* sel_b = sel + b0;
     unsigned long long* h_b = h + b0 * kMaxBins;
+    double* sigma_b = sigma.data_ptr<double>() + b0;
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(N - 1, (8 * sms + nb - 1) / nb))),
                     static_cast<unsigned>(nb));
-    bool first = true;
     for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
       const int lo_bit = radix::digit_low_bit(shift);
       const unsigned bins = radix::digit_bins(shift);
-      digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(rows, sel_b, lo_bit, bins, first, h_b, sel_b);
+      const bool first = shift == radix::kFirstShift, last_digit = shift - radix::kBits <= radix::kEndShift;
+      digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(rows, sel_b, lo_bit, bins, first,
+                                                          radix::lower_middle_rank(P), last_digit, P, h_b, sigma_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      pick_digit_kernel<<<static_cast<unsigned>(nb), 32, 0, stream>>>(h_b, sel_b, lo_bit, bins);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      first = false;
     }
     if (P % 2 == 0) {
-      second_middle_kernel<<<grid, kThreads, 0, stream>>>(rows, sel_b);
+      second_middle_kernel<<<grid, kThreads, 0, stream>>>(rows, sel_b, P, sigma_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    bandwidth_kernel<<<static_cast<unsigned>(nb), 1, 0, stream>>>(sel_b, P, sigma.data_ptr<double>() + b0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return sigma;
 }
