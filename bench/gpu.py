@@ -61,15 +61,20 @@ def peak_mb(fn, p, q) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def kernel_profile(fn, p, q, rows: int = 15) -> str:
-    """torch.profiler's table of one forward + backward (after a warm-up call), by GPU time."""
-    cpu_bench.call(fn, p, q, True)
+def profile_table(run, rows: int) -> str:
+    """torch.profiler's table of what run() launches (synchronized before and after), by GPU time."""
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        cpu_bench.call(fn, p, q, True)
+        run()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def kernel_profile(fn, p, q, rows: int = 15) -> str:
+    """torch.profiler's table of one forward + backward (after a warm-up call), by GPU time."""
+    cpu_bench.call(fn, p, q, True)
+    return profile_table(lambda: cpu_bench.call(fn, p, q, True), rows)
 
 
 STAGES = ("distances", "median", "system", "solve", "evaluation")

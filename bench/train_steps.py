@@ -62,13 +62,11 @@ def graph_profile(setup, device, rows: int = 20) -> str:
     run = trainer_step(step, device, True)
     for _ in range(5):
         run(inputs)
-    torch.cuda.synchronize(device)
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+
+    def replays():
         for _ in range(3):
             run(inputs)
-        torch.cuda.synchronize(device)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return gpu_bench.profile_table(replays, rows)
 
 
 def vae_step(method: str, device):

@@ -139,6 +139,14 @@ def assert_cuda_equals_cpu_kernels(p, q, reverse: bool, rtol: float, value_rtol:
     assert_close_rel(ours_g, cpu_g, rtol)
 
 
+def seeded_samples(b, n_p, n_q, d, dtype, seed, scale, shift):
+    """p ~ N(0, I) [b, n_p, d] and q ~ N(shift, scale^2 I) [b, n_q, d], drawn in float64 on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64).to(dtype)
+    q = (torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+    return p, q
+
+
 def kernels_run(fn) -> set:
     """The names of the CUDA kernels that fn() launches."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -166,9 +174,7 @@ CUDA_KERNEL_SHAPES = [
 @pytest.mark.parametrize("reverse", [True, False])
 def test_cuda_kernels_run_and_equal_the_reference(shape, dtype, reverse):
     b, n_p, n_q, d = shape
-    g = torch.Generator().manual_seed(sum(shape) + reverse)
-    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64).to(dtype)
-    q = (torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.2 + 0.3).to(dtype)
+    p, q = seeded_samples(b, n_p, n_q, d, dtype, sum(shape) + reverse, 1.2, 0.3)
     kw = dict(lam=1e-3, reverse=reverse)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), **kw))
     assert any("kl_forward_kernel" in n for n in names), sorted(names)
@@ -207,9 +213,7 @@ WEIGHT_STATE_SHAPES = [
 def test_the_weight_state_backward_kernel_equals_the_cpu_kernels(shape, dtype, reverse):
     """Against the CPU kernels (the reference's [N, N, d] differences would not fit these shapes)."""
     b, n_p, n_q, d = shape
-    g = torch.Generator().manual_seed(sum(shape) + reverse)
-    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64).to(dtype)
-    q = (torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.1 + 0.2).to(dtype)
+    p, q = seeded_samples(b, n_p, n_q, d, dtype, sum(shape) + reverse, 1.1, 0.2)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
     assert any("grad_from_weights_kernel" in n for n in names), sorted(names)
     assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-5 if dtype == torch.float32 else 1e-8)
@@ -221,9 +225,7 @@ def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernel
     """More batch elements than SMs: kl_forward_kernel<T, 2> (two blocks per SM, the distances in
     global memory) for the VAE's shape, against the CPU kernels."""
     b = 2 * torch.cuda.get_device_properties(CUDA).multi_processor_count + 3
-    g = torch.Generator().manual_seed(7 + reverse)
-    p = torch.randn(b, 100, 8, generator=g, dtype=torch.float64).to(dtype)
-    q = (torch.randn(b, 100, 8, generator=g, dtype=torch.float64) * 1.2 + 0.3).to(dtype)
+    p, q = seeded_samples(b, 100, 100, 8, dtype, 7 + reverse, 1.2, 0.3)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
     assert any("kl_forward_kernel" in n and ", 2>" in n for n in names), sorted(names)
     if dtype == torch.float32:
@@ -283,9 +285,7 @@ def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(s
     numerator's block (the median's other pairs) and the system, and buffers of a few MB (chunks,
     vectors), the gradient."""
     b, n_p, n_q, d, ties = shape
-    g = torch.Generator().manual_seed(n_p + d + reverse)
-    p = torch.randn(b, n_p, d, generator=g, dtype=torch.float64)
-    q = torch.randn(b, n_q, d, generator=g, dtype=torch.float64) * 1.2 + 0.3
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + d + reverse, 1.2, 0.3)
     if ties:
         p, q = p.round(), q.round()
     dtype = torch.float32 if d > 1000 else torch.float64
