@@ -26,12 +26,13 @@ _LIB_STEM = "_kivi_fast_ops"
 _state: dict = {}
 
 
-def _library_path() -> str | None:
+def _library_path(stem: str = _LIB_STEM) -> str | None:
+    """The compiled library ``stem`` (the ops, or the tests' CUDA emulation), or None if not built."""
     spec = importlib.util.find_spec("kivi_fast")
     folders = list(spec.submodule_search_locations or []) if spec else []
     folders.append(os.path.dirname(__file__))
     for folder in folders:
-        for pattern in (f"{_LIB_STEM}*.so", f"lib{_LIB_STEM}*.so", f"{_LIB_STEM}*.dylib", f"{_LIB_STEM}*.dll"):
+        for pattern in (f"{stem}*.so", f"lib{stem}*.so", f"{stem}*.dylib", f"{stem}*.dll"):
             hits = sorted(glob.glob(os.path.join(folder, pattern)))
             if hits:
                 return hits[0]

@@ -10,8 +10,14 @@
 
 namespace kivi_fast::cuda {
 
-// A device attribute (multiprocessor count, the shared memory a block may opt in to), cached.
+// A device attribute (multiprocessor count, the shared memory a block may opt in to), cached (not in
+// the CPU emulation, csrc/cuda_emulation/, whose tests change the emulated device between calls).
 inline int device_attribute(int device, cudaDeviceAttr attr) {
+#ifdef KIVI_FAST_CUDA_EMULATION
+  int uncached = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&uncached, attr, device));
+  return uncached;
+#endif
   static std::mutex mutex;
   static std::map<std::pair<int, int>, int> cache;
   const std::lock_guard<std::mutex> lock(mutex);

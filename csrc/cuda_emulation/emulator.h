@@ -1,0 +1,209 @@
+// A CPU emulation of the CUDA execution model, enough to run csrc/cuda/'s kernels on CPU tensors in
+// CI (no GPU there): their index arithmetic, barriers, warp collectives, shared memory use and host-side
+// launch logic are then tested against the CPU kernels on every change. Not their speed, and not the
+// GPU's memory model (see below).
+//
+// A launch runs its blocks one after another; a block's threads are fibers (ucontext) on the calling
+// thread, switched only at barriers (__syncthreads*, __syncwarp, the warp shuffles and votes). Between
+// two barriers the block's runnable threads run one at a time, each to its next barrier, in an order
+// drawn afresh each time from a seeded generator: a thread that reads shared memory another thread
+// writes without a barrier between them sees the write or not depending on the order, so a missing
+// barrier shows up as results that change with the seed. Shared memory, dynamic and __shared__
+// (translate.py adds the call), starts filled with a poison in every block (0xff bytes, NaN doubles,
+// with even seeds; 0x5b bytes with odd ones), so reading what was never written shows up too.
+//
+// Errors the emulation reports (std::runtime_error from the launch, so a C++ exception to the caller,
+// never a hang): a __syncthreads that not every live thread of the block reaches, or that threads
+// reach at different calls (divergent barriers); a warp collective that some lanes of the warp never
+// reach, or reach through a different collective; a block that wrote past its dynamic shared memory
+// (into a guard zone after it); a launch whose dynamic shared memory exceeds the emulated device's
+// opt-in limit, or whose blocks are not whole warps of at most 1024 threads.
+//
+// What it cannot see: races between blocks (they never overlap), missing __threadfence (every access is
+// sequentially consistent here), reads past shared memory and out-of-bounds global accesses (plain C++
+// pointers), timing.
+// The emulated device's attributes (multiprocessors, shared memory) are settable, so that tests can
+// make a small batch take the paths a large one takes on a real GPU.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <source_location>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// The CUDA qualifiers: everything is host code here. __shared__ variables are function-local statics,
+// one per kernel (blocks run one at a time on one thread, so one copy serves every block).
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct int2 {
+  int x, y;
+};
+inline int2 make_int2(int x, int y) { return {x, y}; }
+
+namespace emu {
+
+// The emulated device's attributes (cudaDeviceGetAttribute): an H100 SXM unless set otherwise.
+struct DeviceConfig {
+  int multiprocessors = 132;
+  int shared_per_block_optin = 232448;  // 227 KB
+  int shared_per_multiprocessor = 233472;
+  int reserved_shared_per_block = 1024;
+};
+DeviceConfig& device_config();
+// The seed of the orders threads run in (each launch restarts the generator from it).
+void set_schedule_seed(uint64_t seed);
+
+// A record of each launch since the last clear: the kernel's name as written at the launch, its grid,
+// block and dynamic shared memory.
+struct LaunchRecord {
+  std::string kernel;
+  dim3 grid, block;
+  int64_t shared_bytes;
+};
+std::vector<LaunchRecord>& launches();
+
+// The calling fiber's indices (threadIdx and the rest below).
+uint3 thread_index();
+uint3 block_index();
+dim3 block_dim();
+dim3 grid_dim();
+void* dynamic_shared_memory();
+// Fills a __shared__ variable with the poison the first time a thread of each block declares it.
+void poison_shared(void* variable, size_t bytes);
+
+// Barriers: the block's (returns the OR of every thread's flag; every live thread must wait at the
+// same call, `where`) and the warp's exchange (every lane passes 64 bits and gets all 32 lanes' back;
+// `op` names the collective, which all lanes must share).
+int block_barrier(int flag, const std::source_location& where);
+const uint64_t* warp_exchange(uint64_t bits, const char* op);
+unsigned lane_id();
+
+// Runs `body` as grid x block threads (the launch behind kernel<<<grid, block, shared, stream>>>).
+void run_grid(const char* kernel, dim3 grid, dim3 block, int64_t shared_bytes, const std::function<void()>& body);
+
+template <typename T>
+uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+template <typename T>
+T from_bits(uint64_t bits) {
+  T v;
+  std::memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+// kernel<<<grid, block, shared, stream>>>(args...), as csrc/cuda_emulation/translate.py writes it:
+// emu::launch("kernel", kernel, grid, block, shared, stream)(args...).
+template <typename... Params>
+struct Launch {
+  const char* name;
+  void (*kernel)(Params...);
+  dim3 grid, block;
+  int64_t shared_bytes;
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    // the arguments converted to the kernel's parameter types once, as a real launch copies them
+    std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+    auto* k = kernel;
+    run_grid(name, grid, block, shared_bytes, [&] { std::apply(k, params); });
+  }
+};
+template <typename... Params, typename Stream>
+Launch<Params...> launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, int64_t shared_bytes = 0,
+                         const Stream& = {}) {
+  return {name, kernel, grid, block, shared_bytes};
+}
+
+}  // namespace emu
+
+#define threadIdx (::emu::thread_index())
+#define blockIdx (::emu::block_index())
+#define blockDim (::emu::block_dim())
+#define gridDim (::emu::grid_dim())
+
+inline void __syncthreads(const std::source_location& where = std::source_location::current()) {
+  emu::block_barrier(0, where);
+}
+inline int __syncthreads_or(int flag, const std::source_location& where = std::source_location::current()) {
+  return emu::block_barrier(flag != 0, where);
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_exchange(0, "__syncwarp"); }
+inline void __threadfence() {}
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_xor_sync");
+  return emu::from_bits<T>(all[(emu::lane_id() ^ static_cast<unsigned>(lane_mask)) & 31]);
+}
+template <typename T>
+T __shfl_up_sync(unsigned, T v, unsigned delta) {
+  const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_up_sync");
+  const unsigned lane = emu::lane_id();
+  return lane >= delta ? emu::from_bits<T>(all[lane - delta]) : v;
+}
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+  const uint64_t* all = emu::warp_exchange(v, "__match_any_sync");
+  unsigned peers = 0;
+  for (unsigned l = 0; l < 32; ++l) peers |= (all[l] == v ? 1u : 0u) << l;
+  return peers;
+}
+inline int __ffs(int v) { return v == 0 ? 0 : std::countr_zero(static_cast<unsigned>(v)) + 1; }
+inline int __popc(unsigned v) { return std::popcount(v); }
+inline long long __double_as_longlong(double v) { return std::bit_cast<long long>(v); }
+inline double __longlong_as_double(long long v) { return std::bit_cast<double>(v); }
+inline long long clock64() {  // a tick per read: stage clocks come out ordered
+  static long long ticks = 0;
+  return ++ticks;
+}
+template <typename T>
+T __ldcg(const T* p) {
+  return *p;
+}
+
+// Atomics: threads never run at the same time, so a read-modify-write is atomic as it stands.
+template <typename T, typename U>
+T atomicAdd(T* p, U v) {
+  const T old = *p;
+  *p = old + static_cast<T>(v);
+  return old;
+}
+template <typename T, typename U>
+T atomicMin(T* p, U v) {
+  const T old = *p;
+  if (static_cast<T>(v) < old) *p = static_cast<T>(v);
+  return old;
+}
+
+// Device math that CUDA has in the global namespace.
+using std::isinf;
+using std::isnan;
+template <typename A, typename B>
+std::common_type_t<A, B> min(A a, B b) {
+  return b < a ? b : a;
+}
+template <typename A, typename B>
+std::common_type_t<A, B> max(A a, B b) {
+  return a < b ? b : a;
+}

@@ -1,0 +1,107 @@
+// torch.ops.kivi_fast_cuda_emulation.*: csrc/cuda/'s host functions and kernels run on CPU tensors by
+// the emulation of emulator.h (tests only: python_tests/test_cuda_emulation.py). The arguments are
+// those of kivi.h's cuda:: functions, already batched and checked as csrc/ops.cpp would.
+//
+// This library is compiled with kivi_fast renamed (CMakeLists.txt), so that its copies of kivi.h's
+// inline functions and of the cuda:: functions never meet the real library's in one process.
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda_emulation/emulator.h"
+#include "kivi.h"
+
+namespace kivi_fast {
+namespace {
+
+bool handles_kl(int64_t n_total, int64_t d, int64_t batch) { return cuda::handles_kl(n_total, d, batch, 0); }
+
+// The emulated device: multiprocessors, shared memory a block may opt in to, shared memory per
+// multiprocessor, reserved per block; and the seed of the threads' order.
+void configure(int64_t multiprocessors, int64_t shared_per_block_optin, int64_t shared_per_multiprocessor,
+               int64_t reserved_shared_per_block, int64_t seed) {
+  TORCH_CHECK_VALUE(multiprocessors > 0 && shared_per_block_optin > 0 && shared_per_multiprocessor > 0 &&
+                        reserved_shared_per_block >= 0,
+                    "configure: the device's attributes must be positive");
+  emu::DeviceConfig& c = emu::device_config();
+  c.multiprocessors = static_cast<int>(multiprocessors);
+  c.shared_per_block_optin = static_cast<int>(shared_per_block_optin);
+  c.shared_per_multiprocessor = static_cast<int>(shared_per_multiprocessor);
+  c.reserved_shared_per_block = static_cast<int>(reserved_shared_per_block);
+  emu::set_schedule_seed(static_cast<uint64_t>(seed));
+}
+
+// The launches since the last call (which clears them): their kernels' names as written at the launch,
+// and [grid x, y, z, threads, dynamic shared bytes] each.
+std::tuple<std::vector<std::string>, std::vector<int64_t>> take_launches() {
+  std::vector<std::string> names;
+  std::vector<int64_t> shapes;
+  for (const emu::LaunchRecord& r : emu::launches()) {
+    names.push_back(r.kernel);
+    for (int64_t v : {int64_t{r.grid.x}, int64_t{r.grid.y}, int64_t{r.grid.z},
+                      int64_t{r.block.x} * r.block.y * r.block.z, r.shared_bytes}) {
+      shapes.push_back(v);
+    }
+  }
+  emu::launches().clear();
+  return {names, shapes};
+}
+
+// Kernels with the bugs the emulation is there to catch, so that the tests can check it catches them.
+__global__ void unsynchronized_neighbours(double* out) {  // reads a neighbour's shared write, no barrier
+  double* shared = static_cast<double*>(emu::dynamic_shared_memory());
+  const unsigned t = threadIdx.x;
+  shared[t] = t;
+  out[t] = shared[(t + 1) % blockDim.x];
+}
+__global__ void divergent_barrier(double* out) {  // the first warp waits at another barrier
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1.0;
+}
+__global__ void write_past_shared(double* out) {  // one double too many
+  double* shared = static_cast<double*>(emu::dynamic_shared_memory());
+  shared[threadIdx.x + 1] = 1.0;
+  out[threadIdx.x] = 1.0;
+}
+__global__ void shuffle_after_exit(double* out) {  // half a warp has left before its shuffle
+  if ((threadIdx.x & 31) < 16) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0, 1);
+}
+
+// One 64-thread block of the named buggy kernel; its output per thread.
+Tensor run_buggy_kernel(const std::string& name) {
+  auto out = at::zeros({64}, at::kDouble);
+  void (*kernel)(double*) = name == "unsynchronized_neighbours" ? unsynchronized_neighbours
+                            : name == "divergent_barrier"       ? divergent_barrier
+                            : name == "shuffle_after_exit"      ? shuffle_after_exit
+                            : name == "write_past_shared"       ? write_past_shared
+                                                                : nullptr;
+  TORCH_CHECK_VALUE(kernel != nullptr, "run_buggy_kernel: no kernel ", name);
+  emu::launch(name.c_str(), kernel, dim3(1), dim3(64), 64 * 8, 0)(out.data_ptr<double>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
+  m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse, bool grad_state)"
+        " -> (Tensor, Tensor, Tensor, Tensor)",
+        &cuda::kl);
+  m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor", &cuda::kl_grad);
+  m.def("median_of_pairs(Tensor top, Tensor tail) -> Tensor", &cuda::median_of_pairs);
+  m.def("handles_kl(int n_total, int d, int batch) -> bool", &handles_kl);
+  m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
+  m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
+  m.def("configure(int multiprocessors, int shared_per_block_optin, int shared_per_multiprocessor,"
+        " int reserved_shared_per_block, int seed) -> ()",
+        &configure);
+  m.def("take_launches() -> (str[], int[])", &take_launches);
+  m.def("run_buggy_kernel(str name) -> Tensor", &run_buggy_kernel);
+}
+
+}  // namespace kivi_fast

@@ -1,0 +1,322 @@
+"""csrc/cuda/'s kernels and host code run on CPU tensors by their CPU emulation (csrc/cuda_emulation/),
+against the CPU kernels and the reference: what a machine without a GPU (CI) can check of them.
+
+The emulation runs each block's threads one at a time between barriers, in a seeded random order, with
+shared memory poisoned with NaN: a missing barrier or a read of what was never written changes the
+results (test_the_emulation_catches_the_bugs_it_is_for shows it does). It checks the kernels' index
+arithmetic, barriers, warp collectives and shared-memory layouts, and the host code that picks them
+for a device's multiprocessors and shared memory (settable here, so that small batches take the paths
+of large ones). Not the GPU's memory model or speed: test_cuda.py runs the kernels on a GPU.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import kivi_fast
+from kivi_fast import _backend, reference
+
+from test_cuda import CUDA_KERNEL_SHAPES, WEIGHT_STATE_SHAPES, seeded_samples
+
+H100 = dict(multiprocessors=132, shared_per_block_optin=232448, shared_per_multiprocessor=233472,
+            reserved_shared_per_block=1024)
+EMU = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def emulation():
+    global EMU
+    if kivi_fast.backend() != "cpp":
+        pytest.fail("the compiled ops are not built (pip install --no-build-isolation -e .)")
+    path = _backend._library_path("_kivi_fast_cuda_emulation")
+    if path is None:
+        pytest.fail("the CUDA emulation library is not built (CMake option KIVI_FAST_CUDA_EMULATION, default ON)")
+    torch.ops.load_library(path)
+    EMU = torch.ops.kivi_fast_cuda_emulation
+    yield
+    device()
+
+
+def device(seed: int = 0, **changes) -> None:
+    """Sets the emulated device: an H100's attributes with `changes`, threads ordered by `seed`."""
+    c = {**H100, **changes}
+    EMU.configure(c["multiprocessors"], c["shared_per_block_optin"], c["shared_per_multiprocessor"],
+                  c["reserved_shared_per_block"], seed)
+
+
+@contextlib.contextmanager
+def emulated_device(seed: int = 0, **changes):
+    device(seed, **changes)
+    try:
+        yield
+    finally:
+        device()
+
+
+def launches() -> list:
+    """(kernel, grid, threads, dynamic shared bytes) of each launch since the last call."""
+    names, flat = EMU.take_launches()
+    return [(n, tuple(flat[5 * i:5 * i + 3]), flat[5 * i + 3], flat[5 * i + 4]) for i, n in enumerate(names)]
+
+
+def cotangent(batch):
+    """The g of the gradients below: sum_b g_b KL_b, g from a fixed seed."""
+    return torch.randn(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def emulated_kl(p, q, reverse, sigma=None, lam=1e-3, clip=1e-8):
+    """The kl op's outputs (KL, grad state, bandwidth, clipped fraction) and the gradient of sum_b g_b KL_b
+    w.r.t. q, from the emulated CUDA kernels. The KL in q's dtype, as the op returns it (csrc/ops.cpp)."""
+    kl, *rest = EMU.kl(p, q, lam, clip, sigma, reverse, True)
+    out = (kl.to(q.dtype), *rest)
+    return out, EMU.kl_grad(cotangent(p.shape[0]), out[1], q, p, reverse)
+
+
+def cpu_kl(p, q, reverse, sigma=None, lam=1e-3, clip=1e-8):
+    """The same from the CPU kernels."""
+    out = torch.ops.kivi_fast.kl(p, q, lam, clip, sigma, reverse, True)
+    return out, torch.ops.kivi_fast.kl_grad(cotangent(p.shape[0]), out[1], q, p, reverse)
+
+
+def assert_close_rel(actual, expected, rtol):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    scale = expected.abs().max().clamp_min(1e-30)
+    assert (actual - expected).abs().max() <= rtol * scale, ((actual - expected).abs().max(), scale)
+
+
+def gradient_scale(state, p, q, reverse, g):
+    """Per gradient row j, the size of the sums it is computed from: |s| (sum_c |W_jc| |c| + |sum_c W_jc|
+    |z_j|), with s = g / n_q and max-norms over the dimensions. Where z_j's own weight dominates, those
+    terms cancel to a gradient far below them, known only to float64's rounding of them."""
+    n_q, d = q.shape[1], q.shape[2]
+    s = (g / n_q).abs().view(-1, 1)
+    z = q.double().abs().amax(-1)  # [B, n_q]
+    if state.shape[-1] == d + 1 and d + 1 < p.shape[1] + n_q:  # the projection [sum_c W_jc c, sum_c W_jc]
+        return s * (state[..., :d].abs().amax(-1) + state[..., d].abs() * z)
+    points = (q, p) if reverse else (p, q)  # the stacked [denom; numer]
+    x = torch.cat(points, 1).double().abs().amax(-1)  # [B, N]
+    w = state.abs()
+    return s * ((w @ x.unsqueeze(-1)).squeeze(-1) + w.sum(-1) * z)
+
+
+def assert_equals_cpu_kernels(p, q, reverse, sigma=None):
+    """Every output and the gradient against the CPU kernels: both fit in float64 from the same inputs,
+    so they agree to float64's rounding in different summation orders (the KL and the gradient also to
+    the input dtype's rounding); the gradient's rounding relative to the sums it cancels from."""
+    (ours, ours_g), (cpu, cpu_g) = emulated_kl(p, q, reverse, sigma), cpu_kl(p, q, reverse, sigma)
+    rtol = 1e-6 if p.dtype == torch.float32 else 1e-9
+    for a, e in zip(ours, cpu):
+        assert_close_rel(a, e, rtol if a.dtype == p.dtype else 1e-9)
+    bound = rtol * gradient_scale(cpu[1], p, q, reverse, cotangent(p.shape[0])).unsqueeze(-1) + 1e-300
+    assert ours_g.dtype == cpu_g.dtype and ours_g.shape == cpu_g.shape
+    err = (ours_g.double() - cpu_g.double()).abs()
+    assert (err <= bound).all(), ((err / bound).max(), cpu_g.abs().max())
+
+
+# CUDA_KERNEL_SHAPES (each path of csrc/cuda/kl.cu) at most 2 batch elements and 5000 dimensions: an
+# emulated (100, 8) element takes ~0.2 s
+EMULATED_SHAPES = sorted({(min(b, 2), n_p, n_q, min(d, 5000)) for b, n_p, n_q, d in CUDA_KERNEL_SHAPES})
+
+
+@pytest.mark.parametrize("shape", EMULATED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_the_emulated_cuda_kernels_equal_the_cpu_kernels(shape, dtype, reverse):
+    b, n_p, n_q, d = shape
+    N = n_p + n_q
+    p, q = seeded_samples(b, n_p, n_q, d, dtype, sum(shape) + reverse, 1.2, 0.3)
+    assert EMU.handles_kl(N, d, b) and EMU.handles_kl_grad(N, n_q, d, b)
+    launches()
+    assert_equals_cpu_kernels(p, q, reverse)
+    names = [launch[0] for launch in launches()]
+    wide = N * d > 6144
+    distances = ["pair_tile_kernel<scalar_t>"] if wide and N > 64 else ["pair_sqdist_kernel<scalar_t>"] if wide else []
+    backward = "grad_from_projection_kernel<scalar_t>" if d + 1 < N else "grad_from_weights_kernel<scalar_t>"
+    assert names == distances + ["forward", backward]
+
+
+# (shape, reverse, the shared memory a block may opt in to): from the most, which the fastest layout
+# fits (more than an H100 has, for the wide shapes), down to the leanest layout
+LAYOUT_CASES = [
+    ((2, 100, 100, 8), False, (232448, 120000, 60000)),  # the distances share the system's region
+    ((1, 100, 100, 700), False, (260000, 232448, 60000)),
+    ((1, 56, 200, 300), True, (600000, 340000, 310000, 60000)),  # a 200 x 200 system: all four layouts
+]
+
+
+@pytest.mark.parametrize("shape", WEIGHT_STATE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("reverse", [True, False])
+def test_the_weight_state_backward_from_the_cpu_forward_equals_the_cpu_kernels(shape, reverse):
+    """The backward kernel takes any forward's grad state (the same contract): here the CPU kernels',
+    also where the CUDA forward does not run (291 points: two column tiles of weights)."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape) + reverse, 1.1, 0.2)
+    state = cpu_kl(p, q, reverse)[0][1]
+    assert state.shape[-1] == n_p + n_q and EMU.handles_kl_grad(n_p + n_q, n_q, d, b)
+    g = cotangent(b)
+    ours, cpu = EMU.kl_grad(g, state, q, p, reverse), torch.ops.kivi_fast.kl_grad(g, state, q, p, reverse)
+    bound = 1e-6 * gradient_scale(state, p, q, reverse, g).unsqueeze(-1)
+    assert ((ours.double() - cpu.double()).abs() <= bound).all()
+
+
+@st.composite
+def problems(draw):
+    """Any shape the CUDA kernels take, on an emulated device of 1, 2 or 132 multiprocessors (so that
+    batches of more than one wave take the two-blocks-a-multiprocessor layout)."""
+    n_p, n_q = draw(st.integers(2, 260)), draw(st.integers(2, 260))
+    d = draw(st.sampled_from([1, 2, 3, 8, 20, 64, 300, 1200]))
+    assume(EMU.handles_kl(n_p + n_q, d, 3) and EMU.handles_kl_grad(n_p + n_q, n_q, d, 3))
+    return dict(shape=(draw(st.integers(1, 3)), n_p, n_q, d), reverse=draw(st.booleans()),
+                dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+                scale=draw(st.floats(0.1, 10.0)), shift=draw(st.floats(0.0, 3.0)), seed=draw(st.integers(0, 2**16)),
+                multiprocessors=draw(st.sampled_from([1, 2, 132])))
+
+
+@settings(max_examples=60)
+@given(pr=problems())
+def test_the_emulated_cuda_kernels_equal_the_cpu_kernels_on_drawn_problems(pr):
+    p, q = seeded_samples(*pr["shape"], pr["dtype"], pr["seed"], pr["scale"], pr["shift"])
+    with emulated_device(seed=pr["seed"], multiprocessors=pr["multiprocessors"]):
+        assert_equals_cpu_kernels(p, q, pr["reverse"])
+
+
+@pytest.mark.parametrize("shape,reverse,optins", LAYOUT_CASES, ids=["small", "wide", "wide-reverse"])
+def test_each_shared_memory_layout_gives_the_same_results(shape, reverse, optins):
+    """Less shared memory a block moves the distances or the system (or both) to global memory (kl()'s
+    layouts): the same arithmetic in other places, so the same bits."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 3, 1.2, 0.3)
+    results, forward_bytes = [], []
+    for optin in optins:
+        with emulated_device(shared_per_block_optin=optin):
+            assert EMU.handles_kl(n_p + n_q, d, b)
+            launches()
+            results.append(emulated_kl(p, q, reverse))
+            forward_bytes.append(next(s for name, _, _, s in launches() if name == "forward"))
+    assert len(set(forward_bytes)) == len(optins), forward_bytes  # a layout each
+    (first, first_g) = results[0]
+    for out, g in results[1:]:
+        assert all(torch.equal(a, e) for a, e in zip(out, first)) and torch.equal(g, first_g)
+    assert_equals_cpu_kernels(p, q, reverse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
+    """More batch elements than multiprocessors: a layout with which two forward blocks share one
+    (kl_forward_kernel<T, 2>), else (the switch off) the one-block layout; the same results."""
+    p, q = seeded_samples(5, 100, 100, 8, dtype, 11, 1.2, 0.3)
+    with emulated_device(multiprocessors=2):
+        launches()
+        two = emulated_kl(p, q, False)
+        (two_bytes,) = [s for name, _, _, s in launches() if name == "forward"]
+        old = EMU.set_two_blocks_per_sm(False)
+        try:
+            one = emulated_kl(p, q, False)
+        finally:
+            EMU.set_two_blocks_per_sm(old)
+        (one_bytes,) = [s for name, _, _, s in launches() if name == "forward"]
+    half = H100["shared_per_multiprocessor"] // 2 - H100["reserved_shared_per_block"]
+    assert two_bytes < half < one_bytes, (two_bytes, one_bytes)
+    assert all(torch.equal(a, e) for a, e in zip(two[0], one[0])) and torch.equal(two[1], one[1])
+    assert_equals_cpu_kernels(p, q, False)
+
+
+@pytest.mark.parametrize("shape", [(2, 100, 100, 8), (1, 10, 10, 3000), (1, 70, 60, 1000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_results_do_not_depend_on_the_order_threads_run_in(shape):
+    """Each seed runs the threads between barriers in another order: a read of shared memory before the
+    barrier that orders it after its write would give other bits (or the poison's NaN)."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 5, 1.2, 0.3)
+    runs = []
+    for seed in (1, 2, 3):
+        with emulated_device(seed=seed):
+            runs.append(emulated_kl(p, q, False))
+    (first, first_g) = runs[0]
+    assert all(t.isfinite().all() for t in (*first, first_g))
+    for out, g in runs[1:]:
+        assert all(torch.equal(a, e) for a, e in zip(out, first)) and torch.equal(g, first_g)
+
+
+@pytest.mark.parametrize("n,d", [(20, 3), (10, 3000), (70, 200)])  # fused small, pair_sqdist, pair_tile
+def test_bad_values_give_nan_for_their_batch_element(n, d):
+    """As test_cuda.py's test on a GPU: a NaN in q_z, every distance 0 (a zero median), an Inf in
+    prior_z (with an explicit bandwidth too, where no median is taken), a bandwidth that is not
+    positive; the other elements equal the CPU kernels'."""
+    p, q = seeded_samples(5, n, n, d, torch.float64, n + d, 1.0, 0.0)
+    q[1, 3, 1] = float("nan")
+    p[2], q[2] = 0.0, 0.0
+    p[3, 2, 0] = float("inf")
+    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0], dtype=torch.float64) * d ** 0.5
+    (value, _, sigma, _), _ = emulated_kl(p, q, False)
+    (given, _, _, _), _ = emulated_kl(p, q, False, sigma=bandwidth)
+    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3]].isnan().all() and sigma[[1, 2, 3]].isnan().all()
+    assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
+    good = [0, 4]
+    assert_close_rel(value[good], cpu_kl(p[good], q[good], False)[0][0], 1e-9)
+
+
+def pair_blocks(x, n_top):
+    """The generic fit's squared distances of x [B, N, d] as median_of_pairs reads them: rows 0..n_top-1,
+    and the block of the other rows and columns."""
+    sq = torch.cdist(x, x).square()
+    return sq[:, :n_top].contiguous(), sq[:, n_top:, n_top:].contiguous()
+
+
+@pytest.mark.parametrize("N,ties", [(151, False), (160, False), (160, True), (41, True)])  # 11325 pairs, 12720, ..., 820
+def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
+    """cuda/median.cu's multi-block radix selection (several blocks per element on a small emulated
+    device, so that the last block of each pass picks the digit): odd and even pair counts, ties; NaN
+    for NaN distances and a zero median."""
+    x = torch.randn(3, N, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
+    if ties:
+        x = x.round()
+    n_top = N // 3
+    with emulated_device(multiprocessors=4):
+        launches()
+        sigma = EMU.median_of_pairs(*pair_blocks(x, n_top))
+        grids = {grid for _, grid, _, _ in launches()}
+    assert grids == {(min(N - 1, (8 * 4 + 2) // 3), 3, 1)}
+    for b in range(3):
+        assert_close_rel(sigma[b:b + 1], reference.median_bandwidth(x[b]).reshape(1), 1e-14)
+    bad = x.clone()
+    bad[0, 5, 1] = float("nan")
+    bad[1] = 0.0
+    top, tail = pair_blocks(bad, n_top)
+    with emulated_device(multiprocessors=4):
+        sigma = EMU.median_of_pairs(top, tail)
+    assert sigma[[0, 1]].isnan().all()
+    assert_close_rel(sigma[2:], reference.median_bandwidth(bad[2]).reshape(1), 1e-14)
+
+
+def test_a_device_without_enough_shared_memory_is_refused():
+    """The leanest layout of (100, 8) needs ~42 KB: handles_kl says no (the generic kernels take such
+    shapes), and a direct call fails with what it needed."""
+    p, q = seeded_samples(1, 100, 100, 8, torch.float64, 0, 1.0, 0.0)
+    with emulated_device(shared_per_block_optin=40000):
+        assert not EMU.handles_kl(200, 8, 1)
+        with pytest.raises(RuntimeError, match="bytes of shared memory needed"):
+            EMU.kl(p, q, 1e-3, 1e-8, None, False, True)
+    assert EMU.handles_kl(200, 8, 1)
+
+
+def test_the_emulation_catches_the_bugs_it_is_for():
+    """Kernels with a missing barrier (a read of a neighbour's shared-memory write), a barrier the
+    block's threads reach at two different calls, a shuffle half a warp never reaches, a write past
+    the dynamic shared memory: the first gives results that change with the threads' order, the
+    others an error naming the place."""
+    outs = []
+    for seed in (1, 2, 3, 4):
+        with emulated_device(seed=seed):
+            outs.append(EMU.run_buggy_kernel("unsynchronized_neighbours"))
+    right = (torch.arange(64, dtype=torch.float64) + 1) % 64
+    assert any(not torch.equal(o, right) for o in outs) and any(o.isnan().any() for o in outs)
+    with pytest.raises(RuntimeError, match=r"divergent_barrier.*stuck.*32 threads \(first 0\) at __syncthreads"):
+        EMU.run_buggy_kernel("divergent_barrier")
+    with pytest.raises(RuntimeError, match=r"shuffle_after_exit.*stuck.*16 threads \(first 16\) at __shfl_xor_sync, warp 0"):
+        EMU.run_buggy_kernel("shuffle_after_exit")
+    with pytest.raises(RuntimeError, match=r"write_past_shared.*wrote past its 512 bytes of dynamic shared memory"):
+        EMU.run_buggy_kernel("write_past_shared")
