@@ -4,7 +4,8 @@
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
     python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
     python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
-                                         # (by kernel, and by stage of kl.cu's forward kernel)
+                                         # (by kernel, by stage of kl.cu's forward kernel; batched
+                                         # shapes: the floors of a call, bench/gpu.py's floors())
 
 (Not named cuda.py: run as a script, bench/ comes first on sys.path, and torch's own ``import
 cuda.bindings`` would find it.) CUDA tensors run kivi_fast's device-generic kernels (ATen calls,
@@ -116,6 +117,38 @@ def forward_variants(p, q, target_s: float) -> str:
             f"one/two {t['one_per_sm_ratio']:.2f}")
 
 
+def median_ms(run, calls: int = 50) -> float:
+    """Median ms of synchronized calls of run(), after 5 warm-up calls."""
+    for _ in range(5):
+        run()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def floors(p, q) -> str:
+    """What bounds a batched call of ours from below: the same call on a tiny problem, 1 x (3, 2) (the
+    host's work and the launches), the forward op alone, and the GPU's own batched Cholesky
+    (torch.linalg.cholesky_ex) of B float64 systems of the shape's size, the factorization that our
+    forward kernel does inside each block among its other stages."""
+    ours = cpu_bench.IMPLS["ours"]
+    b, n = p.shape[0], p.shape[1]
+    tiny_p, tiny_q = p[:1, :3, :2].contiguous(), q[:1, :3, :2].contiguous()
+    a = torch.randn(b, n, n, dtype=torch.float64, device=p.device)
+    spd = a @ a.mT / n + torch.eye(n, dtype=torch.float64, device=p.device)
+    parts = {
+        "ours fwd+bwd at 1 x (3, 2)": median_ms(lambda: cpu_bench.call(ours, tiny_p, tiny_q, True)),
+        "ours forward op alone": median_ms(lambda: torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, False, False)),
+        f"torch.linalg.cholesky_ex of {b} x ({n}, {n}) float64": median_ms(lambda: torch.linalg.cholesky_ex(spd)),
+    }
+    return "  floors: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items())
+
+
 def device_info(script: str) -> dict | None:
     """The GPU, torch and CUDA versions and kivi_fast's backend, printed; None (said so) without a GPU."""
     if not torch.cuda.is_available():
@@ -155,6 +188,8 @@ def main(argv=None) -> int:
                 print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
                 print(kernel_profile(cpu_bench.IMPLS["ours"], p, q))
                 print(forward_stages(cpu_bench.IMPLS["ours"], p, q))
+                if batched:
+                    print(floors(p, q))
                 if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:
                     print(forward_variants(p, q, args.target_s))
         return 0

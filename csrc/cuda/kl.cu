@@ -104,7 +104,7 @@ struct SelectShared {
 
 // The key of rank `rank` (0-based) among the P keys of dist, selected digit by digit from the top.
 __device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, SelectShared& s) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5;
   uint64_t prefix = 0, mask = 0;
   for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
     const int lo_bit = radix::digit_low_bit(shift);
@@ -112,17 +112,14 @@ __device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, Sel
     for (unsigned i = tid; i < bins; i += kThreads) s.hist[i] = 0;
     if (tid == 0) s.rank = rank;
     __syncthreads();
-    // Most keys share their top digits (distances of one scale), so lanes that hit the same bin add
-    // their count once: one shared-memory atomic per distinct bin in the warp, not per key.
-    for (int64_t base = 0; base < P; base += kThreads) {
+    for (int64_t base = 0; base < P; base += kThreads) {  // (whole warps: add_to_histogram)
       const int64_t p = base + tid;
       unsigned bin = ~0u;
       if (p < P) {
         const uint64_t k = key_of(dist[p]);
         if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
       }
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (bin != ~0u && lane == __ffs(peers) - 1) atomicAdd(&s.hist[bin], static_cast<unsigned>(__popc(peers)));
+      radix::add_to_histogram(s.hist, bin);
     }
     __syncthreads();
     if (warp == 0) {

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
     unsigned block[kMaxBins];
     unsigned long long element[kMaxBins];
   } hist;
-  const int b = blockIdx.y, tid = threadIdx.x, lane = tid & 31;
+  const int b = blockIdx.y, tid = threadIdx.x;
   const int64_t N = rows.N;
   Selection& sel_b = sel_all[b];
   const uint64_t prefix = first ? 0 : sel_b.prefix, mask = first ? 0 : sel_b.mask;
@@ -110,8 +110,7 @@ __global__ void __launch_bounds__(kThreads)
         bad |= first && k >= kNotFiniteKey;
         if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
       }
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (bin != ~0u && lane == __ffs(peers) - 1) atomicAdd(&hist.block[bin], static_cast<unsigned>(__popc(peers)));
+      radix::add_to_histogram(hist.block, bin);
     }
   }
   if (bad) sel_b.not_finite = 1;

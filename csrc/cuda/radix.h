@@ -20,6 +20,18 @@ constexpr int kEndShift = -kBits;
 __host__ __device__ constexpr int digit_low_bit(int shift) { return shift < 0 ? 0 : shift; }
 __host__ __device__ constexpr unsigned digit_bins(int shift) { return 1u << (shift < 0 ? kBits + shift : kBits); }
 
+// Called by a whole warp: adds each lane's key to its bin of the shared-memory histogram (bin ~0u: the
+// lane has no key). Most keys share their top digits (distances of one scale), so lanes with the same
+// bin add their count once: one atomic per distinct bin in the warp, not per key. A warp with no key
+// skips the match: most warps, once the digits found so far leave few keys (from the third digit on).
+__device__ __forceinline__ void add_to_histogram(unsigned* hist, unsigned bin) {
+  if (!__any_sync(0xffffffffu, bin != ~0u)) return;
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (bin != ~0u && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1)) {
+    atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+  }
+}
+
 // Called by a whole warp over one digit's histogram of `bins` counts: the lane whose slice of bins holds
 // the key of rank `rank` (0-based among the counted keys) sets *digit and *rank_left (the rank within
 // that bin) and returns true; the other lanes return false.

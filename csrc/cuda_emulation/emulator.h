@@ -169,6 +169,13 @@ inline unsigned __match_any_sync(unsigned, unsigned v) {
   for (unsigned l = 0; l < 32; ++l) peers |= (all[l] == v ? 1u : 0u) << l;
   return peers;
 }
+inline int __any_sync(unsigned, int predicate) {
+  const uint64_t* all = emu::warp_exchange(predicate != 0, "__any_sync");
+  for (unsigned l = 0; l < 32; ++l) {
+    if (all[l] != 0) return 1;
+  }
+  return 0;
+}
 inline int __ffs(int v) { return v == 0 ? 0 : std::countr_zero(static_cast<unsigned>(v)) + 1; }
 inline int __popc(unsigned v) { return std::popcount(v); }
 inline long long __double_as_longlong(double v) { return std::bit_cast<long long>(v); }
