@@ -8,14 +8,15 @@ the paper's setting, and kivi) and the MNIST BNN step (L = 400, 10 posterior sam
 Each step is the trainers' own ``step_profile`` (kivi_fast/experiments/vae.py and mnist.py): median
 seconds of a forward + backward, and of its KL part alone. "generic" forces the device-generic kernels
 (torch.ops.kivi_fast_testing.set_force_generic), which is what CUDA tensors ran before csrc/cuda/.
-Then the VAE and MNIST trainers' whole steps (forward, backward, Adam) eager and captured in a CUDA
-graph (``--cuda-graph``), with the CUDA kernels.
+Then the VAE and MNIST trainers' whole steps (forward, backward, Adam) eager, captured in a CUDA graph
+(``--cuda-graph``), and that with the networks' matmuls in TF32 (``--tf32``), with the CUDA kernels.
 Random inputs of the real shapes: no data files are needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -39,34 +40,49 @@ def vae_profile(method: str, device, repeats: int) -> dict:
 
 
 def full_steps(setup, device, repeats: int) -> dict:
-    """Median seconds of a trainer's whole step (forward, backward, Adam) on one batch: eager, and
-    captured in a CUDA graph and replayed (``--cuda-graph``). ``setup(cuda_graph)`` -> (the trainer's
-    step with its optimizer for that setting, its inputs), on a freshly seeded model."""
+    """Median seconds of a trainer's whole step (forward, backward, Adam) on one batch: eager, captured in
+    a CUDA graph and replayed (``--cuda-graph``), and that with the networks' matmuls in TF32
+    (``--tf32``). ``setup(cuda_graph)`` -> (the trainer's step with its optimizer for that setting, its
+    inputs), on a freshly seeded model."""
     out = {}
-    for name in ("eager", "graph"):
+    for name in ("eager", "graph", "graph_tf32"):
+        graph = name != "eager"
         torch.manual_seed(0)
-        step, inputs = setup(name == "graph")
-        run = trainer_step(step, device, name == "graph")
-        for _ in range(5):  # warm-up (and the capture)
-            run(inputs)
-        times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
+        with tf32(name == "graph_tf32"):
+            step, inputs = setup(graph)
+            run = trainer_step(step, device, graph)
+            for _ in range(5):  # warm-up (and the capture)
+                run(inputs)
+            times = sorted(timed(lambda: run(inputs), device)[0] for _ in range(repeats))
         out[name] = times[len(times) // 2]
     return out
 
 
-def graph_profile(setup, device, rows: int = 20) -> str:
+@contextlib.contextmanager
+def tf32(enabled: bool):
+    """The trainers' --tf32 inside: float32 CUDA matmuls on tensor cores."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def graph_profile(setup, device, rows: int = 20, with_tf32: bool = False) -> str:
     """torch.profiler's table of three replays of a trainer's step captured in a CUDA graph, by GPU
     time: where the replayed step's time goes (the KL's kernels against the networks' and Adam's)."""
     torch.manual_seed(0)
-    step, inputs = setup(True)
-    run = trainer_step(step, device, True)
-    for _ in range(5):
-        run(inputs)
-
-    def replays():
-        for _ in range(3):
+    with tf32(with_tf32):
+        step, inputs = setup(True)
+        run = trainer_step(step, device, True)
+        for _ in range(5):
             run(inputs)
-    return gpu_bench.profile_table(replays, rows)
+
+        def replays():
+            for _ in range(3):
+                run(inputs)
+        return gpu_bench.profile_table(replays, rows)
 
 
 def vae_step(method: str, device):
@@ -112,6 +128,8 @@ def main(argv=None) -> int:
         for name, setup in {"vae kivi-ac": vae_step("kivi-ac", device), "mnist L=400": mnist_step(device)}.items():
             print(f"{name}: three replays of the step captured in a CUDA graph\n{graph_profile(setup, device)}",
                   flush=True)
+        print("vae kivi-ac, --tf32: three replays of the step captured in a CUDA graph\n"
+              f"{graph_profile(vae_step('kivi-ac', device), device, with_tf32=True)}", flush=True)
         return 0
     cases = {"vae kivi-ac": lambda: vae_profile("kivi-ac", device, args.repeats),
              "vae kivi": lambda: vae_profile("kivi", device, args.repeats),
@@ -134,8 +152,8 @@ def main(argv=None) -> int:
     for name, setup in setups.items():
         row = {"case": name, **full_steps(setup, device, args.repeats)}
         rows.append(row)
-        print(f"{row['case']:24} eager {row['eager'] * 1e3:6.2f} ms, CUDA graph {row['graph'] * 1e3:6.2f} ms",
-              flush=True)
+        print(f"{row['case']:24} eager {row['eager'] * 1e3:6.2f} ms, CUDA graph {row['graph'] * 1e3:6.2f} ms, "
+              f"and with --tf32 {row['graph_tf32'] * 1e3:6.2f} ms", flush=True)
     gpu_bench.save_json(args.json, info, rows)
     return 0
 

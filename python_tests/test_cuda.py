@@ -526,3 +526,22 @@ def test_mnist_trains_with_a_cuda_graph_and_resumes(method, tmp_path):
 
     train("graph", "--cuda-graph")
     assert_graphed_runs_resume_and_follow_eager(train, tmp_path, stop_after=6)
+
+
+def test_the_trainers_tf32_option_turns_on_tensor_float_matmuls(tmp_path):
+    """--tf32: the run's float32 CUDA matmuls in TF32 (set for the process, recorded in the run's
+    config), and the run trains to a finite ELBO (the KL's fit is float64 either way)."""
+    import json
+
+    from kivi_fast import cli
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert cli.main(["vae", "--quick", "--tf32", "--device", "cuda", "--no-progress",
+                         "--run-dir", str(tmp_path)]) == 0
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert json.loads((tmp_path / "config.json").read_text())["tf32"] is True
+    assert math.isfinite(json.loads((tmp_path / "results.json").read_text())["final"]["test_elbo"])

@@ -179,10 +179,11 @@ def test_resuming_with_other_settings_is_refused(tmp_path, one_thread):
     vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
     with pytest.raises(runs.CheckpointError, match="other settings"):
         vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1, lr=0.01), tmp_path)
-    # a checkpoint from before --cuda-graph existed was made without it: it resumes, it is not refused
+    # a checkpoint from before --cuda-graph and --tf32 existed was made without them: it resumes, it is
+    # not refused
     path = tmp_path / "checkpoint.pt"
     state = runs.load_checkpoint(path)
-    del state["config"]["cuda_graph"]
+    del state["config"]["cuda_graph"], state["config"]["tf32"]
     torch.save(state, path)
     assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=2), tmp_path)["epochs"] == 2
 
@@ -261,6 +262,7 @@ def test_the_command_lines_write_their_files(tmp_path, capsys):
     (["vae", "--device", "tpu"], "--device"),
     (["vae", "--method", "avb"], "invalid choice"),
     (["vae", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs a GPU"),
+    (["vae", "--tf32"], "--tf32 needs a GPU"),
 ])
 def test_bad_values_are_usage_errors(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

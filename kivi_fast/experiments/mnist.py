@@ -45,14 +45,14 @@ from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import trainer_adam, trainer_step
-from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
-                       add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
+from .training import (POSITION, Checkpoints, Distributed, add_gpu_options, add_device_options,
+                       add_training_options, check_gpu_options, config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start, stopped_message)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
-               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph")
+               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph", "tf32")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
     p.add_argument("--eval-samples", type=positive_int, default=10, help="weight draws of the posterior predictive")
     add_device_options(p, "mnist")
-    add_cuda_graph_option(p)
+    add_gpu_options(p)
     add_common(p, quick="a smoke run: 1 epoch on 500 images, L = 50, N = 40", name=NAME)
 
 
@@ -94,7 +94,7 @@ def error_rate(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, sampl
 def run(args) -> int:
     if args.eval_images > 10000:
         raise UsageError(f"--eval-images: the validation and test sets have 10000 images, got {args.eval_images}")
-    check_cuda_graph(args)
+    check_gpu_options(args)
     comm, run_dir = start(args, QUICK, f"{NAME}-{args.hidden}-{args.method}")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:

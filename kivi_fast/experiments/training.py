@@ -31,6 +31,8 @@ def start(args, quick: dict, folder_name: str, train_images: int = 50000) -> tup
     if args.batch > args.train_images:
         raise UsageError(f"--batch {args.batch} is larger than --train-images {args.train_images}")
     torch.set_num_threads(args.threads)
+    # this process's CUDA matmuls (a trainer is the process's only work)
+    torch.backends.cuda.matmul.allow_tf32 = bool(getattr(args, "tf32", False))
     comm = Distributed(device_of(args.device))
     if args.batch % comm.world:
         raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
@@ -93,7 +95,7 @@ def set_lr(optimizer, value: float) -> None:
 
 # Settings added after checkpoints with other settings were written: an older checkpoint, without the
 # key, was made with this value.
-ADDED_SETTINGS = {"cuda_graph": False}
+ADDED_SETTINGS = {"cuda_graph": False, "tf32": False}
 
 
 def check_resumable(state: dict, config: dict, path) -> None:
@@ -182,20 +184,25 @@ def add_device_options(p, data_folder: str) -> None:
                    help=f"folder holding {data_folder}/ (default: the checkout's data/)")
 
 
-def add_cuda_graph_option(p) -> None:
+def add_gpu_options(p) -> None:
+    """``--cuda-graph`` and ``--tf32``: the whole step replayed from a CUDA graph, the networks' matmuls on
+    tensor cores."""
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the training step in a CUDA graph after 3 eager steps and replay it (one "
                         "process on a GPU): the same run, without the host launching each kernel")
+    p.add_argument("--tf32", action="store_true",
+                   help="the networks' float32 matmuls in TensorFloat-32 on a GPU's tensor cores (products of "
+                        "10-bit mantissas, float32 sums; torch.backends.cuda.matmul.allow_tf32); the KL "
+                        "estimator computes in float64 and is unaffected")
 
 
-def check_cuda_graph(args) -> None:
-    """--cuda-graph's conditions, checked before a run folder is made: a GPU and one process (a graph here
-    does not capture DistributedDataParallel's communication)."""
-    if not args.cuda_graph:
-        return
-    if device_of(args.device).type != "cuda":
-        raise UsageError(f"--cuda-graph needs a GPU (--device cuda), got --device {args.device}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+def check_gpu_options(args) -> None:
+    """--cuda-graph's and --tf32's conditions, checked before a run folder is made: a GPU, and for a
+    graph one process (a graph here does not capture DistributedDataParallel's communication)."""
+    for flag, name in ((args.cuda_graph, "--cuda-graph"), (args.tf32, "--tf32")):
+        if flag and device_of(args.device).type != "cuda":
+            raise UsageError(f"{name} needs a GPU (--device cuda), got --device {args.device}")
+    if args.cuda_graph and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--cuda-graph runs in one process, not under torchrun with several")
 
 

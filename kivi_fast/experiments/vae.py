@@ -50,8 +50,8 @@ from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import trainer_adam, trainer_step
-from .training import (POSITION, Checkpoints, Distributed, add_cuda_graph_option, add_device_options,
-                       add_training_options, check_cuda_graph, config_of, device_of, halved_lr, kl_share, timed,
+from .training import (POSITION, Checkpoints, Distributed, add_gpu_options, add_device_options,
+                       add_training_options, check_gpu_options, config_of, device_of, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start, stopped_message)
 from .options import UsageError, add_common, int_at_least, positive_int
 
@@ -59,7 +59,7 @@ NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
 QUICK = {"epochs": 1, "train_images": 512, "eval_images": 64, "n_q": 20, "n_p": 20}
 CONFIG_KEYS = ("method", "train_images", "batch", "lr", "lr_halve_every", "n_q", "n_p", "lam", "clip", "contrast",
-               "seed", "eval_images", "eval_every", "cuda_graph")
+               "seed", "eval_images", "eval_every", "cuda_graph", "tf32")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-images", type=positive_int, default=1000,
                    help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
     add_device_options(p, "binarized_mnist")
-    add_cuda_graph_option(p)
+    add_gpu_options(p)
     add_common(p, quick="a smoke run: 1 epoch on 512 images, n_p = n_q = 20", name=NAME)
 
 
@@ -97,7 +97,7 @@ def evaluate_elbo(model, x: torch.Tensor, generator: torch.Generator, n_rec: int
 def run(args) -> int:
     if args.method == "kivi-ac" and args.contrast == "full" and args.n_q <= 8:
         raise UsageError("--contrast full needs --n-q > 8 (the latent dimension)")
-    check_cuda_graph(args)
+    check_gpu_options(args)
     comm, run_dir = start(args, QUICK, f"{NAME}-{args.method}")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
