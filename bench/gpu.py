@@ -81,9 +81,10 @@ def kernel_profile(fn, p, q, rows: int = 15) -> str:
 STAGES = ("distances", "median", "system", "solve", "evaluation")
 
 
-def forward_stages(fn, p, q) -> str:
+def forward_stages(fn, p, q) -> str | None:
     """Block 0 of kl.cu's forward kernel: the clock cycles of each stage in one call (after a warm-up),
-    from the kernel's own clock64() reads (torch.ops.kivi_fast_testing.set_forward_stage_clocks)."""
+    from the kernel's own clock64() reads (torch.ops.kivi_fast_testing.set_forward_stage_clocks); None
+    where no such kernel ran."""
     clocks = torch.zeros(6, dtype=torch.int64, device=p.device)
     cpu_bench.call(fn, p, q, False)
     torch.ops.kivi_fast_testing.set_forward_stage_clocks(clocks)
@@ -94,27 +95,33 @@ def forward_stages(fn, p, q) -> str:
         torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)
     c = clocks.tolist()
     if c[-1] == 0:
-        return "  (no kl.cu forward kernel ran)"
+        return None
     total = c[-1] - c[0]
     parts = [f"{name} {c[i + 1] - c[i]} ({100 * (c[i + 1] - c[i]) / total:.0f}%)" for i, name in enumerate(STAGES)]
     return f"  kl_forward_kernel, block 0: {total} cycles: " + ", ".join(parts)
 
 
-def forward_variants(p, q, target_s: float) -> str:
-    """A batch of more than one wave of blocks: ours (forward + backward) with the forward kernel's
-    two-blocks-per-SM variant against the one-block one (torch.ops.kivi_fast_testing.set_two_blocks_per_sm),
-    timed alternately."""
-    def ours_with(two: bool):
-        def fn(p_, q_):
-            old = torch.ops.kivi_fast_testing.set_two_blocks_per_sm(two)
-            try:
-                return cpu_bench.IMPLS["ours"](p_, q_)
-            finally:
-                torch.ops.kivi_fast_testing.set_two_blocks_per_sm(old)
-        return fn
-    t = time_sides({"ours": ours_with(True), "one_per_sm": ours_with(False)}, ("one_per_sm",), p, q, True, target_s)
-    return (f"  two blocks per SM {t['ours'] * 1e3:.3f} ms, one {t['one_per_sm'] * 1e3:.3f} ms: "
-            f"one/two {t['one_per_sm_ratio']:.2f}")
+def with_switch(switch: str, flag: bool, fn):
+    """fn with one of the CUDA kernels' testing switches (torch.ops.kivi_fast_testing.<switch>) set."""
+    setter = getattr(torch.ops.kivi_fast_testing, switch)
+
+    def run(*args):
+        old = setter(flag)
+        try:
+            return fn(*args)
+        finally:
+            setter(old)
+    return run
+
+
+def switch_ab(p, q, switch: str, target_s: float) -> str:
+    """Ours (forward + backward) with a testing switch on (the default) and off, timed alternately:
+    set_two_blocks_per_sm (batches of more than one wave: two forward blocks per SM, or one),
+    set_paired_elimination (the forward's elimination two columns a step, or one)."""
+    ours = cpu_bench.IMPLS["ours"]
+    t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
+                   p, q, True, target_s)
+    return f"  {switch}: on {t['ours'] * 1e3:.3f} ms, off {t['off'] * 1e3:.3f} ms: off/on {t['off_ratio']:.2f}"
 
 
 def median_ms(run, calls: int = 50) -> float:
@@ -186,12 +193,18 @@ def main(argv=None) -> int:
             for dtype_name in args.dtypes.split(","):
                 p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
                 print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
-                print(kernel_profile(cpu_bench.IMPLS["ours"], p, q))
-                print(forward_stages(cpu_bench.IMPLS["ours"], p, q))
+                ours = cpu_bench.IMPLS["ours"]
+                print(kernel_profile(ours, p, q))
+                stages = forward_stages(ours, p, q)
+                print(stages or "  (no kl.cu forward kernel ran)")
+                if stages is not None:  # the elimination one column a step
+                    print(forward_stages(with_switch("set_paired_elimination", False, ours), p, q)
+                          + " (one column a step)")
+                    print(switch_ab(p, q, "set_paired_elimination", args.target_s))
                 if batched:
                     print(floors(p, q))
                 if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:
-                    print(forward_variants(p, q, args.target_s))
+                    print(switch_ab(p, q, "set_two_blocks_per_sm", args.target_s))
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:

@@ -165,6 +165,9 @@ void set_stage_clocks(const std::optional<Tensor>& buffer);
 // Benches and tests: whether batches of more than one wave of blocks take the forward kernel's
 // two-blocks-per-SM variant (the default); returns the old value.
 bool set_two_blocks_per_sm(bool flag);
+// Benches and tests: whether the forward kernel's elimination takes two columns a step (the default)
+// or one; returns the old value.
+bool set_paired_elimination(bool flag);
 }  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path

@@ -44,6 +44,9 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // Whether CUDA batches of more than one wave of blocks take the forward kernel's two-blocks-per-SM
   // variant (default true). An error in a build without the CUDA kernels.
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
+  // Whether the CUDA forward kernel's elimination takes two columns a step (default true) or one. An
+  // error in a build without the CUDA kernels.
+  m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
 }
 
 }  // namespace kivi_fast

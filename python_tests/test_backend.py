@@ -55,3 +55,18 @@ def test_cuda_tensors_dispatch_to_the_cuda_or_the_generic_kernels():
         assert "[kernel]" in entries["CPU"], (op, entries["CPU"])
         expected = "[kernel]" if op in cuda_kernels else "default backend kernel"
         assert expected in entries["CUDA"], (op, entries["CUDA"])
+
+
+def test_the_cuda_kernels_switches_say_when_the_build_has_no_cuda_kernels():
+    """The benches' switches of the CUDA kernels (torch.ops.kivi_fast_testing) raise a clear error in a
+    build without them (a CPU torch), instead of setting a flag nothing reads."""
+    import torch
+
+    kivi_fast.backend()
+    if torch.version.cuda:
+        pytest.skip("a CUDA build of torch: the CUDA kernels are built")
+    for call in (lambda: torch.ops.kivi_fast_testing.set_two_blocks_per_sm(True),
+                 lambda: torch.ops.kivi_fast_testing.set_paired_elimination(True),
+                 lambda: torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)):
+        with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
+            call()

@@ -234,6 +234,21 @@ def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernel
         assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
 
 
+@pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])
+@pytest.mark.parametrize("shape,reverse", [((4, 100, 100, 8), False), ((2, 37, 40, 8), True), ((1, 56, 200, 300), True)],
+                         ids=["100", "37-odd", "200-global"])
+def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
+    """The forward kernel's elimination two columns a step (the default) and one
+    (set_paired_elimination(False)): even and odd systems, one in global memory."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + 7, 1.2, 0.3)
+    old = torch.ops.kivi_fast_testing.set_paired_elimination(paired)
+    try:
+        assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
+    finally:
+        torch.ops.kivi_fast_testing.set_paired_elimination(old)
+
+
 def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():
     """bench/gpu.py --profile's per-stage latency: block 0's clock at each stage, nondecreasing; none
     once the buffer is unset."""

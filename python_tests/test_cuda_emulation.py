@@ -224,6 +224,44 @@ def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
     assert_equals_cpu_kernels(p, q, False)
 
 
+@pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])
+@pytest.mark.parametrize("shape,reverse", [((2, 100, 100, 8), False), ((1, 37, 40, 8), False), ((2, 2, 5, 3), False),
+                                           ((1, 3, 4, 3), False), ((1, 56, 200, 300), True)],
+                         ids=["100", "37-odd", "2", "3-odd", "200-global"])
+def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
+    """solve_spd two columns a step (the default) and one (set_paired_elimination(False)), for even and
+    odd systems (the paired loop's last column alone), down to 2 and 3 rows, and a 200-row system in
+    global memory."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + 7, 1.2, 0.3)
+    old = EMU.set_paired_elimination(paired)
+    try:
+        assert_equals_cpu_kernels(p, q, reverse)
+    finally:
+        EMU.set_paired_elimination(old)
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])
+def test_a_system_that_is_not_positive_definite_gives_nan(paired):
+    """A pivot <= 0 gives NaN for its batch element (the CPU raises), here from a negative lam (direct
+    calls: the op refuses lam <= 0 before the kernels see it): the first pivot's, K/n - I/2 for 30
+    points; the second's, two denominator points, lam = -0.45: the first pivot is 0.05 either way, the
+    second 0.05 - k^2/(4 0.05) with k their kernel value, negative for equal points, positive for
+    distant ones."""
+    p, q = seeded_samples(3, 30, 30, 4, torch.float64, 1, 1.0, 0.5)
+    two = torch.zeros(2, 2, 4, dtype=torch.float64)
+    two[0, 1] = 100.0  # far apart: k ~ 0, a positive definite 2 x 2 system
+    sigma = torch.ones(2, dtype=torch.float64)
+    old = EMU.set_paired_elimination(paired)
+    try:
+        first = EMU.kl(p, q, -0.5, 1e-8, None, False, True)[0]
+        second = EMU.kl(two, q[:2, :5], -0.45, 1e-8, sigma, False, True)[0]
+    finally:
+        EMU.set_paired_elimination(old)
+    assert first.isnan().all()
+    assert second[0].isfinite() and second[1].isnan(), second
+
+
 @pytest.mark.parametrize("shape", [(2, 100, 100, 8), (1, 10, 10, 3000), (1, 70, 60, 1000)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_results_do_not_depend_on_the_order_threads_run_in(shape):

@@ -184,6 +184,7 @@ struct KlArgs {
                             // consecutive points hit distinct banks)
   bool dist_in_shared;      // the distances in shared memory (else in the global workspace)
   bool system_in_shared;    // the n_den x n_den system in shared memory, else in sys_ws
+  bool paired_elimination;  // solve_spd's two columns a step (set_paired_elimination)
   long long* clocks;        // benches: block 0's clock64() at the stage boundaries (kForwardStages), or null
 };
 
@@ -193,27 +194,100 @@ __device__ __forceinline__ void stage_clock(const KlArgs& a, int stage) {
   if (a.clocks != nullptr && blockIdx.x == 0 && threadIdx.x == 0) a.clocks[stage] = clock64();
 }
 
+// Back substitution of the eliminated system by one warp (warp 0; S's upper triangle holds U, with
+// the pivots on its diagonal): x_i = (b_i - sum_{j > i} U_ij x_j) / U_ii, from the last row up.
+__device__ void back_substitute(const double* S, double* x, int n) {
+  const int tid = threadIdx.x, tx = tid & 31;
+  if ((tid >> 5) == 0) {
+    for (int i = n - 1; i >= 0; --i) {
+      double s = 0.0;
+      for (int j = i + 1 + tx; j < n; j += 32) s += S[i * n + j] * x[j];
+      s = warp_sum(s);
+      if (tx == 0) x[i] = (x[i] - s) / S[i * n + i];
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+}
+
 // Solves the symmetric positive definite n x n system S x = b (S row-major, b in x; S's upper
-// triangle is read and overwritten). Gaussian elimination of the upper triangle (symmetric, so row
-// k right of the diagonal is also column k below it), one block-wide barrier per column, then back
-// substitution by one warp. Column k's pivot is the one Cholesky would take (squared); a pivot <= 0
-// (or NaN) sets *not_pd. Row k is staged in registers once per step, and each thread loads two rows
-// before storing either, so that a step's loads overlap: the elimination is bound by shared-memory
-// bandwidth, and the upper triangle is a third of what Gauss-Jordan's full rows move.
-__device__ void solve_spd(double* S, double* x, int n, int* not_pd) {
+// triangle is read and overwritten) by Gaussian elimination of the upper triangle (symmetric, so row
+// k right of the diagonal is also column k below it), then back substitution. Column k's pivot is the
+// one Cholesky would take (squared); a pivot <= 0 (or NaN) sets *not_pd. The elimination is bound by
+// barriers (one a step) and shared-memory traffic (each step rewrites the trailing triangle), so it
+// eliminates two columns a step (paired, the default): the rows below take both updates at once,
+// S_ij -= S_ki S_kj / a + S'_k+1,i S'_k+1,j / c' with row k+1 after column k's update (S') formed
+// where it is needed, which halves both the barriers and the triangle's loads and stores. Row k+1
+// itself is rewritten in the next step (this step's threads still read its old values). Each thread
+// stages its columns of the pivot rows in registers once a step, and loads two rows before storing
+// either, so that a step's loads overlap. set_paired_elimination(false): one column a step.
+__device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired) {
   const int tid = threadIdx.x, tx = tid & 31, ty = tid >> 5;
-  for (int k = 0; k < n; ++k) {
+  int k = 0;
+  double f_prev = 0.0, x1_prev = 0.0;  // the previous pair's row-k+1 factor and right-hand side
+  for (; paired && k + 1 < n; k += 2) {
+    if (k > 0) {  // the previous pair's second row, now that no thread reads its old values
+      for (int j = k - 1 + tid; j < n; j += kThreads) S[(k - 1) * n + j] -= f_prev * S[(k - 2) * n + j];
+      if (tid == 0) x[k - 1] = x1_prev;
+    }
+    const double a = S[k * n + k], b = S[k * n + k + 1];
+    const double ia = 1.0 / a, f = b * ia, c1 = S[(k + 1) * n + k + 1] - f * b, ic1 = 1.0 / c1;
+    if (tid == 0 && !(a > 0.0 && c1 > 0.0)) *not_pd = 1;
+    const double xk = x[k], x1 = x[k + 1] - f * xk;
+    for (int j0 = k + 2; j0 < n; j0 += 128) {  // columns right of k + 1, 128 per round (4 per lane)
+      double rk[4], r1[4];  // rows k and k+1 (after column k) at this thread's columns
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + tx + 32 * u;
+        rk[u] = j < n ? S[k * n + j] : 0.0;
+        r1[u] = j < n ? S[(k + 1) * n + j] - f * rk[u] : 0.0;
+      }
+      // rows i > k + 1 that have columns j >= i in this round, two per iteration
+      for (int i = k + 2 + ty; i < n && i < j0 + 128; i += 2 * kWarps) {
+        const int i2 = i + kWarps;
+        const bool has2 = i2 < n;
+        const double ki = S[k * n + i], ki2 = has2 ? S[k * n + i2] : 0.0;
+        const double fa1 = ki * ia, fb1 = (S[(k + 1) * n + i] - f * ki) * ic1;
+        const double fa2 = ki2 * ia, fb2 = has2 ? (S[(k + 1) * n + i2] - f * ki2) * ic1 : 0.0;
+        double v1[4], v2[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + tx + 32 * u;
+          v1[u] = (j >= i && j < n) ? S[i * n + j] : 0.0;
+          v2[u] = (has2 && j >= i2 && j < n) ? S[i2 * n + j] : 0.0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + tx + 32 * u;
+          if (j >= i && j < n) S[i * n + j] = v1[u] - fa1 * rk[u] - fb1 * r1[u];
+          if (has2 && j >= i2 && j < n) S[i2 * n + j] = v2[u] - fa2 * rk[u] - fb2 * r1[u];
+        }
+      }
+    }
+    for (int i = k + 2 + tid; i < n; i += kThreads) {
+      const double ki = S[k * n + i];
+      x[i] -= ki * ia * xk + (S[(k + 1) * n + i] - f * ki) * ic1 * x1;
+    }
+    f_prev = f;
+    x1_prev = x1;
+    __syncthreads();
+  }
+  if (k > 0 && paired) {  // the last pair's second row
+    for (int j = k - 1 + tid; j < n; j += kThreads) S[(k - 1) * n + j] -= f_prev * S[(k - 2) * n + j];
+    if (tid == 0) x[k - 1] = x1_prev;
+    __syncthreads();
+  }
+  for (; k < n; ++k) {  // one column a step (the last column of an odd n when paired)
     const double piv = S[k * n + k];
     if (tid == 0 && !(piv > 0.0)) *not_pd = 1;
     const double inv = 1.0 / piv, xk = x[k];
-    for (int j0 = k + 1; j0 < n; j0 += 128) {  // columns right of k, 128 per round (4 per lane)
+    for (int j0 = k + 1; j0 < n; j0 += 128) {
       double rk[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int j = j0 + tx + 32 * u;
         rk[u] = j < n ? S[k * n + j] : 0.0;
       }
-      // rows i > k that have columns j >= i in this round, two per iteration
       for (int i = k + 1 + ty; i < n && i < j0 + 128; i += 2 * kWarps) {
         const int i2 = i + kWarps;
         const bool has2 = i2 < n;
@@ -237,16 +311,7 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd) {
     for (int i = k + 1 + tid; i < n; i += kThreads) x[i] -= S[k * n + i] * inv * xk;
     __syncthreads();
   }
-  if (ty == 0) {  // x_i = (b_i - sum_{j > i} S_ij x_j) / S_ii, from the last row up
-    for (int i = n - 1; i >= 0; --i) {
-      double s = 0.0;
-      for (int j = i + 1 + tx; j < n; j += 32) s += S[i * n + j] * x[j];
-      s = warp_sum(s);
-      if (tx == 0) x[i] = (x[i] - s) / S[i * n + i];
-      __syncwarp();
-    }
-  }
-  __syncthreads();
+  back_substitute(S, x, n);
 }
 
 // The whole forward of one batch element (blockIdx.x). Shared memory: coef [N]; the points as float64
@@ -334,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if (tid == 0) not_pd = 0;
   __syncthreads();
   stage_clock(a, 3);
-  solve_spd(S, coef, n, &not_pd);  // ends with a barrier
+  solve_spd(S, coef, n, &not_pd, a.paired_elimination);  // ends with a barrier
   stage_clock(a, 4);
   const bool bad = not_pd || isnan(sigma);
   const double beta = 1.0 / (a.lam * a.n_num);
@@ -593,6 +658,8 @@ int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMa
 
 // set_two_blocks_per_sm's switch (benches: the one-block variant against the two-block one).
 std::atomic<bool> two_blocks_per_sm{true};
+// set_paired_elimination's switch (benches: solve_spd's one column a step against two).
+std::atomic<bool> paired_elimination{true};
 
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
@@ -651,6 +718,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   a.compute_dist = N * d <= kSmallWork;
   a.ldx = a.compute_dist ? static_cast<int>(d | 1) : 0;
   a.clocks = stage_clocks_device.load() == device ? stage_clocks.load() : nullptr;
+  a.paired_elimination = paired_elimination.load();
   // the projection state reads the points staged in shared memory (handles_kl keeps the others out)
   TORCH_CHECK(a.compute_dist || !a.projection, "kivi_fast::kl (CUDA): a projection state needs N d <= ", kSmallWork);
   // In shared memory what fits: both the distances (the median's passes) and the system (the
@@ -733,6 +801,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
 }
 
 bool set_two_blocks_per_sm(bool flag) { return two_blocks_per_sm.exchange(flag); }
+
+bool set_paired_elimination(bool flag) { return paired_elimination.exchange(flag); }
 
 void set_stage_clocks(const std::optional<Tensor>& buffer) {
   if (!buffer.has_value()) {
