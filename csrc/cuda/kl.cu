@@ -195,15 +195,51 @@ __device__ __forceinline__ void stage_clock(const KlArgs& a, int stage) {
 }
 
 // Back substitution of the eliminated system by one warp (warp 0; S's upper triangle holds U, with
-// the pivots on its diagonal): x_i = (b_i - sum_{j > i} U_ij x_j) / U_ii, from the last row up.
-__device__ void back_substitute(const double* S, double* x, int n) {
-  const int tid = threadIdx.x, tx = tid & 31;
-  if ((tid >> 5) == 0) {
+// the pivots on its diagonal), then a block-wide barrier. Up to kRegisterSolveRows rows, column by
+// column from the last: lane l holds b_j (then x_j) for j = l + 32 m in registers, each x_i goes from
+// its lane to the others in one shuffle, and they subtract U_ji x_i from their b_j, so that a row's
+// latency is a multiply, a shuffle and a multiply-add (the pivots' reciprocals taken beforehand, in
+// parallel, into the diagonal). Above, and in the forward kernel's 64-register variant (whose other
+// stages would spill more for its registers), row by row: x_i = (b_i - sum_{j > i} U_ij x_j) / U_ii,
+// a 32-lane reduction and a division a row.
+constexpr int kRegisterSolveRows = 128;
+template <bool kInRegisters>
+__device__ void back_substitute(double* S, double* x, int n) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (kInRegisters && (tid >> 5) == 0 && n <= kRegisterSolveRows) {
+    constexpr int kSlots = kRegisterSolveRows / 32;
+    double y[kSlots];
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      const int j = lane + 32 * m;
+      y[m] = j < n ? x[j] : 0.0;
+      if (j < n) S[j * n + j] = 1.0 / S[j * n + j];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int m = kSlots - 1; m >= 0; --m) {
+      for (int l = 31; l >= 0; --l) {
+        const int i = 32 * m + l;
+        if (i >= n) continue;
+        const double xi = __shfl_sync(0xffffffffu, y[m] * S[i * n + i], l);
+        if (lane == l) y[m] = xi;
+#pragma unroll
+        for (int mm = 0; mm <= m; ++mm) {  // column i of U above the diagonal: rows j < i
+          const int j = lane + 32 * mm;
+          if (j < i) y[mm] -= S[j * n + i] * xi;
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      if (lane + 32 * m < n) x[lane + 32 * m] = y[m];
+    }
+  } else if ((tid >> 5) == 0) {
     for (int i = n - 1; i >= 0; --i) {
       double s = 0.0;
-      for (int j = i + 1 + tx; j < n; j += 32) s += S[i * n + j] * x[j];
+      for (int j = i + 1 + lane; j < n; j += 32) s += S[i * n + j] * x[j];
       s = warp_sum(s);
-      if (tx == 0) x[i] = (x[i] - s) / S[i * n + i];
+      if (lane == 0) x[i] = (x[i] - s) / S[i * n + i];
       __syncwarp();
     }
   }
@@ -221,6 +257,7 @@ __device__ void back_substitute(const double* S, double* x, int n) {
 // itself is rewritten in the next step (this step's threads still read its old values). Each thread
 // stages its columns of the pivot rows in registers once a step, and loads two rows before storing
 // either, so that a step's loads overlap. set_paired_elimination(false): one column a step.
+template <bool kRegisterBackSubstitution>
 __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired) {
   const int tid = threadIdx.x, tx = tid & 31, ty = tid >> 5;
   int k = 0;
@@ -311,7 +348,7 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
     for (int i = k + 1 + tid; i < n; i += kThreads) x[i] -= S[k * n + i] * inv * xk;
     __syncthreads();
   }
-  back_substitute(S, x, n);
+  back_substitute<kRegisterBackSubstitution>(S, x, n);
 }
 
 // The whole forward of one batch element (blockIdx.x). Shared memory: coef [N]; the points as float64
@@ -399,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if (tid == 0) not_pd = 0;
   __syncthreads();
   stage_clock(a, 3);
-  solve_spd(S, coef, n, &not_pd, a.paired_elimination);  // ends with a barrier
+  solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);  // ends with a barrier
   stage_clock(a, 4);
   const bool bad = not_pd || isnan(sigma);
   const double beta = 1.0 / (a.lam * a.n_num);

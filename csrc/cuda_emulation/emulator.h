@@ -158,6 +158,11 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   return emu::from_bits<T>(all[(emu::lane_id() ^ static_cast<unsigned>(lane_mask)) & 31]);
 }
 template <typename T>
+T __shfl_sync(unsigned, T v, int src_lane) {
+  const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_sync");
+  return emu::from_bits<T>(all[static_cast<unsigned>(src_lane) & 31]);
+}
+template <typename T>
 T __shfl_up_sync(unsigned, T v, unsigned delta) {
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_up_sync");
   const unsigned lane = emu::lane_id();
