@@ -246,6 +246,58 @@ __device__ void back_substitute(double* S, double* x, int n) {
   __syncthreads();
 }
 
+// Subtracts kPivots rank-one updates from the trailing triangle of S (rows i >= first, columns
+// j >= i): S_ij -= sum_p factor_p(i) row_p(j). Each thread stages its columns of the pivot rows in
+// registers once a round of 128 columns (4 a lane); with kTwoRows it loads two rows before storing
+// either, so that a step's loads overlap (one block an SM: 16 warps to hide latency), else one row at
+// a time (two blocks an SM, within 64 registers). (No barrier: the caller's step ends with one.)
+template <int kPivots, bool kTwoRows, typename Row, typename Factors>
+__device__ __forceinline__ void update_trailing(double* S, int n, int first, Row row, Factors factors) {
+  constexpr int kRows = kTwoRows ? 2 : 1;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  for (int j0 = first; j0 < n; j0 += 128) {
+    double r[kPivots][4];
+#pragma unroll
+    for (int p = 0; p < kPivots; ++p) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + tx + 32 * u;
+        r[p][u] = j < n ? row(p, j) : 0.0;
+      }
+    }
+    // rows that have columns j >= i in this round, kRows per iteration (rows i + h kWarps)
+    for (int i0 = first + ty; i0 < n && i0 < j0 + 128; i0 += kRows * kWarps) {
+      double f[kRows][kPivots], v[kRows][4];
+#pragma unroll
+      for (int h = 0; h < kRows; ++h) {
+        const int i = i0 + h * kWarps;
+        if (i < n) {
+          factors(i, f[h]);
+        } else {
+#pragma unroll
+          for (int p = 0; p < kPivots; ++p) f[h][p] = 0.0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + tx + 32 * u;
+          v[h][u] = (i < n && j >= i && j < n) ? S[i * n + j] : 0.0;
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kRows; ++h) {
+        const int i = i0 + h * kWarps;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + tx + 32 * u;
+#pragma unroll
+          for (int p = 0; p < kPivots; ++p) v[h][u] -= f[h][p] * r[p][u];
+          if (i < n && j >= i && j < n) S[i * n + j] = v[h][u];
+        }
+      }
+    }
+  }
+}
+
 // Solves the symmetric positive definite n x n system S x = b (S row-major, b in x; S's upper
 // triangle is read and overwritten) by Gaussian elimination of the upper triangle (symmetric, so row
 // k right of the diagonal is also column k below it), then back substitution. Column k's pivot is the
@@ -254,12 +306,12 @@ __device__ void back_substitute(double* S, double* x, int n) {
 // eliminates two columns a step (paired, the default): the rows below take both updates at once,
 // S_ij -= S_ki S_kj / a + S'_k+1,i S'_k+1,j / c' with row k+1 after column k's update (S') formed
 // where it is needed, which halves both the barriers and the triangle's loads and stores. Row k+1
-// itself is rewritten in the next step (this step's threads still read its old values). Each thread
-// stages its columns of the pivot rows in registers once a step, and loads two rows before storing
-// either, so that a step's loads overlap. set_paired_elimination(false): one column a step.
-template <bool kRegisterBackSubstitution>
+// itself is rewritten in the next step (this step's threads still read its old values).
+// set_paired_elimination(false): one column a step. kOneBlockPerSm: the forward kernel's variant
+// (update_trailing's and back_substitute's register use).
+template <bool kOneBlockPerSm>
 __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired) {
-  const int tid = threadIdx.x, tx = tid & 31, ty = tid >> 5;
+  const int tid = threadIdx.x;
   int k = 0;
   double f_prev = 0.0, x1_prev = 0.0;  // the previous pair's row-k+1 factor and right-hand side
   for (; paired && k + 1 < n; k += 2) {
@@ -271,39 +323,18 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
     const double ia = 1.0 / a, f = b * ia, c1 = S[(k + 1) * n + k + 1] - f * b, ic1 = 1.0 / c1;
     if (tid == 0 && !(a > 0.0 && c1 > 0.0)) *not_pd = 1;
     const double xk = x[k], x1 = x[k + 1] - f * xk;
-    for (int j0 = k + 2; j0 < n; j0 += 128) {  // columns right of k + 1, 128 per round (4 per lane)
-      double rk[4], r1[4];  // rows k and k+1 (after column k) at this thread's columns
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = j0 + tx + 32 * u;
-        rk[u] = j < n ? S[k * n + j] : 0.0;
-        r1[u] = j < n ? S[(k + 1) * n + j] - f * rk[u] : 0.0;
-      }
-      // rows i > k + 1 that have columns j >= i in this round, two per iteration
-      for (int i = k + 2 + ty; i < n && i < j0 + 128; i += 2 * kWarps) {
-        const int i2 = i + kWarps;
-        const bool has2 = i2 < n;
-        const double ki = S[k * n + i], ki2 = has2 ? S[k * n + i2] : 0.0;
-        const double fa1 = ki * ia, fb1 = (S[(k + 1) * n + i] - f * ki) * ic1;
-        const double fa2 = ki2 * ia, fb2 = has2 ? (S[(k + 1) * n + i2] - f * ki2) * ic1 : 0.0;
-        double v1[4], v2[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int j = j0 + tx + 32 * u;
-          v1[u] = (j >= i && j < n) ? S[i * n + j] : 0.0;
-          v2[u] = (has2 && j >= i2 && j < n) ? S[i2 * n + j] : 0.0;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int j = j0 + tx + 32 * u;
-          if (j >= i && j < n) S[i * n + j] = v1[u] - fa1 * rk[u] - fb1 * r1[u];
-          if (has2 && j >= i2 && j < n) S[i2 * n + j] = v2[u] - fa2 * rk[u] - fb2 * r1[u];
-        }
-      }
-    }
-    for (int i = k + 2 + tid; i < n; i += kThreads) {
+    // rows k and k+1 (the latter after column k's update)
+    const auto row = [&](int p, int j) { return p == 0 ? S[k * n + j] : S[(k + 1) * n + j] - f * S[k * n + j]; };
+    const auto factors = [&](int i, double* fi) {
       const double ki = S[k * n + i];
-      x[i] -= ki * ia * xk + (S[(k + 1) * n + i] - f * ki) * ic1 * x1;
+      fi[0] = ki * ia;
+      fi[1] = (S[(k + 1) * n + i] - f * ki) * ic1;
+    };
+    update_trailing<2, kOneBlockPerSm>(S, n, k + 2, row, factors);
+    for (int i = k + 2 + tid; i < n; i += kThreads) {
+      double fi[2];
+      factors(i, fi);
+      x[i] -= fi[0] * xk + fi[1] * x1;
     }
     f_prev = f;
     x1_prev = x1;
@@ -318,37 +349,12 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
     const double piv = S[k * n + k];
     if (tid == 0 && !(piv > 0.0)) *not_pd = 1;
     const double inv = 1.0 / piv, xk = x[k];
-    for (int j0 = k + 1; j0 < n; j0 += 128) {
-      double rk[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = j0 + tx + 32 * u;
-        rk[u] = j < n ? S[k * n + j] : 0.0;
-      }
-      for (int i = k + 1 + ty; i < n && i < j0 + 128; i += 2 * kWarps) {
-        const int i2 = i + kWarps;
-        const bool has2 = i2 < n;
-        const double f1 = S[k * n + i] * inv;
-        const double f2 = has2 ? S[k * n + i2] * inv : 0.0;
-        double v1[4], v2[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int j = j0 + tx + 32 * u;
-          v1[u] = (j >= i && j < n) ? S[i * n + j] : 0.0;
-          v2[u] = (has2 && j >= i2 && j < n) ? S[i2 * n + j] : 0.0;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int j = j0 + tx + 32 * u;
-          if (j >= i && j < n) S[i * n + j] = v1[u] - f1 * rk[u];
-          if (has2 && j >= i2 && j < n) S[i2 * n + j] = v2[u] - f2 * rk[u];
-        }
-      }
-    }
+    update_trailing<1, kOneBlockPerSm>(S, n, k + 1, [&](int, int j) { return S[k * n + j]; },
+                       [&](int i, double* fi) { fi[0] = S[k * n + i] * inv; });
     for (int i = k + 1 + tid; i < n; i += kThreads) x[i] -= S[k * n + i] * inv * xk;
     __syncthreads();
   }
-  back_substitute<kRegisterBackSubstitution>(S, x, n);
+  back_substitute<kOneBlockPerSm>(S, x, n);
 }
 
 // The whole forward of one batch element (blockIdx.x). Shared memory: coef [N]; the points as float64

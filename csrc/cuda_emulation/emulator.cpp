@@ -81,10 +81,10 @@ Fiber& current_fiber() {
   _longjmp(s.back, 1);
 }
 
-// Switches from the current fiber back to the scheduler (the fiber has set its state).
-void yield_to_scheduler() {
-  Scheduler& s = scheduler();
-  if (_setjmp(s.current->jump) == 0) _longjmp(s.back, 1);
+// Parks fiber f (the current one) at a barrier until the scheduler releases it.
+void wait(Fiber& f, State state) {
+  f.state = state;
+  if (_setjmp(f.jump) == 0) _longjmp(scheduler().back, 1);
 }
 
 // Runs fiber f until it yields or ends.
@@ -247,8 +247,7 @@ int block_barrier(int flag, const std::source_location& where) {
   Fiber& f = current_fiber();
   f.flag = flag;
   f.where = where;
-  f.state = State::block_barrier;
-  yield_to_scheduler();
+  wait(f, State::block_barrier);
   return f.flag;
 }
 
@@ -256,8 +255,7 @@ const uint64_t* warp_exchange(uint64_t bits, const char* op) {
   Fiber& f = current_fiber();
   f.bits = bits;
   f.op = op;
-  f.state = State::warp_barrier;
-  yield_to_scheduler();
+  wait(f, State::warp_barrier);
   return f.exchanged;
 }
 
