@@ -36,8 +36,17 @@ def emulation():
         pytest.fail("the CUDA emulation library is not built (CMake option KIVI_FAST_CUDA_EMULATION, default ON)")
     torch.ops.load_library(path)
     EMU = torch.ops.kivi_fast_cuda_emulation
-    yield
-    device()
+    # the kernels' outputs start as NaN (at::empty filled), as shared memory starts poisoned: an output
+    # the kernels forget to write cannot pass for a zero a previous test left in reused memory
+    deterministic, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        device()
 
 
 def device(seed: int = 0, **changes) -> None:
@@ -118,7 +127,8 @@ def assert_equals_cpu_kernels(p, q, reverse, sigma=None):
 
 # CUDA_KERNEL_SHAPES (each path of csrc/cuda/kl.cu) at most 2 batch elements and 5000 dimensions: an
 # emulated (100, 8) element takes ~0.2 s
-EMULATED_SHAPES = sorted({(min(b, 2), n_p, n_q, min(d, 5000)) for b, n_p, n_q, d in CUDA_KERNEL_SHAPES})
+EMULATED_SHAPES = sorted({(min(b, 2), n_p, n_q, min(d, 5000)) for b, n_p, n_q, d in CUDA_KERNEL_SHAPES}
+                         | {(1, 40, 40, 64)})  # and the projection state with d > 32 (one lane a dimension)
 
 
 @pytest.mark.parametrize("shape", EMULATED_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -246,6 +256,17 @@ def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
         EMU.set_paired_elimination(old)
 
 
+@pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],
+                         ids=["fused", "pair-sqdist", "pair-tile"])
+def test_a_given_bandwidth_equals_the_cpu_kernels(shape):
+    """An explicit bandwidth per batch element (no median taken) on each distance path."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 3, 1.2, 0.3)
+    sigma = torch.linspace(0.5, 2.0, b, dtype=torch.float64) * d ** 0.5
+    assert_equals_cpu_kernels(p, q, False, sigma)
+    assert torch.equal(emulated_kl(p, q, False, sigma)[0][2], sigma)
+
+
 @pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])
 def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     """A pivot <= 0 gives NaN for its batch element (the CPU raises), here from a negative lam (direct
@@ -267,21 +288,32 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     assert second[0].isfinite() and second[1].isnan(), second
 
 
-@pytest.mark.parametrize("shape", [(2, 100, 100, 8), (1, 10, 10, 3000), (1, 70, 60, 1000)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_results_do_not_depend_on_the_order_threads_run_in(shape):
-    """Each seed runs the threads between barriers in another order: a read of shared memory before the
-    barrier that orders it after its write would give other bits (or the poison's NaN)."""
+@pytest.mark.parametrize("shape,multiprocessors", [((2, 100, 100, 8), 132), ((1, 10, 10, 3000), 132),
+                                                   ((1, 20, 20, 1200), 1), ((1, 70, 60, 1000), 132),
+                                                   ((1, 70, 60, 1000), 1)],
+                         ids=["fused", "pair-sqdist", "pair-sqdist-chunks", "pair-tile", "pair-tile-slabs"])
+def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessors):
+    """Each seed runs the threads between barriers, and the blocks, in another order: a read of shared
+    memory before the barrier that orders it after its write would give other bits (or the poison's
+    NaN). The fused path's results are the same bits; the wide paths add the blocks' partial distances
+    with atomics, whose order (as on a GPU) moves the last bits. On one multiprocessor each block of the
+    wide paths takes several chunks (pair_sqdist_kernel) or slabs (pair_tile_kernel) of dimensions,
+    staged in turn."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 5, 1.2, 0.3)
     runs = []
     for seed in (1, 2, 3):
-        with emulated_device(seed=seed):
+        with emulated_device(seed=seed, multiprocessors=multiprocessors):
             runs.append(emulated_kl(p, q, False))
     (first, first_g) = runs[0]
     assert all(t.isfinite().all() for t in (*first, first_g))
     for out, g in runs[1:]:
-        assert all(torch.equal(a, e) for a, e in zip(out, first)) and torch.equal(g, first_g)
+        if n_p + n_q <= 6144 // d:
+            assert all(torch.equal(a, e) for a, e in zip(out, first)) and torch.equal(g, first_g)
+        else:
+            for a, e in zip((*out, g), (*first, first_g)):
+                assert_close_rel(a, e, 1e-12)
+    assert_equals_cpu_kernels(p, q, False)
 
 
 @pytest.mark.parametrize("n,d", [(20, 3), (10, 3000), (70, 200)])  # fused small, pair_sqdist, pair_tile
@@ -347,19 +379,30 @@ def test_a_device_without_enough_shared_memory_is_refused():
 
 
 def test_the_emulation_catches_the_bugs_it_is_for():
-    """Kernels with a missing barrier (a read of a neighbour's shared-memory write), a barrier the
-    block's threads reach at two different calls, a shuffle half a warp never reaches, a write past
-    the dynamic shared memory: the first gives results that change with the threads' order, the
-    others an error naming the place."""
-    outs = []
+    """Kernels with planted bugs (csrc/cuda_emulation/buggy_kernels.cu, translated as csrc/cuda/'s are):
+    a read of a neighbour's shared-memory write without a barrier, and a __shared__ total never set to
+    0, give results that change with the seed (the threads' order, the poison); a barrier the threads
+    reach at two calls, a shuffle half a warp never reaches, a write past the dynamic shared memory,
+    56 KB of shared memory without opting in, and a launch from a kernel are errors naming the place."""
+    right = (torch.arange(64, dtype=torch.float64) + 1) % 64
+    outs, totals = [], []
     for seed in (1, 2, 3, 4):
         with emulated_device(seed=seed):
             outs.append(EMU.run_buggy_kernel("unsynchronized_neighbours"))
-    right = (torch.arange(64, dtype=torch.float64) + 1) % 64
+            totals.append(EMU.run_buggy_kernel("unwritten_static_shared"))
     assert any(not torch.equal(o, right) for o in outs) and any(o.isnan().any() for o in outs)
-    with pytest.raises(RuntimeError, match=r"divergent_barrier.*stuck.*32 threads \(first 0\) at __syncthreads"):
-        EMU.run_buggy_kernel("divergent_barrier")
-    with pytest.raises(RuntimeError, match=r"shuffle_after_exit.*stuck.*16 threads \(first 16\) at __shfl_xor_sync, warp 0"):
-        EMU.run_buggy_kernel("shuffle_after_exit")
-    with pytest.raises(RuntimeError, match=r"write_past_shared.*wrote past its 512 bytes of dynamic shared memory"):
-        EMU.run_buggy_kernel("write_past_shared")
+    assert all(t.isnan().all() or (t > 1e100).all() for t in totals), totals
+    for name, message in [
+        ("divergent_barrier", r"stuck.*32 threads \(first 0\) at __syncthreads"),
+        ("shuffle_after_exit", r"stuck.*16 threads \(first 16\) at __shfl_xor_sync, warp 0"),
+        ("write_past_shared", r"wrote past its 512 bytes of dynamic shared memory"),
+        ("shared_beyond_48kb", r"uses 16384 bytes of static and 40960 of dynamic shared memory, above the 49152"),
+        ("launch_from_a_kernel", r"divergent_barrier launched from inside a kernel"),
+    ]:
+        with pytest.raises(RuntimeError, match=name + ".*" + message if name != "launch_from_a_kernel" else message):
+            EMU.run_buggy_kernel(name)
+    with pytest.raises(ValueError, match="no kernel"):
+        EMU.run_buggy_kernel("no_such_kernel")
+    # the emulation goes on after each error
+    with emulated_device(seed=1):
+        assert torch.equal(EMU.run_buggy_kernel("unsynchronized_neighbours"), outs[0])

@@ -19,15 +19,19 @@
 // (into a guard zone after it); a launch whose dynamic shared memory exceeds the emulated device's
 // opt-in limit, or whose blocks are not whole warps of at most 1024 threads.
 //
-// What it cannot see: races between blocks (they never overlap), missing __threadfence (every access is
-// sequentially consistent here), reads past shared memory and out-of-bounds global accesses (plain C++
-// pointers), timing.
+// What it cannot see: a lost update (a thread runs from one barrier to the next without interruption,
+// so a plain read-modify-write of shared data, where an atomic is needed, looks atomic here: compute-
+// sanitizer's racecheck on a GPU is the check for that), races between blocks (they never overlap;
+// their order is drawn from the seed), missing __threadfence (every access is sequentially consistent
+// here), reads past shared memory and out-of-bounds global accesses (plain C++ pointers), warp masks
+// (every collective is taken as the whole warp's), timing.
 // The emulated device's attributes (multiprocessors, shared memory) are settable, so that tests can
 // make a small batch take the paths a large one takes on a real GPU.
 #pragma once
 
 #include <bit>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -97,8 +101,14 @@ int block_barrier(int flag, const std::source_location& where);
 const uint64_t* warp_exchange(uint64_t bits, const char* op);
 unsigned lane_id();
 
-// Runs `body` as grid x block threads (the launch behind kernel<<<grid, block, shared, stream>>>).
-void run_grid(const char* kernel, dim3 grid, dim3 block, int64_t shared_bytes, const std::function<void()>& body);
+// Runs `body` as grid x block threads (the launch behind kernel<<<grid, block, shared, stream>>>);
+// kernel_id: the kernel's address, as cudaFuncSetAttribute names it.
+void run_grid(const char* kernel, const void* kernel_id, dim3 grid, dim3 block, int64_t shared_bytes,
+              const std::function<void()>& body);
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes); and forgetting
+// every kernel's (the emulated device has changed).
+void set_max_dynamic_shared(const void* kernel_id, int bytes);
+void forget_function_attributes();
 
 template <typename T>
 uint64_t to_bits(T v) {
@@ -127,10 +137,10 @@ struct Launch {
     // the arguments converted to the kernel's parameter types once, as a real launch copies them
     std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
     auto* k = kernel;
-    run_grid(name, grid, block, shared_bytes, [&] { std::apply(k, params); });
+    run_grid(name, reinterpret_cast<const void*>(k), grid, block, shared_bytes, [&] { std::apply(k, params); });
   }
 };
-template <typename... Params, typename Stream>
+template <typename... Params, typename Stream = int>
 Launch<Params...> launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, int64_t shared_bytes = 0,
                          const Stream& = {}) {
   return {name, kernel, grid, block, shared_bytes};
@@ -152,26 +162,34 @@ inline int __syncthreads_or(int flag, const std::source_location& where = std::s
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_exchange(0, "__syncwarp"); }
 inline void __threadfence() {}
 
+// The warp collectives take the types CUDA's overloads take (no other, so that code nvcc rejects is
+// rejected here too), and exchange their bits.
 template <typename T>
+concept WarpValue = std::same_as<T, int> || std::same_as<T, unsigned> || std::same_as<T, long> ||
+                    std::same_as<T, unsigned long> || std::same_as<T, long long> ||
+                    std::same_as<T, unsigned long long> || std::same_as<T, float> || std::same_as<T, double>;
+template <WarpValue T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_xor_sync");
   return emu::from_bits<T>(all[(emu::lane_id() ^ static_cast<unsigned>(lane_mask)) & 31]);
 }
-template <typename T>
+template <WarpValue T>
 T __shfl_sync(unsigned, T v, int src_lane) {
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_sync");
   return emu::from_bits<T>(all[static_cast<unsigned>(src_lane) & 31]);
 }
-template <typename T>
+template <WarpValue T>
 T __shfl_up_sync(unsigned, T v, unsigned delta) {
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_up_sync");
   const unsigned lane = emu::lane_id();
   return lane >= delta ? emu::from_bits<T>(all[lane - delta]) : v;
 }
-inline unsigned __match_any_sync(unsigned, unsigned v) {
-  const uint64_t* all = emu::warp_exchange(v, "__match_any_sync");
+template <WarpValue T>
+unsigned __match_any_sync(unsigned, T v) {  // lanes whose values have the same bits
+  const uint64_t mine = emu::to_bits(v);
+  const uint64_t* all = emu::warp_exchange(mine, "__match_any_sync");
   unsigned peers = 0;
-  for (unsigned l = 0; l < 32; ++l) peers |= (all[l] == v ? 1u : 0u) << l;
+  for (unsigned l = 0; l < 32; ++l) peers |= (all[l] == mine ? 1u : 0u) << l;
   return peers;
 }
 inline int __any_sync(unsigned, int predicate) {
@@ -194,28 +212,46 @@ T __ldcg(const T* p) {
   return *p;
 }
 
-// Atomics: threads never run at the same time, so a read-modify-write is atomic as it stands.
-template <typename T, typename U>
-T atomicAdd(T* p, U v) {
+// Atomics, with CUDA's overloads: threads never run at the same time, so a read-modify-write is atomic
+// as it stands.
+namespace emu {
+template <typename T>
+T add(T* p, T v) {
   const T old = *p;
-  *p = old + static_cast<T>(v);
+  *p = old + v;
   return old;
 }
-template <typename T, typename U>
-T atomicMin(T* p, U v) {
+template <typename T>
+T least(T* p, T v) {
   const T old = *p;
-  if (static_cast<T>(v) < old) *p = static_cast<T>(v);
+  if (v < old) *p = v;
   return old;
 }
+}  // namespace emu
+inline int atomicAdd(int* p, int v) { return emu::add(p, v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return emu::add(p, v); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return emu::add(p, v); }
+inline float atomicAdd(float* p, float v) { return emu::add(p, v); }
+inline double atomicAdd(double* p, double v) { return emu::add(p, v); }
+inline int atomicMin(int* p, int v) { return emu::least(p, v); }
+inline unsigned atomicMin(unsigned* p, unsigned v) { return emu::least(p, v); }
+inline long long atomicMin(long long* p, long long v) { return emu::least(p, v); }
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) { return emu::least(p, v); }
 
 // Device math that CUDA has in the global namespace.
 using std::isinf;
 using std::isnan;
-template <typename A, typename B>
-std::common_type_t<A, B> min(A a, B b) {
+// min and max: of two integers of one type (CUDA finds mixed ones such as (int64_t, int) ambiguous;
+// here they do not compile either), or fmin/fmax's for floating point (NaN loses).
+template <std::integral T>
+T min(T a, T b) {
   return b < a ? b : a;
 }
-template <typename A, typename B>
-std::common_type_t<A, B> max(A a, B b) {
+template <std::integral T>
+T max(T a, T b) {
   return a < b ? b : a;
 }
+inline double min(double a, double b) { return std::fmin(a, b); }
+inline double max(double a, double b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline float max(float a, float b) { return std::fmax(a, b); }

@@ -9,10 +9,14 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda_emulation/emulator.h"
 #include "kivi.h"
+// last: its macros (threadIdx, ...) and global min/max are for device code only
+#include "cuda_emulation/emulator.h"
 
 namespace kivi_fast {
+namespace cuda_emulation {
+at::Tensor run_buggy_kernel(const std::string& name);  // buggy_kernels.cu
+}  // namespace cuda_emulation
 namespace {
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch) { return cuda::handles_kl(n_total, d, batch, 0); }
@@ -30,6 +34,7 @@ void configure(int64_t multiprocessors, int64_t shared_per_block_optin, int64_t 
   c.shared_per_multiprocessor = static_cast<int>(shared_per_multiprocessor);
   c.reserved_shared_per_block = static_cast<int>(reserved_shared_per_block);
   emu::set_schedule_seed(static_cast<uint64_t>(seed));
+  emu::forget_function_attributes();  // another device: its kernels' limits are set afresh
 }
 
 // The launches since the last call (which clears them): their kernels' names as written at the launch,
@@ -48,44 +53,6 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> take_launches() {
   return {names, shapes};
 }
 
-// Kernels with the bugs the emulation is there to catch, so that the tests can check it catches them.
-__global__ void unsynchronized_neighbours(double* out) {  // reads a neighbour's shared write, no barrier
-  double* shared = static_cast<double*>(emu::dynamic_shared_memory());
-  const unsigned t = threadIdx.x;
-  shared[t] = t;
-  out[t] = shared[(t + 1) % blockDim.x];
-}
-__global__ void divergent_barrier(double* out) {  // the first warp waits at another barrier
-  if (threadIdx.x < 32) {
-    __syncthreads();
-  } else {
-    __syncthreads();
-  }
-  out[threadIdx.x] = 1.0;
-}
-__global__ void write_past_shared(double* out) {  // one double too many
-  double* shared = static_cast<double*>(emu::dynamic_shared_memory());
-  shared[threadIdx.x + 1] = 1.0;
-  out[threadIdx.x] = 1.0;
-}
-__global__ void shuffle_after_exit(double* out) {  // half a warp has left before its shuffle
-  if ((threadIdx.x & 31) < 16) return;
-  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0, 1);
-}
-
-// One 64-thread block of the named buggy kernel; its output per thread.
-Tensor run_buggy_kernel(const std::string& name) {
-  auto out = at::zeros({64}, at::kDouble);
-  void (*kernel)(double*) = name == "unsynchronized_neighbours" ? unsynchronized_neighbours
-                            : name == "divergent_barrier"       ? divergent_barrier
-                            : name == "shuffle_after_exit"      ? shuffle_after_exit
-                            : name == "write_past_shared"       ? write_past_shared
-                                                                : nullptr;
-  TORCH_CHECK_VALUE(kernel != nullptr, "run_buggy_kernel: no kernel ", name);
-  emu::launch(name.c_str(), kernel, dim3(1), dim3(64), 64 * 8, 0)(out.data_ptr<double>());
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
@@ -102,7 +69,8 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
         " int reserved_shared_per_block, int seed) -> ()",
         &configure);
   m.def("take_launches() -> (str[], int[])", &take_launches);
-  m.def("run_buggy_kernel(str name) -> Tensor", &run_buggy_kernel);
+  // kernels with the bugs the emulation must catch (buggy_kernels.cu)
+  m.def("run_buggy_kernel(str name) -> Tensor", &cuda_emulation::run_buggy_kernel);
 }
 
 }  // namespace kivi_fast

@@ -1,6 +1,6 @@
 // The part of the CUDA runtime API that csrc/cuda/ calls, for its CPU emulation (../emulator.h): the
-// device attributes come from the emulated device's settings, the function attributes are accepted
-// and ignored.
+// device attributes come from the emulated device's settings; a kernel's dynamic shared memory limit
+// is kept (the launches are checked against it), the carveout hint ignored.
 #pragma once
 
 #include "../emulator.h"
@@ -25,4 +25,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int /
   }
   return cudaSuccess;
 }
-inline cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }
+inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) emu::set_max_dynamic_shared(kernel, value);
+  return cudaSuccess;
+}
