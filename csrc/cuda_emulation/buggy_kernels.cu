@@ -52,6 +52,10 @@ __global__ void shared_beyond_48kb(double* out) {  // 16 KB static + 40 KB dynam
   out[threadIdx.x] = shared[threadIdx.x];
 }
 
+__global__ void partial_warp_shuffle(double* out) {  // a mask the emulation does not model
+  out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, 1.0, 1);
+}
+
 __global__ void launch_from_a_kernel(double* out) {  // (dynamic parallelism, which kivi_fast does not use)
   if (threadIdx.x == 0) divergent_barrier<<<1, 64>>>(out);
 }
@@ -74,6 +78,8 @@ at::Tensor run_buggy_kernel(const std::string& name) {
     unwritten_static_shared<<<1, 64>>>(o);
   } else if (name == "shared_beyond_48kb") {
     shared_beyond_48kb<<<1, 64, 40 * 1024>>>(o);
+  } else if (name == "partial_warp_shuffle") {
+    partial_warp_shuffle<<<1, 64>>>(o);
   } else if (name == "launch_from_a_kernel") {
     launch_from_a_kernel<<<1, 64>>>(o);
   } else {

@@ -325,6 +325,13 @@ void set_max_dynamic_shared(const void* kernel_id, int bytes) {
   scheduler().max_dynamic_shared[kernel_id] = bytes;
 }
 
+void check_full_mask(unsigned mask, const char* op) {
+  if (mask != 0xffffffffu) {
+    throw std::runtime_error(std::string("emulated CUDA: ") + op + " with a partial warp mask (" +
+                             std::to_string(mask) + "), which the emulation does not model");
+  }
+}
+
 void forget_function_attributes() { scheduler().max_dynamic_shared.clear(); }
 
 void run_grid(const char* kernel, const void* kernel_id, dim3 grid, dim3 block, int64_t shared_bytes,

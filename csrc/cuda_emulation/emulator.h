@@ -23,8 +23,8 @@
 // so a plain read-modify-write of shared data, where an atomic is needed, looks atomic here: compute-
 // sanitizer's racecheck on a GPU is the check for that), races between blocks (they never overlap;
 // their order is drawn from the seed), missing __threadfence (every access is sequentially consistent
-// here), reads past shared memory and out-of-bounds global accesses (plain C++ pointers), warp masks
-// (every collective is taken as the whole warp's), timing.
+// here), reads past shared memory and out-of-bounds global accesses (plain C++ pointers), timing. Warp
+// collectives must name the whole warp (a partial mask is an error: it is not emulated).
 // The emulated device's attributes (multiprocessors, shared memory) are settable, so that tests can
 // make a small batch take the paths a large one takes on a real GPU.
 #pragma once
@@ -100,6 +100,8 @@ void poison_shared(void* variable, size_t bytes);
 int block_barrier(int flag, const std::source_location& where);
 const uint64_t* warp_exchange(uint64_t bits, const char* op);
 unsigned lane_id();
+// The warp collectives here are whole-warp ones: a partial mask, which they would not honour, is an error.
+void check_full_mask(unsigned mask, const char* op);
 
 // Runs `body` as grid x block threads (the launch behind kernel<<<grid, block, shared, stream>>>);
 // kernel_id: the kernel's address, as cudaFuncSetAttribute names it.
@@ -159,7 +161,10 @@ inline void __syncthreads(const std::source_location& where = std::source_locati
 inline int __syncthreads_or(int flag, const std::source_location& where = std::source_location::current()) {
   return emu::block_barrier(flag != 0, where);
 }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_exchange(0, "__syncwarp"); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  emu::check_full_mask(mask, "__syncwarp");
+  emu::warp_exchange(0, "__syncwarp");
+}
 inline void __threadfence() {}
 
 // The warp collectives take the types CUDA's overloads take (no other, so that code nvcc rejects is
@@ -169,30 +174,35 @@ concept WarpValue = std::same_as<T, int> || std::same_as<T, unsigned> || std::sa
                     std::same_as<T, unsigned long> || std::same_as<T, long long> ||
                     std::same_as<T, unsigned long long> || std::same_as<T, float> || std::same_as<T, double>;
 template <WarpValue T>
-T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  emu::check_full_mask(mask, "__shfl_xor_sync");
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_xor_sync");
   return emu::from_bits<T>(all[(emu::lane_id() ^ static_cast<unsigned>(lane_mask)) & 31]);
 }
 template <WarpValue T>
-T __shfl_sync(unsigned, T v, int src_lane) {
+T __shfl_sync(unsigned mask, T v, int src_lane) {
+  emu::check_full_mask(mask, "__shfl_sync");
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_sync");
   return emu::from_bits<T>(all[static_cast<unsigned>(src_lane) & 31]);
 }
 template <WarpValue T>
-T __shfl_up_sync(unsigned, T v, unsigned delta) {
+T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
+  emu::check_full_mask(mask, "__shfl_up_sync");
   const uint64_t* all = emu::warp_exchange(emu::to_bits(v), "__shfl_up_sync");
   const unsigned lane = emu::lane_id();
   return lane >= delta ? emu::from_bits<T>(all[lane - delta]) : v;
 }
 template <WarpValue T>
-unsigned __match_any_sync(unsigned, T v) {  // lanes whose values have the same bits
+unsigned __match_any_sync(unsigned mask, T v) {  // lanes whose values have the same bits
+  emu::check_full_mask(mask, "__match_any_sync");
   const uint64_t mine = emu::to_bits(v);
   const uint64_t* all = emu::warp_exchange(mine, "__match_any_sync");
   unsigned peers = 0;
   for (unsigned l = 0; l < 32; ++l) peers |= (all[l] == mine ? 1u : 0u) << l;
   return peers;
 }
-inline int __any_sync(unsigned, int predicate) {
+inline int __any_sync(unsigned mask, int predicate) {
+  emu::check_full_mask(mask, "__any_sync");
   const uint64_t* all = emu::warp_exchange(predicate != 0, "__any_sync");
   for (unsigned l = 0; l < 32; ++l) {
     if (all[l] != 0) return 1;
