@@ -409,3 +409,35 @@ def test_the_emulation_catches_the_bugs_it_is_for():
     # the emulation goes on after each error
     with emulated_device(seed=1):
         assert torch.equal(EMU.run_buggy_kernel("unsynchronized_neighbours"), outs[0])
+
+
+def test_translate_rewrites_launches_and_shared_variables_in_code_only():
+    """csrc/cuda_emulation/translate.py: launches of 2 to 4 arguments, every declarator of a __shared__
+    declaration (a union's too) poisoned, an extern __shared__ array made the dynamic memory; comments
+    and strings untouched; lines kept (compiler messages point at the .cu file)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "csrc" / "cuda_emulation" / "translate.py"
+    spec = importlib.util.spec_from_file_location("translate", path)
+    translate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(translate)
+    source = (
+        '/* __shared__ int x; k<<<1, 2>>>(y) */ const char* s = "__shared__ <<<";\n'
+        "__global__ void k(double* out) {\n"
+        "  extern __shared__ double dyn[];\n"
+        "  __shared__ double a[4], b[2][3];  // a comment's __shared__ c;\n"
+        "  __shared__ union {\n    int i[3];\n    double d;\n  } u;\n"
+        "}\n"
+        "void host(double* x) {\n  k<<<1, 32>>>(x);\n  k<<<dim3(1, 2), 32, 0>>>(x);\n  k<<<g, 64, n * 8, stream>>>(x);\n}\n")
+    out = translate.translate(source)
+    assert out.count("\n") == source.count("\n")
+    lines = out.splitlines()
+    assert lines[0] == source.splitlines()[0]  # the comment and the string as they were
+    assert "double* dyn = static_cast<double*>(::emu::dynamic_shared_memory());" in lines[2]
+    assert lines[3].count("poison_shared") == 2 and "sizeof(a)" in lines[3] and "sizeof(b)" in lines[3]
+    assert "// a comment's __shared__ c;" in lines[3]
+    assert lines[7].strip() == "} u; ::emu::poison_shared(&u, sizeof(u));"
+    assert lines[10].strip() == '::emu::launch("k", k, 1, 32)(x);'
+    assert lines[11].strip() == '::emu::launch("k", k, dim3(1, 2), 32, 0)(x);'
+    assert lines[12].strip() == '::emu::launch("k", k, g, 64, n * 8, stream)(x);'
