@@ -240,9 +240,9 @@ def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
 
 @pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])
 @pytest.mark.parametrize("shape,reverse", [((2, 100, 100, 8), False), ((1, 37, 40, 8), False), ((2, 2, 5, 3), False),
-                                           ((1, 3, 4, 3), False), ((1, 128, 30, 8), False), ((1, 129, 30, 8), False),
-                                           ((1, 56, 200, 300), True)],
-                         ids=["100", "37-odd", "2", "3-odd", "128", "129-odd", "200-global"])
+                                           ((1, 3, 4, 3), False), ((1, 1, 5, 3), False), ((1, 128, 30, 8), False),
+                                           ((1, 129, 30, 8), False), ((1, 56, 200, 300), True)],
+                         ids=["100", "37-odd", "2", "3-odd", "1", "128", "129-odd", "200-global"])
 def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
     """solve_spd two columns a step (the default) and one (set_paired_elimination(False)), for even and
     odd systems (the paired loop's last column alone), down to 2 and 3 rows, and a 200-row system in
@@ -273,7 +273,7 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     calls: the op refuses lam <= 0 before the kernels see it): the first pivot's, K/n - I/2 for 30
     points; the second's, two denominator points, lam = -0.45: the first pivot is 0.05 either way, the
     second 0.05 - k^2/(4 0.05) with k their kernel value, negative for equal points, positive for
-    distant ones."""
+    distant ones; and a later pivot's, in a pair and alone."""
     p, q = seeded_samples(3, 30, 30, 4, torch.float64, 1, 1.0, 0.5)
     two = torch.zeros(2, 2, 4, dtype=torch.float64)
     two[0, 1] = 100.0  # far apart: k ~ 0, a positive definite 2 x 2 system
@@ -282,10 +282,21 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     try:
         first = EMU.kl(p, q, -0.5, 1e-8, None, False, True)[0]
         second = EMU.kl(two, q[:2, :5], -0.45, 1e-8, sigma, False, True)[0]
+        # n = 3 and 4 points 100 apart, lam = -0.9/n (every pivot 0.1/n > 0): finite; with the third
+        # point moved onto the first, the third column's pivot fails, alone (odd n) or as the first of
+        # the second pair (even n)
+        later, control = [], []
+        for n in (3, 4):
+            x = torch.zeros(1, n, 4, dtype=torch.float64)
+            x[0, :, 0] = 100.0 * torch.arange(n)
+            control.append(EMU.kl(x, q[:1, :5] + 1000.0, -0.9 / n, 1e-8, sigma[:1], False, True)[0])
+            x[0, 2] = x[0, 0]
+            later.append(EMU.kl(x, q[:1, :5] + 1000.0, -0.9 / n, 1e-8, sigma[:1], False, True)[0])
     finally:
         EMU.set_paired_elimination(old)
     assert first.isnan().all()
     assert second[0].isfinite() and second[1].isnan(), second
+    assert all(c.isfinite().all() for c in control) and all(t.isnan().all() for t in later), (control, later)
 
 
 @pytest.mark.parametrize("shape,multiprocessors", [((2, 100, 100, 8), 132), ((1, 10, 10, 3000), 132),

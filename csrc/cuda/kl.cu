@@ -198,30 +198,30 @@ __device__ __forceinline__ void stage_clock(const KlArgs& a, int stage) {
 // the pivots on its diagonal), then a block-wide barrier. Up to kRegisterSolveRows rows, column by
 // column from the last: lane l holds b_j (then x_j) for j = l + 32 m in registers, each x_i goes from
 // its lane to the others in one shuffle, and they subtract U_ji x_i from their b_j, so that a row's
-// latency is a multiply, a shuffle and a multiply-add (the pivots' reciprocals taken beforehand, in
-// parallel, into the diagonal). Above, and in the forward kernel's 64-register variant (whose other
-// stages would spill more for its registers), row by row: x_i = (b_i - sum_{j > i} U_ij x_j) / U_ii,
-// a 32-lane reduction and a division a row.
+// latency is a multiply, a shuffle and a multiply-add (each lane's pivot reciprocals are taken
+// beforehand, in parallel, into registers). The column reads U_ji are strided by n (bank conflicts for
+// even n: 4-way at n = 100; an odd leading dimension would remove them). Above 128 rows, and in the
+// forward kernel's 64-register variant (whose other stages would spill more), row by row:
+// x_i = (b_i - sum_{j > i} U_ij x_j) / U_ii, a 32-lane reduction and a division a row.
 constexpr int kRegisterSolveRows = 128;
 template <bool kInRegisters>
-__device__ void back_substitute(double* S, double* x, int n) {
+__device__ void back_substitute(const double* S, double* x, int n) {
   const int tid = threadIdx.x, lane = tid & 31;
   if (kInRegisters && (tid >> 5) == 0 && n <= kRegisterSolveRows) {
     constexpr int kSlots = kRegisterSolveRows / 32;
-    double y[kSlots];
+    double y[kSlots], pivot_inv[kSlots];
 #pragma unroll
     for (int m = 0; m < kSlots; ++m) {
       const int j = lane + 32 * m;
       y[m] = j < n ? x[j] : 0.0;
-      if (j < n) S[j * n + j] = 1.0 / S[j * n + j];
+      pivot_inv[m] = j < n ? 1.0 / S[j * n + j] : 0.0;
     }
-    __syncwarp();
 #pragma unroll
     for (int m = kSlots - 1; m >= 0; --m) {
       for (int l = 31; l >= 0; --l) {
         const int i = 32 * m + l;
         if (i >= n) continue;
-        const double xi = __shfl_sync(0xffffffffu, y[m] * S[i * n + i], l);
+        const double xi = __shfl_sync(0xffffffffu, y[m] * pivot_inv[m], l);
         if (lane == l) y[m] = xi;
 #pragma unroll
         for (int mm = 0; mm <= m; ++mm) {  // column i of U above the diagonal: rows j < i
