@@ -1,6 +1,7 @@
 """Backend selection and the build: the compiled library is used, can be forced off, and is parallel."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -70,3 +71,34 @@ def test_the_cuda_kernels_switches_say_when_the_build_has_no_cuda_kernels():
                  lambda: torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)):
         with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
             call()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_the_cuda_sources_compile_with_nvcc(tmp_path):
+    """csrc/cuda/'s .cu files through nvcc's front end (host and device code to C++; no GPU needed),
+    against this torch's headers and with CMakeLists.txt's CUDA flags: a change that the CPU emulation
+    (g++) accepts must build with CUDA too. A CPU wheel of torch lacks one header a CUDA build
+    generates; it is stubbed here."""
+    from pathlib import Path
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    torch_include = Path(torch.__file__).parent / "include"
+    stub = tmp_path / "include" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    flags = ["-std=c++20", "-arch=sm_90", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+             "-D__CUDA_NO_HALF2_OPERATORS__", "-DKIVI_FAST_WITH_CUDA",
+             "-I", str(tmp_path / "include"), "-isystem", str(torch_include),
+             "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"), "-I", str(root / "csrc")]
+    sources = sorted((root / "csrc" / "cuda").glob("*.cu"))
+    assert [s.name for s in sources] == ["kl.cu", "median.cu"]
+    runs = [subprocess.Popen(["nvcc", *flags, "-cuda", str(s), "-o", str(tmp_path / (s.stem + ".ii"))],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in sources]
+    for source, run in zip(sources, runs):
+        out = run.communicate(timeout=600)[0]
+        assert run.returncode == 0, f"{source.name}:\n{out[-4000:]}"
+        assert "warning" not in out.lower(), f"{source.name}:\n{out[-4000:]}"
