@@ -28,12 +28,17 @@ import torch
 import run as cpu_bench  # bench/run.py: inputs, implementations, the agreement check's calls
 
 
-def timed_call(fn, p, q, backward: bool) -> float:
+def synchronized_seconds(run) -> float:
+    """Seconds of run(), the device synchronized before and after."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    cpu_bench.call(fn, p, q, backward)
+    run()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def timed_call(fn, p, q, backward: bool) -> float:
+    return synchronized_seconds(lambda: cpu_bench.call(fn, p, q, backward))
 
 
 def time_sides(impls: dict, pure: tuple, p, q, backward: bool, target_s: float) -> dict:
@@ -128,14 +133,7 @@ def median_ms(run, calls: int = 50) -> float:
     """Median ms of synchronized calls of run(), after 5 warm-up calls."""
     for _ in range(5):
         run()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(synchronized_seconds(run) for _ in range(calls)) * 1e3
 
 
 def floors(p, q) -> str:
