@@ -18,7 +18,8 @@ cp -r "$SRC"/. "$WORK"/  # csrc/ with its subfolders (cpu/, ...), or an older fl
 find "$WORK" -type f \( -name '*.cpp' -o -name '*.h' \) -exec sed -i "s/kivi_fast/$NS/g" {} +
 FLAGS="-I$WORK -isystem $TORCH/include -isystem $TORCH/include/torch/csrc/api/include -O3 -DNDEBUG -fPIC -fopenmp -std=gnu++20 -Wno-psabi"
 pids=()
-mapfile -t sources < <(find "$WORK" -name '*.cpp' | sort)
+# the CUDA kernels' CPU emulation (cuda_emulation/) is a library of its own, not part of the ops
+mapfile -t sources < <(find "$WORK" -name '*.cpp' -not -path '*/cuda_emulation/*' | sort)
 for f in "${sources[@]}"; do
   extra=""
   case "$(basename "$f")" in  # as CMakeLists.txt
