@@ -7,11 +7,14 @@
 // median, a system that is not positive definite), other devices give NaN for that batch element.
 //
 // Memory (what a GPU holds for the shapes the CUDA kernels leave here: many points, or many points in
-// many dimensions): a fit keeps the denominator's kernel rows against all N points and, only while the
-// median or the evaluation needs it, the numerator's block, never the N x N matrix; the system is
-// factored in place; samples with many dimensions are read in chunks of columns converted to float64
-// (kChunkBytes), never as a float64 copy. python_tests/test_generic_path.py bounds the peaks;
-// bench/generic_memory.py measures them against the pure sides.
+// many dimensions): a fit never makes the N x N kernel matrix. The median reads the N (N - 1) / 2
+// pairs' squared distances, packed, and frees them; the system (n_den x n_den, float64, factored in
+// place) is then the largest buffer; the kernel values that the right side and the evaluation read are
+// made in chunks of rows no larger than the system, never beside it (FitResult). So for n_p = n_q
+// the peak is the pairs' N^2 / 2 doubles, and with a given bandwidth the system's N^2 / 4. Samples
+// with many dimensions are read in chunks of columns converted to float64 (kChunkBytes), never as a
+// float64 copy. python_tests/test_generic_path.py bounds the peaks; bench/generic_memory.py measures
+// them against the pure sides.
 #include "kivi.h"
 
 #include <ATen/record_function.h>
@@ -38,71 +41,37 @@ void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
                     kNotFiniteMessage);
 }
 
-// [B] median distance, checked > 0 on the CPU (NaN elsewhere)
-Tensor median_of_pairs(const Tensor& top, const Tensor& tail) {
-  // Median over the N (N - 1) / 2 distinct pairs i < j, numpy's convention for an even count (mean of
-  // the two middle distances). top: rows 0..n_top-1 of the N x N squared distances [B, n_top, N];
-  // tail: the block of the other rows and columns [B, N - n_top, N - n_top] (the fit's layout, which
-  // never makes the whole matrix).
-  // named for the profiler: bench/generic_memory.py sets the CPU's gathering of the pairs apart
+// [B] median distance from the squared distances of the pairs ([B, P]), checked > 0 on the CPU (NaN
+// elsewhere); numpy's convention for an even count (the mean of the two middle distances).
+Tensor median_of_pairs(const Tensor& pairs) {
+  // named for the profiler: bench/generic_memory.py sets the CPU's selection buffers apart
   RECORD_FUNCTION("kivi_fast::median_of_pairs", c10::ArrayRef<const c10::IValue>{});
-  const int64_t n = top.size(2), n_top = top.size(1), n_tail = n - n_top;
+  const int64_t p = pairs.size(1), k = (p + 1) / 2;  // k: 1-based rank of the lower middle
 #ifdef KIVI_FAST_WITH_CUDA
-  // Many pairs on a GPU: a radix selection over the blocks in place (no copy of the pairs, no sort).
-  if (top.is_cuda() && n * (n - 1) / 2 >= (int64_t{1} << 16)) return cuda::median_of_pairs(top, tail);
+  // Many pairs on a GPU: a radix selection in place (no copy of the pairs, no sort).
+  if (pairs.is_cuda() && p >= (int64_t{1} << 16)) return cuda::median_of_pairs(pairs);
 #endif
-  auto ix = top.options().dtype(at::kLong);
-  auto it = at::triu_indices(n_top, n, 1, ix);
-  auto flat = top.flatten(1).index_select(1, it[0] * n + it[1]);  // [B, P]
-  if (n_tail > 1) {
-    auto il = at::triu_indices(n_tail, n_tail, 1, ix);
-    flat = at::cat({flat, tail.flatten(1).index_select(1, il[0] * n_tail + il[1])}, 1);
-  }
-  const int64_t p = flat.size(1), k = (p + 1) / 2;  // k: 1-based rank of the lower middle
   Tensor lo, hi;
-  if (!flat.device().is_cpu() && p >= (int64_t{1} << 16)) {
+  if (!pairs.device().is_cpu() && p >= (int64_t{1} << 16)) {
     // (Without the CUDA kernels.) CUDA's kthvalue gives each row to one thread block: 65 ms for one
     // row of 8 M pairs on an H100, where a device-wide sort takes 1.1 ms.
-    auto sorted = std::get<0>(at::sort(flat, 1));
+    auto sorted = std::get<0>(at::sort(pairs, 1));
     lo = sorted.select(1, k - 1);
     hi = sorted.select(1, p / 2);
   } else {
-    lo = std::get<0>(at::kthvalue(flat, k, 1));
+    lo = std::get<0>(at::kthvalue(pairs, k, 1));
     if (p % 2 == 1) {
       hi = lo;
     } else {  // the next larger value, or lo again when it occurs more than once: no second selection
       auto l = lo.unsqueeze(1);
-      auto tie = (flat <= l).sum(1) > k;
-      hi = at::where(tie, lo, at::where(flat > l, flat, INFINITY).amin(1));
+      auto tie = (pairs <= l).sum(1) > k;
+      hi = at::where(tie, lo, at::where(pairs > l, pairs, INFINITY).amin(1));
     }
   }
   auto sigma = (lo.clamp_min(0).sqrt() + hi.clamp_min(0).sqrt()) * 0.5;
   if (!sigma.is_cpu()) return at::where(sigma > 0, sigma, NAN);
   TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(), kZeroMedianMessage);
   return sigma;
-}
-
-// alpha [B, n_den] from the kernel rows of the denominator points [B, n_den, N]
-Tensor solve_alpha(const Tensor& kernel_den, double lam) {
-  const int64_t n_den = kernel_den.size(1), n_num = kernel_den.size(2) - n_den;
-  auto k_dd = kernel_den.narrow(2, 0, n_den);
-  auto k_dn = kernel_den.narrow(2, n_den, n_num);
-  auto system = at::div(k_dd, static_cast<double>(n_den));
-  system.diagonal(0, 1, 2).add_(lam);
-  // Factored in place: the system is symmetric, so its transpose is the column-major layout LAPACK and
-  // cuSOLVER factor, and at::linalg_cholesky_ex_out then neither copies it nor allocates the factor
-  // (an n_den x n_den float64 matrix: 200 MB at n_den = 5,000).
-  auto chol = system.mT();
-  auto info = at::empty({system.size(0)}, system.options().dtype(at::kInt));
-  at::linalg_cholesky_ex_out(chol, info, chol);
-  if (chol.is_cpu()) {
-    TORCH_CHECK_VALUE((info == 0).all().item<bool>(), kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
-  }
-  auto rhs = k_dn.sum(-1, true) / (lam * static_cast<double>(n_den) * static_cast<double>(n_num));
-  // two triangular solves rather than cholesky_solve, whose CUDA version may read its status back
-  auto y = at::linalg_solve_triangular(chol, rhs, /*upper=*/false);
-  auto alpha = -at::linalg_solve_triangular(chol.mH(), y, /*upper=*/true).squeeze(-1);
-  return chol.is_cpu() ? alpha : at::where((info == 0).unsqueeze(-1), alpha, NAN);
 }
 
 }  // namespace
@@ -134,75 +103,145 @@ Tensor stacked_chunk(const Tensor& denom, const Tensor& numer, int64_t s, int64_
   return x;
 }
 
-// The fit's squared distances: the denominator's rows against all N stacked points ([B, n_den, N]),
-// the numerator's block with itself where with_num ([B, n_num, n_num]), and the squared norms of the
-// stacked points ([B, N]; NaN/Inf for a row with a NaN/Inf coordinate).
-struct Distances {
-  Tensor den, num, norms;
-};
-
-Distances distance_blocks(const Tensor& denom, const Tensor& numer, bool with_num) {
-  const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), N = n_den + n_num;
-  const int64_t d = denom.size(2), width = chunk_columns(B * N);
-  Distances out;
-  if (d <= width) {  // one float64 copy of the points; the GEMM accumulates onto the norms
-    auto pts = stack_points(denom, numer).to(at::kDouble);
-    out.norms = pts.square().sum(-1);
-    auto pd = pts.narrow(1, 0, n_den), pn = pts.narrow(1, n_den, n_num);
-    auto nd = out.norms.narrow(1, 0, n_den), nn = out.norms.narrow(1, n_den, n_num);
-    out.den = sq_from_gram(pd, nd, pts, out.norms);
-    if (with_num) out.num = sq_from_gram(pn, nn, pn, nn);
-  } else {  // the Grams over chunks of columns, then the norms from their diagonals
-    auto buf = at::empty({B, N, width}, denom.options().dtype(at::kDouble));
-    Tensor g_den, g_num;  // the numerator's Gram is small here (few points): always formed, for its norms
-    for (int64_t s = 0; s < d; s += width) {
-      auto x = stacked_chunk(denom, numer, s, std::min(width, d - s), buf);
-      auto xd = x.narrow(1, 0, n_den), xn = x.narrow(1, n_den, n_num);
-      if (s == 0) {
-        g_den = at::bmm(xd, x.mT());
-        g_num = at::bmm(xn, xn.mT());
-      } else {
-        g_den.baddbmm_(xd, x.mT());
-        g_num.baddbmm_(xn, xn.mT());
-      }
-    }
-    out.norms = at::cat({g_den.narrow(2, 0, n_den).diagonal(0, 1, 2), g_num.diagonal(0, 1, 2)}, 1);
-    auto nd = out.norms.narrow(1, 0, n_den), nn = out.norms.narrow(1, n_den, n_num);
-    out.den = g_den.mul_(-2.0).add_(nd.unsqueeze(2)).add_(out.norms.unsqueeze(1)).clamp_min_(0);
-    if (with_num) out.num = g_num.mul_(-2.0).add_(nn.unsqueeze(2)).add_(nn.unsqueeze(1)).clamp_min_(0);
-  }
-  // exact zeros where the GEMM formula leaves rounding noise
-  out.den.narrow(2, 0, n_den).diagonal(0, 1, 2).zero_();
-  if (with_num) out.num.diagonal(0, 1, 2).zero_();
-  return out;
+// Rows of a chunk of kernel values [B, rows, width] (float64) within `budget` bytes, or kChunkBytes
+// where that is larger, rounded up to whole rows (at most one row over).
+int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
+  const int64_t row = 8 * std::max<int64_t>(B, 1) * std::max<int64_t>(width, 1);
+  return std::max<int64_t>(1, (std::max(kChunkBytes, budget) + row - 1) / row);
 }
 
-// A fit's kernel values, which the kl op's evaluation reuses, in two blocks and never as one N x N
-// matrix (at n_p = n_q the blocks are 3/4 of it, and the numerator's block is freed before the system
-// is made where nothing reads it again): the denominator's rows against all N stacked points (the
-// system, its right side, the evaluation at the denominator) and the numerator's block with itself
-// (the median; the evaluation at the numerator).
-struct Blocks {
-  Fit fit;
-  Tensor den;  // [B, n_den, N]
-  Tensor num;  // [B, n_num, n_num]; undefined unless asked for (keep_num)
+// The squared distances of the stacked points [denom; numer] ([B, N, d]), any block of them on
+// demand, so that a fit holds only the blocks it is using. Samples with few dimensions (within one
+// chunk of columns) keep their float64 copy and squared norms, and a block is one GEMM onto the norms;
+// samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
+// the N x N Gram matrix (small beside the samples), and a block is read from it.
+class StackedDistances {
+ public:
+  StackedDistances(const Tensor& denom, const Tensor& numer) : denom_(denom), numer_(numer) {
+    const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
+    N = n_den + n_num;
+    const int64_t width = chunk_columns(B * N);
+    if (d <= width) {
+      points_ = stack_points(denom, numer).to(at::kDouble);
+      norms_ = points_.square().sum(-1);
+      return;
+    }
+    auto buf = at::empty({B, N, width}, denom.options().dtype(at::kDouble));
+    for (int64_t s = 0; s < d; s += width) {
+      auto x = stacked_chunk(denom, numer, s, std::min(width, d - s), buf);
+      gram_ = s == 0 ? at::bmm(x, x.mT()) : gram_.baddbmm_(x, x.mT());
+    }
+    norms_ = gram_.diagonal(0, 1, 2).clone();
+  }
+
+  // [B, rows, cols]: the squared distances of points [r0, r0 + rows) to points [c0, c0 + cols), a new
+  // tensor (the caller turns it into kernel values in place); exact zeros on the diagonal, where the
+  // GEMM formula leaves rounding noise.
+  Tensor block(int64_t r0, int64_t rows, int64_t c0, int64_t cols) const {
+    auto xn = norms_.narrow(1, r0, rows), yn = norms_.narrow(1, c0, cols);
+    Tensor out;
+    if (points_.defined()) {
+      out = sq_from_gram(points_.narrow(1, r0, rows), xn, points_.narrow(1, c0, cols), yn);
+    } else {
+      out = (xn.unsqueeze(2) + yn.unsqueeze(1)).add_(gram_.narrow(1, r0, rows).narrow(2, c0, cols), -2.0).clamp_min_(0);
+    }
+    const int64_t lo = std::max(r0, c0), hi = std::min(r0 + rows, c0 + cols);
+    if (lo < hi) out.narrow(1, lo - r0, hi - lo).narrow(2, lo - c0, hi - lo).diagonal(0, 1, 2).zero_();
+    return out;
+  }
+
+  // [B, N (N - 1) / 2]: the pairs i < j, packed row by row (kivi.h, cuda::pair_sqdist's layout).
+  Tensor pairs() const {
+#ifdef KIVI_FAST_WITH_CUDA
+    if (denom_.is_cuda()) return cuda::pair_sqdist(denom_, numer_);  // from the samples, no chunks
+#endif
+    const int64_t B = norms_.size(0);
+    auto out = at::empty({B, N * (N - 1) / 2}, norms_.options());
+    // named for the profiler: the chunks, which a GPU does without (bench/generic_memory.py)
+    RECORD_FUNCTION("kivi_fast::pack_pairs", c10::ArrayRef<const c10::IValue>{});
+    const int64_t step = chunk_rows(B, N, 0);
+    for (int64_t r0 = 0, at_pair = 0; r0 < N - 1; r0 += step) {
+      const int64_t rows = std::min(step, N - 1 - r0), cols = N - 1 - r0;
+      // row r0 + i holds the pairs with columns r0 + 1 + j, j >= i: the upper triangle of the block
+      auto upper = at::ones({rows, cols}, norms_.options().dtype(at::kBool)).triu_();
+      auto chunk = at::masked_select(block(r0, rows, r0 + 1, cols), upper).view({B, -1});
+      out.narrow(1, at_pair, chunk.size(1)).copy_(chunk);
+      at_pair += chunk.size(1);
+    }
+    return out;
+  }
+
+  // the stacked points in float64 ([B, N, d]): the copy kept, or a new one
+  Tensor points() const { return points_.defined() ? points_ : stack_points(denom_, numer_).to(at::kDouble); }
+  // [B, N]: NaN/Inf for a row with a NaN/Inf coordinate
+  const Tensor& norms() const { return norms_; }
+
+  int64_t N;
+
+ private:
+  const Tensor& denom_;
+  const Tensor& numer_;
+  Tensor points_;  // few dimensions: [B, N, d] float64
+  Tensor gram_;    // many dimensions: [B, N, N]
+  Tensor norms_;
 };
 
-Blocks fit_blocks(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma,
-                  Names names, bool keep_num) {
-  auto [den, num, norms] = distance_blocks(denom, numer, keep_num || !sigma.has_value());
-  check_finite_rows(norms, denom.size(1), names);
-  auto s = sigma.has_value() ? *sigma : median_of_pairs(den, num);
+// Kernel values exp(-D / (2 sigma^2)) in place of the squared distances D; scale = -2 sigma^2 [B, 1, 1].
+Tensor kernel_of(Tensor sq, const Tensor& scale) { return sq.div_(scale).exp_(); }
+
+// alpha [B, n_den]: the right side first, from the numerator's columns in chunks of rows within
+// budget bytes, then the system K_dd / n_den + lam I, factored in place.
+Tensor solve_alpha(const StackedDistances& dist, int64_t n_den, const Tensor& scale, double lam, int64_t budget) {
+  const int64_t B = scale.size(0), n_num = dist.N - n_den;
+  auto rhs = at::empty({B, n_den, 1}, scale.options());
+  const int64_t step = chunk_rows(B, n_num, budget);
+  for (int64_t r0 = 0; r0 < n_den; r0 += step) {
+    const int64_t rows = std::min(step, n_den - r0);
+    auto part = rhs.narrow(1, r0, rows);
+    at::sum_out(part, kernel_of(dist.block(r0, rows, n_den, n_num), scale), -1, true);
+  }
+  rhs.div_(lam * static_cast<double>(n_den) * static_cast<double>(n_num));
+  auto system = kernel_of(dist.block(0, n_den, 0, n_den), scale).div_(static_cast<double>(n_den));
+  system.diagonal(0, 1, 2).add_(lam);
+  // Factored in place: the system is symmetric, so its transpose is the column-major layout LAPACK and
+  // cuSOLVER factor, and at::linalg_cholesky_ex_out then neither copies it nor allocates the factor
+  // (an n_den x n_den float64 matrix: 200 MB at n_den = 5,000).
+  auto chol = system.mT();
+  auto info = at::empty({B}, system.options().dtype(at::kInt));
+  at::linalg_cholesky_ex_out(chol, info, chol);
+  if (chol.is_cpu()) {
+    TORCH_CHECK_VALUE((info == 0).all().item<bool>(), kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
+  }
+  // two triangular solves rather than cholesky_solve, whose CUDA version may read its status back
+  auto y = at::linalg_solve_triangular(chol, rhs, /*upper=*/false);
+  auto alpha = -at::linalg_solve_triangular(chol.mH(), y, /*upper=*/true).squeeze(-1);
+  return chol.is_cpu() ? alpha : at::where((info == 0).unsqueeze(-1), alpha, NAN);
+}
+
+// A fit of numer / denom from their stacked points' distances: coef [B, N] and sigma [B], the kernel's
+// scale for the evaluation, and the bytes a chunk of kernel rows may take: the system's. The chunks
+// never coexist with the system or the median's pairs (the right side's chunks come between the two,
+// the evaluation's after both), so the peak stays the larger of those two, and on a GPU, where the
+// host's launches bound these shapes, the chunks are few: at n_p = n_q one for the right side and two
+// for the evaluation.
+struct FitResult {
+  Fit fit;
+  Tensor scale;  // -2 sigma^2 [B, 1, 1]
+  int64_t chunk_budget;
+};
+
+FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, const std::optional<Tensor>& sigma,
+                      Names names) {
+  check_finite_rows(dist.norms(), n_den, names);
+  auto s = sigma.has_value() ? *sigma : median_of_pairs(dist.pairs());
   if (sigma.has_value() && !s.is_cpu()) s = at::where(s.gt(0).logical_and(s.isfinite()), s, NAN);  // see above
-  if (!keep_num) num = Tensor();  // before the system is made: the two are the largest buffers after den
+  const int64_t budget = 8 * s.size(0) * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});
-  den.div_(scale).exp_();  // in place, as num: the distances are not needed again
-  if (keep_num) num.div_(scale).exp_();
-  auto alpha = solve_alpha(den, lam);
-  if (!alpha.is_cpu()) alpha = at::where(at::isfinite(norms).all(1, true), alpha, NAN);  // see check_finite_rows
-  auto beta = at::full({alpha.size(0), numer.size(1)}, 1.0 / (lam * static_cast<double>(numer.size(1))),
-                       alpha.options());
-  return {{at::cat({alpha, beta}, 1), s}, den, num};
+  auto alpha = solve_alpha(dist, n_den, scale, lam, budget);
+  if (!alpha.is_cpu()) alpha = at::where(at::isfinite(dist.norms()).all(1, true), alpha, NAN);  // check_finite_rows
+  const int64_t n_num = dist.N - n_den;
+  auto beta = at::full({alpha.size(0), n_num}, 1.0 / (lam * static_cast<double>(n_num)), alpha.options());
+  return {{at::cat({alpha, beta}, 1), s}, scale, budget};
 }
 
 // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j) from the projection (row_scale [B, m] or [B, 1])
@@ -252,43 +291,57 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
 }
 
 Tensor median_bandwidth(const Tensor& x) {
-  return median_of_pairs(sqdist(x, x), at::empty({x.size(0), 0, 0}, x.options().dtype(at::kDouble)));
+  const auto none = x.new_empty({x.size(0), 0, x.size(2)});
+  const StackedDistances dist(x, none);
+  check_finite_rows(dist.norms(), x.size(1), {"x", "x"});
+  return median_of_pairs(dist.pairs());
 }
 
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names) {
-  return fit_blocks(numer, denom, lam, sigma, names, /*keep_num=*/false).fit;
+  const StackedDistances dist(denom, numer);
+  return fit_stacked(dist, denom.size(1), lam, sigma, names).fit;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state) {
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
-  const int64_t n_den = roles.denom.size(1), n_num = roles.numer.size(1), n_total = n_den + n_num;
-  // q_z is the denominator (reverse) or the numerator: its kernel rows are den, or [den's numerator
-  // columns transposed, num].
-  auto blocks = fit_blocks(roles.numer, roles.denom, lam, sigma, roles.names, /*keep_num=*/!reverse);
-  const Fit& f = blocks.fit;
-  auto k_dn = blocks.den.narrow(2, n_den, n_num);
-  // q_z's kernel rows times m [B, N, k] (rows over the stacked points): no [B, n_q, N] temporary.
-  auto rows_times = [&](const Tensor& m) {
-    if (reverse) return at::bmm(blocks.den, m);
-    return at::baddbmm(at::bmm(blocks.num, m.narrow(1, n_den, n_num)), k_dn.mT(), m.narrow(1, 0, n_den));
-  };
-  // r_j = sum_c coef_c k(c, z_j)
-  auto r = rows_times(f.coef.unsqueeze(-1)).squeeze(-1);
+  const int64_t B = q_z.size(0), n_q = q_z.size(1), d = q_z.size(2), n_den = roles.denom.size(1);
+  const StackedDistances dist(roles.denom, roles.numer);
+  const int64_t N = dist.N;
+  const auto [f, scale, budget] = fit_stacked(dist, n_den, lam, sigma, roles.names);
+  const bool projection = kl_state_is_projection(N, d);
+  // The evaluation at q_z (the stacked rows [row0, row0 + n_q)), in chunks of rows of their kernel
+  // values against all N points, each chunk one GEMM with coef_c: r_j = sum_c coef_c k(c, z_j); for a
+  // projection state the same GEMM with [coef_c c, coef_c] gives [sum_c coef_c k(c, z_j) c, r_j], the
+  // state's unscaled rows; a weights state keeps coef_c k(c, z_j). (The projection's GEMM runs without
+  // a gradient to come too: r's bits then do not depend on it.)
+  const auto coef = f.coef.unsqueeze(-1);  // [B, N, 1]
+  const bool with_points = projection;
+  const auto by = with_points ? at::cat({dist.points() * coef, coef}, 2) : coef;
+  auto out = at::empty({B, n_q, by.size(2)}, f.coef.options());
+  auto weights = grad_state && !projection ? at::empty({B, n_q, N}, f.coef.options()) : Tensor();
+  const int64_t step = chunk_rows(B, N, budget);
+  for (int64_t j0 = 0; j0 < n_q; j0 += step) {
+    const int64_t rows = std::min(step, n_q - j0);
+    auto k = kernel_of(dist.block(roles.row0 + j0, rows, 0, N), scale);  // [B, rows, N]
+    auto part = out.narrow(1, j0, rows);
+    at::bmm_out(part, k, by);
+    if (weights.defined()) {
+      auto w = weights.narrow(1, j0, rows);
+      at::mul_out(w, k, f.coef.unsqueeze(1));
+    }
+  }
+  const auto r = out.select(2, by.size(2) - 1);
   // d log r / dz = (d r / dz) / r, and grad_z k(c, z) = k(c, z) (c - z) / sigma^2; clipped: none.
-  auto scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
+  auto row_scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
   auto kl = at::log(r.clamp_min(clip)).mean(-1);
   if (reverse) kl.neg_();
   auto clipped = (r <= clip).to(at::kDouble).mean(-1);
-  if (!grad_state) return {kl, r.new_empty({r.size(0), r.size(1), 0}), f.sigma, clipped};
-  if (!kl_state_is_projection(n_total, q_z.size(2))) {  // few points (N <= d + 1): the rows are small
-    auto rows = reverse ? blocks.den : at::cat({k_dn.mT(), blocks.num}, 2);
-    return {kl, rows * f.coef.unsqueeze(1) * scale.unsqueeze(-1), f.sigma, clipped};
-  }
-  // W_jc = coef_c k(c, z_j) scale_j: [sum_c W_jc c, sum_c W_jc] = scale_j [rows (coef c), r_j]
-  auto pts = stack_points(roles.denom, roles.numer).to(at::kDouble);
-  auto projection = at::cat({rows_times(pts * f.coef.unsqueeze(-1)), r.unsqueeze(-1)}, -1);
-  return {kl, projection.mul_(scale.unsqueeze(-1)), f.sigma, clipped};
+  // (r, a view of the projection state, is not read again)
+  auto state = !grad_state ? out.new_empty({B, n_q, 0})
+               : with_points ? out.mul_(row_scale.unsqueeze(-1))
+                             : weights.mul_(row_scale.unsqueeze(-1));
+  return {kl, state, f.sigma, clipped};
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {

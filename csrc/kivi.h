@@ -150,12 +150,15 @@ bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch);
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
-// The median of the distances over the pairs of N points (float64, CUDA) from their squared distances
-// in the generic fit's layout: rows 0..n_top-1 of the N x N matrix (top [B, n_top, N]) and the block of
-// the other rows and columns (tail [B, N - n_top, N - n_top]); the upper triangle is read. As the
-// generic median, NaN where that raises. cuda/median.cu; the generic path's median on CUDA tensors
-// with many pairs.
-Tensor median_of_pairs(const Tensor& top, const Tensor& tail);
+// The squared distances of the pairs i < j of the stacked points [denom; numer] ([B, n, d] and
+// [B, m, d], float32 or float64, CUDA; m may be 0), packed row by row: [B, N (N - 1) / 2] float64, pair
+// (i, j) at i (2N - i - 1) / 2 + j - i - 1. From differences, as kl's own distances. cuda/kl.cu; the
+// generic path's pairs for the median on CUDA tensors.
+Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
+// The median of the distances from their squares ([B, P] float64, CUDA, P > 0: pair_sqdist's layout,
+// though any order will do). As the generic median, NaN where that raises. cuda/median.cu; the generic
+// path's median on CUDA tensors with many pairs.
+Tensor median_of_pairs(const Tensor& pairs);
 // Benches (testing.cpp): the kl forwards that follow on the buffer's device write block 0's clock64()
 // at each of its kForwardStages stage boundaries into the buffer (int64, CUDA, kept alive by the
 // caller, also by one that captures a CUDA graph meanwhile: the graph keeps the pointer) until it is

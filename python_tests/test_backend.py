@@ -102,3 +102,27 @@ def test_the_cuda_sources_compile_with_nvcc(tmp_path):
         out = run.communicate(timeout=600)[0]
         assert run.returncode == 0, f"{source.name}:\n{out[-4000:]}"
         assert "warning" not in out.lower(), f"{source.name}:\n{out[-4000:]}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+def test_the_cpp_sources_compile_as_in_a_cuda_build():
+    """The branches of csrc/*.cpp that only a CUDA build compiles (KIVI_FAST_WITH_CUDA: generic.cpp's
+    calls into cuda::, ops.cpp's CUDA registrations) through g++'s front end with that macro set, so
+    that CI (a CPU build) checks them too; no CUDA headers are needed, kivi.h declares cuda::."""
+    from pathlib import Path
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    torch_include = Path(torch.__file__).parent / "include"
+    flags = ["-std=gnu++20", "-fsyntax-only", "-Wall", "-Wextra", "-Wno-unused-parameter", "-DKIVI_FAST_WITH_CUDA",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-isystem", str(torch_include),
+             "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"), "-I", str(root / "csrc")]
+    sources = [root / "csrc" / name for name in ("generic.cpp", "ops.cpp")]
+    for source in sources:  # the branches themselves: a rename would leave this test checking nothing
+        assert "KIVI_FAST_WITH_CUDA" in source.read_text(), source.name
+    runs = [subprocess.Popen(["g++", *flags, str(s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for s in sources]
+    for source, run in zip(sources, runs):
+        out = run.communicate(timeout=600)[0]
+        assert run.returncode == 0 and "warning" not in out.lower(), f"{source.name}:\n{out[-4000:]}"

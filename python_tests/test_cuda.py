@@ -285,7 +285,7 @@ def test_the_cuda_kernels_median_equals_the_reference(n, ties):
 
 # (batch, n_p, n_q, d, ties): shapes the CUDA forward leaves to the generic one (csrc/generic.cpp)
 GENERIC_SHAPES = [
-    (1, 300, 250, 3, False),   # 550 points: 150,975 pairs, the median by cuda/median.cu over both blocks
+    (1, 300, 250, 3, False),   # 550 points: 150,975 pairs by cuda::pair_sqdist, their median by cuda/median.cu
     (2, 260, 300, 4, True),    # a batch, many tied distances (the two middles may coincide)
     (1, 130, 140, 4000, False),  # 270 points in many dimensions (above kl.cu's 256): columns in 3 chunks
 ]
@@ -296,9 +296,9 @@ GENERIC_SHAPES = [
 def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(shape, reverse):
     """Value and gradient against the CPU kernels (checked against the reference in
     test_ops_vs_reference.py), with the CUDA backward and with the generic one too; the peak memory of
-    one call within what the generic layout needs: the denominator's kernel rows, then the larger of the
-    numerator's block (the median's other pairs) and the system, and buffers of a few MB (chunks,
-    vectors), the gradient."""
+    one call within what the generic layout needs: the larger of the median's packed pairs, the system
+    and a chunk of kernel rows (csrc/generic.cpp), and buffers of a few MB (the columns' chunks, the
+    Gram of many dimensions, vectors), the gradient."""
     b, n_p, n_q, d, ties = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + d + reverse, 1.2, 0.3)
     if ties:
@@ -319,8 +319,10 @@ def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(s
     for v, grad in ((ours_v, ours_g), (gen_v, gen_g)):
         assert_close_rel(v, ref_v, rtol)
         assert_close_rel(grad, ref_g, rtol if dtype == torch.float32 else 1e-8)
-    n_den, n_num = (n_q, n_p) if reverse else (n_p, n_q)
-    blocks = b * 8 * (n_den * (n_p + n_q) + max(n_num * n_num, n_den * n_den) + (0 if reverse else n_num * n_num))
+    n_den = n_q if reverse else n_p
+    N = n_p + n_q
+    system = b * 8 * n_den * n_den
+    blocks = max(b * 8 * N * (N - 1) // 2, max(4 * 2**20, system) + b * 8 * N)
     inputs = 4 * max(p.numel(), q.numel()) * p.element_size()  # the copies to the GPU, q's clone, the gradient
     assert peak <= blocks + inputs + 16 * 2**20, (peak, blocks)
 

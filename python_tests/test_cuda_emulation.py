@@ -345,35 +345,52 @@ def test_bad_values_give_nan_for_their_batch_element(n, d):
     assert_close_rel(value[good], cpu_kl(p[good], q[good], False)[0][0], 1e-9)
 
 
-def pair_blocks(x, n_top):
-    """The generic fit's squared distances of x [B, N, d] as median_of_pairs reads them: rows 0..n_top-1,
-    and the block of the other rows and columns."""
-    sq = torch.cdist(x, x).square()
-    return sq[:, :n_top].contiguous(), sq[:, n_top:, n_top:].contiguous()
+def packed_pairs(x, y=None):
+    """The squared distances of the pairs i < j of the stacked points [x; y] ([B, n, d], [B, m, d]),
+    packed row by row (cuda::pair_sqdist's layout), from torch.cdist in float64."""
+    pts = (x if y is None else torch.cat([x, y], 1)).double()
+    i, j = torch.triu_indices(pts.shape[1], pts.shape[1], 1)
+    return torch.cdist(pts, pts)[:, i, j].square()
+
+
+@pytest.mark.parametrize("n_den,n_num,d,dtype", [
+    (30, 20, 5, torch.float64),      # 50 points: pair_sqdist_kernel
+    (150, 140, 3, torch.float32),    # 290: pair_tile_kernel, 5 x 5 tiles, the last partial
+    (70, 0, 300, torch.float64),     # one side (median_bandwidth), dimensions split in ranges
+])
+def test_pair_sqdist_packs_every_pair(n_den, n_num, d, dtype):
+    """cuda::pair_sqdist, the generic path's pairs on CUDA, for each kernel: every pair once, packed
+    row by row, against torch.cdist's distances."""
+    g = torch.Generator().manual_seed(n_den + d)
+    den = torch.randn(2, n_den, d, dtype=torch.float64, generator=g).to(dtype)
+    num = torch.randn(2, n_num, d, dtype=torch.float64, generator=g).to(dtype) + 0.5
+    with emulated_device(multiprocessors=4):
+        pairs = EMU.pair_sqdist(den, num)
+    assert pairs.dtype == torch.float64 and pairs.shape == (2, (n_den + n_num) * (n_den + n_num - 1) // 2)
+    assert_close_rel(pairs, packed_pairs(den, num), 1e-12)
 
 
 @pytest.mark.parametrize("N,ties", [(151, False), (160, False), (160, True), (41, True)])  # 11325 pairs, 12720, ..., 820
 def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
-    """cuda/median.cu's multi-block radix selection (several blocks per element on a small emulated
-    device, so that the last block of each pass picks the digit): odd and even pair counts, ties; NaN
-    for NaN distances and a zero median."""
+    """cuda/median.cu's multi-block radix selection over packed pairs (several blocks per element on a
+    small emulated device, so that the last block of each pass picks the digit): odd and even pair
+    counts, ties; NaN for NaN distances and a zero median."""
     x = torch.randn(3, N, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
     if ties:
         x = x.round()
-    n_top = N // 3
+    P = N * (N - 1) // 2
     with emulated_device(multiprocessors=4):
         launches()
-        sigma = EMU.median_of_pairs(*pair_blocks(x, n_top))
+        sigma = EMU.median_of_pairs(packed_pairs(x))
         grids = {grid for _, grid, _, _ in launches()}
-    assert grids == {(min(N - 1, (8 * 4 + 2) // 3), 3, 1)}
+    assert grids == {(min(-(-P // 256), (8 * 4 + 2) // 3), 3, 1)}
     for b in range(3):
         assert_close_rel(sigma[b:b + 1], reference.median_bandwidth(x[b]).reshape(1), 1e-14)
     bad = x.clone()
     bad[0, 5, 1] = float("nan")
     bad[1] = 0.0
-    top, tail = pair_blocks(bad, n_top)
     with emulated_device(multiprocessors=4):
-        sigma = EMU.median_of_pairs(top, tail)
+        sigma = EMU.median_of_pairs(packed_pairs(bad))
     assert sigma[[0, 1]].isnan().all()
     assert_close_rel(sigma[2:], reference.median_bandwidth(bad[2]).reshape(1), 1e-14)
 

@@ -13,7 +13,8 @@
 // once. The backward is one elementwise launch (projection state) or one launch whose blocks each
 // read the samples' columns for 8 rows of q_z (weight state up to kMaxWeightWork weights, the generic
 // forward's too). The dimension-split distances are summed with atomics, so on that path results can
-// differ in their last bits from run to run.
+// differ in their last bits from run to run. pair_sqdist's launch of the same distance kernels gives
+// the generic path the packed pairs of any number of points for its median (cuda/median.cu).
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -568,8 +569,9 @@ __global__ void __launch_bounds__(kPairThreads)
   for (int64_t p = tid; p < P; p += kPairThreads) atomicAdd(dist + p, part[p]);
 }
 
-// Squared distances of every pair of kMaxWarpPairPoints < N <= kMaxWidePoints points in many
-// dimensions (an MNIST layer with many posterior samples: (100, 50000)), added into dist (zeroed):
+// Squared distances of every pair of N > kMaxWarpPairPoints points, added into dist (zeroed): for the
+// forward, up to kMaxWidePoints points in many dimensions (an MNIST layer with many posterior samples:
+// (100, 50000)); for the generic path's median (pair_sqdist), any N (N = 10,000: 12,403 tiles).
 // the pairs in kTile x kTile tiles of points (I <= J: blockIdx.x), the dimensions split in ranges
 // (blockIdx.y), the batch (blockIdx.z). A block stages kTileDims dimensions of its two tiles' points
 // as float64 (a diagonal tile once) and each thread accumulates 4 x 4 pairs in registers, so that
@@ -722,6 +724,48 @@ int64_t forward_shared_doubles(int64_t N, int64_t n_den, int64_t d, bool compute
   return base + (dist_in_shared ? P : 0) + work;
 }
 
+// The squared distances of every pair of each batch element's stacked points into dist ([B, P],
+// zeroed: the kernels add their partial sums), from the samples in their own dtype:
+// pair_sqdist_kernel up to kMaxWarpPairPoints points, pair_tile_kernel above, with the dimensions
+// split in ranges where the tiles alone would not fill the GPU. limit: the shared memory a block may
+// have.
+template <typename scalar_t>
+void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int n_den, int n_num, int64_t d,
+                        double* dist, int sms, int limit, const c10::cuda::CUDAStream& stream) {
+  const int64_t N = n_den + n_num, P = N * (N - 1) / 2;
+  for (int64_t b0 = 0; b0 < B; b0 += 65535) {  // the grids' batch dimension (y or z) holds 65535
+    const int64_t nb = std::min<int64_t>(65535, B - b0);
+    const scalar_t* den_b = den + b0 * n_den * d;
+    const scalar_t* num_b = num + b0 * n_num * d;
+    double* dist_b = dist + b0 * P;
+    if (N > kMaxWarpPairPoints) {
+      const int64_t tiles = (N + kTile - 1) / kTile, tile_pairs = tiles * (tiles + 1) / 2;
+      // dimension ranges: at most one wave of 4 blocks per SM (rounded down: a partial second wave
+      // would run its ranges alone), each range a whole number of slabs
+      const int64_t slabs = (d + kTileDims - 1) / kTileDims;
+      const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(slabs, 4 * sms / (tile_pairs * nb)));
+      const int64_t dims_per_split = (slabs + splits - 1) / splits * kTileDims;
+      const int64_t ranges = std::max<int64_t>(1, (d + dims_per_split - 1) / dims_per_split);
+      TORCH_CHECK(tile_pairs <= std::numeric_limits<int>::max(), "kivi_fast: ", N,
+                  " points are too many for pair_sqdist");
+      const dim3 grid(static_cast<unsigned>(tile_pairs), static_cast<unsigned>(ranges), static_cast<unsigned>(nb));
+      pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, dims_per_split,
+                                                                    dist_b);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
+      const int64_t chunk = std::max<int64_t>(32, ((6144 - P) / N) / 32 * 32);
+      const int64_t bytes = 8 * (N * chunk + P);
+      TORCH_CHECK(bytes <= limit, "kivi_fast: pair_sqdist_kernel needs ", bytes, " bytes of shared memory");
+      const int64_t chunks = (d + chunk - 1) / chunk;
+      const int64_t per_element = std::max<int64_t>(1, std::min<int64_t>(chunks, (4 * sms + nb - 1) / nb));
+      const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(nb));
+      pair_sqdist_kernel<scalar_t><<<grid, kPairThreads, bytes, stream>>>(den_b, num_b, n_den, n_num, d, chunk, dist_b);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+}
+
 }  // namespace
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
@@ -805,30 +849,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl", [&] {
     const scalar_t* den = roles.denom.data_ptr<scalar_t>();
     const scalar_t* num = roles.numer.data_ptr<scalar_t>();
-    if (!a.compute_dist && N > kMaxWarpPairPoints) {
-      const int64_t tiles = (N + kTile - 1) / kTile, tile_pairs = tiles * (tiles + 1) / 2;
-      // dimension ranges: at most one wave of 4 blocks per SM (rounded down: a partial second wave
-      // would run its ranges alone), each range a whole number of slabs
-      const int64_t slabs = (d + kTileDims - 1) / kTileDims;
-      const int64_t blocks_per_range = tile_pairs * B;
-      const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(slabs, 4 * sms / blocks_per_range));
-      const int64_t dims_per_split = (slabs + splits - 1) / splits * kTileDims;
-      const int64_t ranges = (d + dims_per_split - 1) / dims_per_split;
-      const dim3 grid(static_cast<unsigned>(tile_pairs), static_cast<unsigned>(ranges), static_cast<unsigned>(B));
-      pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den, num, a.n_den, a.n_num, d, dims_per_split,
-                                                                  dist.data_ptr<double>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else if (!a.compute_dist) {
-      // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
-      const int64_t chunk = std::max<int64_t>(32, ((6144 - P) / N) / 32 * 32);
-      const int64_t bytes = 8 * (N * chunk + P);
-      TORCH_CHECK(bytes <= limit, "kivi_fast::kl (CUDA): pair_sqdist_kernel needs ", bytes, " bytes of shared memory");
-      const int64_t chunks = (d + chunk - 1) / chunk;
-      const int64_t per_element = std::max<int64_t>(1, std::min<int64_t>(chunks, (4 * sms + B - 1) / B));
-      const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(B));
-      pair_sqdist_kernel<scalar_t><<<grid, kPairThreads, bytes, stream>>>(den, num, a.n_den, a.n_num, d, chunk,
-                                                                        dist.data_ptr<double>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!a.compute_dist) {
+      launch_pair_sqdist(den, num, B, a.n_den, a.n_num, d, dist.data_ptr<double>(), sms, limit, stream);
     }
     const auto forward = two_per_sm ? kl_forward_kernel<scalar_t, 2> : kl_forward_kernel<scalar_t, 1>;
     if (shared_bytes + kStaticShared > 48 * 1024) {
@@ -859,6 +881,31 @@ void set_stage_clocks(const std::optional<Tensor>& buffer) {
                     kForwardStages, " elements");
   stage_clocks.store(reinterpret_cast<long long*>(buffer->data_ptr<int64_t>()));
   stage_clocks_device.store(buffer->get_device());
+}
+
+Tensor pair_sqdist(const Tensor& denom_in, const Tensor& numer_in) {
+  const c10::cuda::CUDAGuard guard(denom_in.device());
+  const Tensor denom = denom_in.contiguous(), numer = numer_in.contiguous();
+  const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
+  const int64_t N = n_den + n_num;
+  TORCH_CHECK(numer.scalar_type() == denom.scalar_type() && numer.size(0) == B && numer.size(2) == d &&
+                  N <= std::numeric_limits<int>::max(),
+              "kivi_fast: pair_sqdist expects samples [B, n, d] and [B, m, d] of one dtype, got ", denom.sizes(),
+              " and ", numer.sizes());
+  auto dist = at::zeros({B, N * (N - 1) / 2}, denom.options().dtype(at::kDouble));
+  if (dist.numel() == 0 || d == 0) return dist;
+  const int device = denom.get_device();
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
+  const int limit = max_shared_bytes(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream(device);
+  AT_DISPATCH_FLOATING_TYPES(denom.scalar_type(), "kivi_fast_cuda_pair_sqdist", [&] {
+    // an empty side has no storage: its pointer is never read
+    const scalar_t* den = denom.data_ptr<scalar_t>();
+    const scalar_t* num = n_num > 0 ? numer.data_ptr<scalar_t>() : nullptr;
+    launch_pair_sqdist(den, num, B, static_cast<int>(n_den), static_cast<int>(n_num), d,
+                       dist.data_ptr<double>(), sms, limit, stream);
+  });
+  return dist;
 }
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {

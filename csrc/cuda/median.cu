@@ -1,13 +1,12 @@
 // The median pairwise distance of many points on CUDA (cuda::median_of_pairs): an exact radix
-// selection over the upper triangle of the squared distances, read in place from the generic fit's two
-// blocks (rows 0..n_top-1 of the N x N matrix, and the block of the other rows and columns). It
-// replaces the generic path's copy of the N (N - 1) / 2 pairs and its sort (at N = 10,000 points: the
-// pairs' 400 MB, their 800 MB of int64 indices and the sort's buffers) with 6 passes that each read the
-// triangle once and build a 2048-bin histogram of one 11-bit digit of the distances' bit patterns
-// (non-negative doubles order as their bit patterns); the last block to finish a pass picks its digit,
-// and the last pass (or, for an even count, the second middle's) writes the bandwidth, so a median is
-// 6 or 7 kernels after two fills (the workspace, the bandwidths). Nothing is read back to the host: NaN/Inf distances or a
-// zero median give a NaN bandwidth.
+// selection over their squared distances, packed one per pair ([B, P], the generic fit's layout, made
+// by cuda::pair_sqdist). It replaces a sort of the pairs (at N = 10,000 points: the pairs' 400 MB
+// again, and the sort's buffers) with 6 passes that each read the pairs once and build a 2048-bin
+// histogram of one 11-bit digit of the distances' bit patterns (non-negative doubles order as their
+// bit patterns); the last block to finish a pass picks its digit, and the last pass (or, for an even
+// count, the second middle's) writes the bandwidth, so a median is 6 or 7 kernels after two fills (the
+// workspace, the bandwidths). Nothing is read back to the host: NaN/Inf distances or a zero median give
+// a NaN bandwidth.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -42,20 +41,6 @@ struct Selection {
 constexpr int64_t kSelectionWords = sizeof(Selection) / sizeof(int64_t);
 static_assert(sizeof(Selection) == 8 * sizeof(int64_t));
 
-// Where row i of one batch element's N x N squared distances lies: rows below n_top in `top`
-// ([B, n_top, N]), the others in `tail` ([B, N - n_top, N - n_top], its columns from n_top on).
-struct Rows {
-  const double* top;
-  const double* tail;
-  int64_t N, n_top;
-  // row i's entries, indexed by the column j (j >= n_top for a tail row)
-  __device__ __forceinline__ const double* row(int64_t b, int64_t i) const {
-    if (i < n_top) return top + (b * n_top + i) * N;
-    const int64_t n_tail = N - n_top;
-    return tail + (b * n_tail + (i - n_top)) * n_tail - n_top;
-  }
-};
-
 // Whether this block is the last of its batch element's blocks to finish (block-wide result): the
 // blocks' global atomics before it are then visible to it. Resets the count for the next launch.
 __device__ bool last_block_of_element(Selection& sel) {
@@ -78,13 +63,14 @@ __device__ double bandwidth_of(uint64_t lo, int64_t P, unsigned long long count_
   return (not_finite || !(s > 0.0)) ? NAN : s;
 }
 
-// One digit's histogram over the keys that match the digits found so far; blocks take rows i in
-// turn, threads the columns j > i. The last block of each batch element then picks the digit that
-// holds the rank (and clears the histogram for the next digit); after the last digit of an odd pair
-// count it writes the bandwidth. The first digit starts from prefix = mask = 0 and rank = first_rank.
+// One digit's histogram over the keys that match the digits found so far; the blocks of an element
+// take kThreads consecutive pairs in turn. The last block of each batch element then picks the digit
+// that holds the rank (and clears the histogram for the next digit); after the last digit of an odd
+// pair count it writes the bandwidth. The first digit starts from prefix = mask = 0 and rank =
+// first_rank.
 __global__ void __launch_bounds__(kThreads)
-    digit_histogram_kernel(Rows rows, Selection* __restrict__ sel_all, int lo_bit, unsigned bins, bool first,
-                           unsigned long long first_rank, bool last_digit, int64_t P,
+    digit_histogram_kernel(const double* __restrict__ pairs_all, int64_t P, Selection* __restrict__ sel_all,
+                           int lo_bit, unsigned bins, bool first, unsigned long long first_rank, bool last_digit,
                            unsigned long long* __restrict__ hist_all, double* __restrict__ sigma) {
   // the block's counts (32-bit atomics), then in the last block the element's (up to P: 64-bit)
   __shared__ union {
@@ -92,26 +78,24 @@ __global__ void __launch_bounds__(kThreads)
     unsigned long long element[kMaxBins];
   } hist;
   const int b = blockIdx.y, tid = threadIdx.x;
-  const int64_t N = rows.N;
+  const double* pairs = pairs_all + b * P;
   Selection& sel_b = sel_all[b];
   const uint64_t prefix = first ? 0 : sel_b.prefix, mask = first ? 0 : sel_b.mask;
   const unsigned long long rank = first ? first_rank : sel_b.rank;
   for (unsigned i = tid; i < bins; i += kThreads) hist.block[i] = 0;
   __syncthreads();
   bool bad = false;
-  for (int64_t i = blockIdx.x; i < N - 1; i += gridDim.x) {
-    const double* row = rows.row(b, i);
-    // the whole warp walks together (base is uniform), so that equal bins can be counted once
-    for (int64_t base = i + 1; base < N; base += kThreads) {
-      const int64_t j = base + tid;
-      unsigned bin = ~0u;
-      if (j < N) {
-        const uint64_t k = key_of(row[j]);
-        bad |= first && k >= kNotFiniteKey;
-        if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
-      }
-      radix::add_to_histogram(hist.block, bin);
+  // the whole warp walks together (base is uniform), so that equal bins can be counted once
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < P; base += stride) {
+    const int64_t p = base + tid;
+    unsigned bin = ~0u;
+    if (p < P) {
+      const uint64_t k = key_of(pairs[p]);
+      bad |= first && k >= kNotFiniteKey;
+      if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
     }
+    radix::add_to_histogram(hist.block, bin);
   }
   if (bad) sel_b.not_finite = 1;
   __syncthreads();
@@ -142,19 +126,18 @@ __global__ void __launch_bounds__(kThreads)
 // Even pair counts: how many keys are <= the lower middle, and the least key above it; the last
 // block of each batch element writes the bandwidth.
 __global__ void __launch_bounds__(kThreads)
-    second_middle_kernel(Rows rows, Selection* __restrict__ sel_all, int64_t P, double* __restrict__ sigma) {
+    second_middle_kernel(const double* __restrict__ pairs_all, int64_t P, Selection* __restrict__ sel_all,
+                         double* __restrict__ sigma) {
   const int b = blockIdx.y;
-  const int64_t N = rows.N;
+  const double* pairs = pairs_all + b * P;
   Selection& sel_b = sel_all[b];
   const unsigned long long lo = sel_b.prefix;
   unsigned long long count = 0, min_gt = ~0ull;
-  for (int64_t i = blockIdx.x; i < N - 1; i += gridDim.x) {
-    const double* row = rows.row(b, i);
-    for (int64_t j = i + 1 + threadIdx.x; j < N; j += kThreads) {
-      const uint64_t k = key_of(row[j]);
-      if (k <= lo) ++count;
-      else if (k < min_gt) min_gt = k;
-    }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; p < P; p += stride) {
+    const uint64_t k = key_of(pairs[p]);
+    if (k <= lo) ++count;
+    else if (k < min_gt) min_gt = k;
   }
   for (int o = 16; o > 0; o >>= 1) {
     count += __shfl_xor_sync(0xffffffffu, count, o);
@@ -172,45 +155,41 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-Tensor median_of_pairs(const Tensor& top_in, const Tensor& tail_in) {
-  const c10::cuda::CUDAGuard guard(top_in.device());
-  const Tensor top = top_in.contiguous(), tail = tail_in.contiguous();
-  const int64_t B = top.size(0), n_top = top.size(1), N = top.size(2), P = N * (N - 1) / 2;
-  TORCH_CHECK(top.scalar_type() == at::kDouble && tail.scalar_type() == at::kDouble && tail.size(0) == B &&
-                  tail.size(1) == N - n_top && tail.size(2) == N - n_top,
-              "kivi_fast: median_of_pairs expects float64 blocks [B, n, N] and [B, N - n, N - n], got ",
-              top.sizes(), " and ", tail.sizes());
-  auto sigma = at::full({B}, NAN, top.options());  // written by the kernels' last blocks
+Tensor median_of_pairs(const Tensor& pairs_in) {
+  const c10::cuda::CUDAGuard guard(pairs_in.device());
+  const Tensor pairs = pairs_in.contiguous();
+  TORCH_CHECK(pairs.scalar_type() == at::kDouble && pairs.dim() == 2 && pairs.size(1) > 0,
+              "kivi_fast: median_of_pairs expects float64 squared distances [B, P], P > 0, got ", pairs.sizes());
+  const int64_t B = pairs.size(0), P = pairs.size(1);
+  auto sigma = at::full({B}, NAN, pairs.options());  // written by the kernels' last blocks
   if (B == 0) return sigma;
   // one zeroed workspace (one launch): the elements' Selections, then their histograms
-  auto ws = at::zeros({B * (kSelectionWords + static_cast<int64_t>(kMaxBins))}, top.options().dtype(at::kLong));
+  auto ws = at::zeros({B * (kSelectionWords + static_cast<int64_t>(kMaxBins))}, pairs.options().dtype(at::kLong));
   auto* sel = reinterpret_cast<Selection*>(ws.data_ptr<int64_t>());
   auto* h = reinterpret_cast<unsigned long long*>(ws.data_ptr<int64_t>()) + B * kSelectionWords;
-  const int device = top.get_device();
+  const int device = pairs.get_device();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
   // Batch elements in chunks of at most 65535 (the grids' y dimension), each chunk's grid with
-  // enough blocks to fill the GPU, at most one per row.
+  // enough blocks to fill the GPU, at most one per kThreads pairs.
   for (int64_t b0 = 0; b0 < B; b0 += 65535) {
     const int64_t nb = std::min<int64_t>(65535, B - b0);
-    // the chunk's first element as element 0 (an empty tail has no storage: its pointer is never read)
-    const double* tail_data = tail.numel() > 0 ? tail.data_ptr<double>() + b0 * (N - n_top) * (N - n_top) : nullptr;
-    const Rows rows{top.data_ptr<double>() + b0 * n_top * N, tail_data, N, n_top};
+    const double* pairs_b = pairs.data_ptr<double>() + b0 * P;  // the chunk's first element as element 0
     Selection* sel_b = sel + b0;
     unsigned long long* h_b = h + b0 * kMaxBins;
     double* sigma_b = sigma.data_ptr<double>() + b0;
-    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(N - 1, (8 * sms + nb - 1) / nb))),
-                    static_cast<unsigned>(nb));
+    const int64_t per_element = std::min<int64_t>((P + kThreads - 1) / kThreads, (8 * sms + nb - 1) / nb);
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, per_element)), static_cast<unsigned>(nb));
     for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
       const int lo_bit = radix::digit_low_bit(shift);
       const unsigned bins = radix::digit_bins(shift);
       const bool first = shift == radix::kFirstShift, last_digit = shift - radix::kBits <= radix::kEndShift;
-      digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(rows, sel_b, lo_bit, bins, first,
-                                                          radix::lower_middle_rank(P), last_digit, P, h_b, sigma_b);
+      digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(pairs_b, P, sel_b, lo_bit, bins, first,
+                                                          radix::lower_middle_rank(P), last_digit, h_b, sigma_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (P % 2 == 0) {
-      second_middle_kernel<<<grid, kThreads, 0, stream>>>(rows, sel_b, P, sigma_b);
+      second_middle_kernel<<<grid, kThreads, 0, stream>>>(pairs_b, P, sel_b, sigma_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }

@@ -60,7 +60,8 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)",
         &cuda::kl);
   m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor", &cuda::kl_grad);
-  m.def("median_of_pairs(Tensor top, Tensor tail) -> Tensor", &cuda::median_of_pairs);
+  m.def("pair_sqdist(Tensor denom, Tensor numer) -> Tensor", &cuda::pair_sqdist);
+  m.def("median_of_pairs(Tensor pairs) -> Tensor", &cuda::median_of_pairs);
   m.def("handles_kl(int n_total, int d, int batch) -> bool", &handles_kl);
   m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
