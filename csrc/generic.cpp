@@ -110,11 +110,13 @@ int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
   return std::max<int64_t>(1, (std::max(kChunkBytes, budget) + row - 1) / row);
 }
 
-// The squared distances of the stacked points [denom; numer] ([B, N, d]), any block of them on
-// demand, so that a fit holds only the blocks it is using. Samples with few dimensions (within one
-// chunk of columns) keep their float64 copy and squared norms, and a block is one GEMM onto the norms;
-// samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
-// the N x N Gram matrix (small beside the samples), and a block is read from it.
+// The squared distances of the stacked points [denom; numer] ([B, N, d]) and their kernel values, any
+// block of them on demand, so that a fit holds only the blocks it is using. Samples with few
+// dimensions (within one chunk of columns) keep their float64 copy and squared norms, and a block is
+// one GEMM onto the norms, or on CUDA its kernel values one launch from the samples (differences,
+// cuda::kernel_block); samples with many dimensions (few points: an MNIST layer) are read once, in
+// chunks of columns, into the N x N Gram matrix (small beside the samples), and a block is read from
+// it.
 class StackedDistances {
  public:
   StackedDistances(const Tensor& denom, const Tensor& numer) : denom_(denom), numer_(numer) {
@@ -124,6 +126,9 @@ class StackedDistances {
     if (d <= width) {
       points_ = stack_points(denom, numer).to(at::kDouble);
       norms_ = points_.square().sum(-1);
+#ifdef KIVI_FAST_WITH_CUDA
+      fused_ = denom.is_cuda();  // cuda::kernel_block reads the samples themselves
+#endif
       return;
     }
     auto buf = at::empty({B, N, width}, denom.options().dtype(at::kDouble));
@@ -148,6 +153,16 @@ class StackedDistances {
     const int64_t lo = std::max(r0, c0), hi = std::min(r0 + rows, c0 + cols);
     if (lo < hi) out.narrow(1, lo - r0, hi - lo).narrow(2, lo - c0, hi - lo).diagonal(0, 1, 2).zero_();
     return out;
+  }
+
+  // [B, rows, cols]: the kernel values exp(D / scale) of the same block (scale = -2 sigma^2 [B, 1, 1]):
+  // on CUDA, samples with few dimensions in one launch (cuda::kernel_block), else the block's squared
+  // distances turned into kernel values in place.
+  Tensor kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale) const {
+#ifdef KIVI_FAST_WITH_CUDA
+    if (fused_) return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}));
+#endif
+    return block(r0, rows, c0, cols).div_(scale).exp_();
   }
 
   // [B, N (N - 1) / 2]: the pairs i < j, packed row by row (kivi.h, cuda::pair_sqdist's layout).
@@ -181,13 +196,11 @@ class StackedDistances {
  private:
   const Tensor& denom_;
   const Tensor& numer_;
-  Tensor points_;  // few dimensions: [B, N, d] float64
-  Tensor gram_;    // many dimensions: [B, N, N]
+  bool fused_ = false;  // few dimensions on CUDA: the kernel values from the samples
+  Tensor points_;       // few dimensions: [B, N, d] float64
+  Tensor gram_;         // many dimensions: [B, N, N]
   Tensor norms_;
 };
-
-// Kernel values exp(-D / (2 sigma^2)) in place of the squared distances D; scale = -2 sigma^2 [B, 1, 1].
-Tensor kernel_of(Tensor sq, const Tensor& scale) { return sq.div_(scale).exp_(); }
 
 // alpha [B, n_den]: the right side first, from the numerator's columns in chunks of rows within
 // budget bytes, then the system K_dd / n_den + lam I, factored in place.
@@ -198,10 +211,10 @@ Tensor solve_alpha(const StackedDistances& dist, int64_t n_den, const Tensor& sc
   for (int64_t r0 = 0; r0 < n_den; r0 += step) {
     const int64_t rows = std::min(step, n_den - r0);
     auto part = rhs.narrow(1, r0, rows);
-    at::sum_out(part, kernel_of(dist.block(r0, rows, n_den, n_num), scale), -1, true);
+    at::sum_out(part, dist.kernel(r0, rows, n_den, n_num, scale), -1, true);
   }
   rhs.div_(lam * static_cast<double>(n_den) * static_cast<double>(n_num));
-  auto system = kernel_of(dist.block(0, n_den, 0, n_den), scale).div_(static_cast<double>(n_den));
+  auto system = dist.kernel(0, n_den, 0, n_den, scale).div_(static_cast<double>(n_den));
   system.diagonal(0, 1, 2).add_(lam);
   // Factored in place: the system is symmetric, so its transpose is the column-major layout LAPACK and
   // cuSOLVER factor, and at::linalg_cholesky_ex_out then neither copies it nor allocates the factor
@@ -323,7 +336,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
   const int64_t step = chunk_rows(B, N, budget);
   for (int64_t j0 = 0; j0 < n_q; j0 += step) {
     const int64_t rows = std::min(step, n_q - j0);
-    auto k = kernel_of(dist.block(roles.row0 + j0, rows, 0, N), scale);  // [B, rows, N]
+    auto k = dist.kernel(roles.row0 + j0, rows, 0, N, scale);  // [B, rows, N]
     auto part = out.narrow(1, j0, rows);
     at::bmm_out(part, k, by);
     if (weights.defined()) {

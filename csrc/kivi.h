@@ -155,6 +155,12 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 // (i, j) at i (2N - i - 1) / 2 + j - i - 1. From differences, as kl's own distances. cuda/kl.cu; the
 // generic path's pairs for the median on CUDA tensors.
 Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
+// The kernel values exp(D_ij / scale_b) (scale [B] float64 = -2 sigma^2) of the stacked points [denom;
+// numer] for rows [r0, r0 + rows) and columns [c0, c0 + cols): [B, rows, cols] float64, D from
+// differences (exact zeros for a point against itself). cuda/kl.cu; the generic path's kernel values
+// on CUDA tensors with few dimensions.
+Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                    const Tensor& scale);
 // The median of the distances from their squares ([B, P] float64, CUDA, P > 0: pair_sqdist's layout,
 // though any order will do). As the generic median, NaN where that raises. cuda/median.cu; the generic
 // path's median on CUDA tensors with many pairs.

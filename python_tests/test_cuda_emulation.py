@@ -370,6 +370,34 @@ def test_pair_sqdist_packs_every_pair(n_den, n_num, d, dtype):
     assert_close_rel(pairs, packed_pairs(den, num), 1e-12)
 
 
+@pytest.mark.parametrize("n_den,n_num,d,block,dtype", [
+    (100, 90, 5, (0, 100, 0, 100), torch.float64),     # a system: tiles against themselves, the last partial
+    (100, 90, 5, (0, 100, 0, 130), torch.float64),     # tiles at the same points, the columns' running on
+    (100, 90, 5, (0, 100, 100, 90), torch.float32),    # the right side's numerator columns
+    (70, 60, 40, (30, 40, 0, 130), torch.float64),     # a chunk of evaluation rows, off the tile grid; 2 slabs
+    (70, 0, 3, (5, 1, 64, 6), torch.float64),          # one row; one set of points, apart from the columns
+])
+def test_kernel_block_equals_the_kernel_of_cdist(n_den, n_num, d, block, dtype):
+    """cuda::kernel_block, the generic path's kernel values on CUDA: exp(D / scale) of any block of the
+    stacked points against torch.cdist's, exact ones where a point meets itself, NaN for a NaN
+    scale (a NaN bandwidth) in its batch element only."""
+    g = torch.Generator().manual_seed(n_den + d)
+    den = torch.randn(3, n_den, d, dtype=torch.float64, generator=g).to(dtype)
+    num = torch.randn(3, n_num, d, dtype=torch.float64, generator=g).to(dtype) + 0.5
+    scale = -2.0 * torch.tensor([1.5, 3.0, float("nan")], dtype=torch.float64) ** 2
+    r0, rows, c0, cols = block
+    with emulated_device(multiprocessors=4):
+        k = EMU.kernel_block(den, num, r0, rows, c0, cols, scale)
+    pts = torch.cat([den, num], 1).double()
+    expected = (torch.cdist(pts[:, r0:r0 + rows], pts[:, c0:c0 + cols]).square() / scale[:, None, None]).exp()
+    assert k.shape == (3, rows, cols) and k.dtype == torch.float64
+    assert_close_rel(k[:2], expected[:2], 1e-12)
+    assert k[2].isnan().all()
+    lo, hi = max(r0, c0), min(r0 + rows, c0 + cols)
+    i = torch.arange(lo, max(lo, hi))  # the points in both ranges
+    assert (k[:2, i - r0, i - c0] == 1.0).all()
+
+
 @pytest.mark.parametrize("N,ties", [(151, False), (160, False), (160, True), (41, True)])  # 11325 pairs, 12720, ..., 820
 def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
     """cuda/median.cu's multi-block radix selection over packed pairs (several blocks per element on a

@@ -41,11 +41,13 @@ if has sanitizer && command -v compute-sanitizer > /dev/null; then
   timeout 180 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || fail memcheck
 import torch, kivi_fast
 for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
-                       (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8)]:
+                       (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8),
+                       (2, 300, 260, 3)]:
     for reverse in (True, False):
         p = torch.randn(b, n_p, d, device="cuda")
         q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
         kivi_fast.kernel_kl(p, q, reverse=reverse).sum().backward()
+        kivi_fast.kernel_kl(p, q, reverse=reverse, bandwidth=1.5).sum().backward()  # no median
 torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
 PY

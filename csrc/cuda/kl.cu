@@ -569,46 +569,41 @@ __global__ void __launch_bounds__(kPairThreads)
   for (int64_t p = tid; p < P; p += kPairThreads) atomicAdd(dist + p, part[p]);
 }
 
-// Squared distances of every pair of N > kMaxWarpPairPoints points, added into dist (zeroed): for the
-// forward, up to kMaxWidePoints points in many dimensions (an MNIST layer with many posterior samples:
-// (100, 50000)); for the generic path's median (pair_sqdist), any N (N = 10,000: 12,403 tiles).
-// the pairs in kTile x kTile tiles of points (I <= J: blockIdx.x), the dimensions split in ranges
-// (blockIdx.y), the batch (blockIdx.z). A block stages kTileDims dimensions of its two tiles' points
-// as float64 (a diagonal tile once) and each thread accumulates 4 x 4 pairs in registers, so that
-// eight shared-memory loads serve 16 pairs' differences (one warp per pair, as pair_sqdist_kernel,
-// would load two values per difference). Differences, not the GEMM's norms minus products: the
-// same rounding as the other paths' distances.
+// Squared distances in kTile x kTile tiles of points, for pair_tile_kernel and kernel_block_kernel:
+// acc[u][v] += sum_t (x_a[t] - x_b[t])^2 over the dimensions [t_begin, t_end), for the points
+// a = a0 + ty + 16 u (< a_end) and b = b0 + tx + 16 v (< b_end) of the stacked points, thread (tx, ty)
+// of 16 x 16. The two tiles' points are staged kTileDims dimensions at a time as float64 (one tile
+// when `same`: a tile against itself), so that eight shared-memory loads serve 16 differences (one
+// warp per pair, as pair_sqdist_kernel, would load two values per difference). Differences, not the
+// GEMM's norms minus products: the same rounding as the other paths' distances, and exact zeros for a
+// point against itself. Called by every thread of the block (barriers).
+struct TileStage {
+  double a[kTileDims][kTile + 1];  // +1: the staging stores (a point's dimensions by consecutive
+  double b[kTileDims][kTile + 1];  // threads) fall in distinct banks
+};
+
 template <typename T>
-__global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() sizes the grid for that
-    pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
-                     int64_t dims_per_split, double* __restrict__ dist_all) {
-  __shared__ double tile_a[kTileDims][kTile + 1];  // +1: the staging stores (a row's dimensions by
-  __shared__ double tile_b[kTileDims][kTile + 1];  // consecutive threads) fall in distinct banks
-  const int N = n_den + n_num, tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
-  const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
-  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
-                      n_den, d};
-  const int2 tile = triangle_entry(blockIdx.x, (N + kTile - 1) / kTile, 0);  // tile pair (I, J), I <= J
-  const int I = tile.x, J = tile.y;
-  const int64_t t_begin = blockIdx.y * dims_per_split, t_end = min(d, t_begin + dims_per_split);
-  double (*tb)[kTile + 1] = I == J ? tile_a : tile_b;
-  double acc[4][4] = {};
+__device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a_end, int b0, int b_end, bool same,
+                                            int64_t t_begin, int64_t t_end, TileStage& st, double (&acc)[4][4]) {
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  double (*tb)[kTile + 1] = same ? st.a : st.b;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileDims) {
     const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
     __syncthreads();  // the previous slab's reads are done
-    // element e of a tile's slab: point e / kTileDims, dimension e % kTileDims (a row's dimensions
-    // by consecutive threads: coalesced); zeros past N and past the range (they add nothing)
+    // element e of a tile's slab: point e / kTileDims, dimension e % kTileDims (a point's dimensions
+    // by consecutive threads: coalesced); zeros past the tile's points and past the range (they add
+    // nothing)
     for (int e = tid; e < kTile * kTileDims; e += kTileThreads) {
       const int r = e / kTileDims, k = e % kTileDims;
-      const int ia = I * kTile + r, ib = J * kTile + r;
-      tile_a[k][r] = (ia < N && k < len) ? static_cast<double>(pts.row(ia)[t0 + k]) : 0.0;
-      if (I != J) tile_b[k][r] = (ib < N && k < len) ? static_cast<double>(pts.row(ib)[t0 + k]) : 0.0;
+      const int ia = a0 + r, ib = b0 + r;
+      st.a[k][r] = (ia < a_end && k < len) ? static_cast<double>(pts.row(ia)[t0 + k]) : 0.0;
+      if (!same) st.b[k][r] = (ib < b_end && k < len) ? static_cast<double>(pts.row(ib)[t0 + k]) : 0.0;
     }
     __syncthreads();
     for (int k = 0; k < len; ++k) {
       double xa[4], xb[4];
       for (int u = 0; u < 4; ++u) {
-        xa[u] = tile_a[k][ty + 16 * u];
+        xa[u] = st.a[k][ty + 16 * u];
         xb[u] = tb[k][tx + 16 * u];
       }
       for (int u = 0; u < 4; ++u) {
@@ -619,11 +614,62 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() siz
       }
     }
   }
+}
+
+// Squared distances of every pair of N > kMaxWarpPairPoints points, added into dist (zeroed): for the
+// forward, up to kMaxWidePoints points in many dimensions (an MNIST layer with many posterior samples:
+// (100, 50000)); for the generic path's median (pair_sqdist), any N (N = 10,000: 12,403 tiles). The
+// pairs in tiles (I <= J: blockIdx.x), the dimensions split in ranges (blockIdx.y), the batch
+// (blockIdx.z); tile_sqdist's scheme.
+template <typename T>
+__global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() sizes the grid for that
+    pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
+                     int64_t dims_per_split, double* __restrict__ dist_all) {
+  __shared__ TileStage stage;
+  const int N = n_den + n_num, tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
+  const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
+  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
+                      n_den, d};
+  const int2 tile = triangle_entry(blockIdx.x, (N + kTile - 1) / kTile, 0);  // tile pair (I, J), I <= J
+  const int I = tile.x, J = tile.y;
+  const int64_t t_begin = blockIdx.y * dims_per_split, t_end = min(d, t_begin + dims_per_split);
+  double acc[4][4] = {};
+  tile_sqdist(pts, I * kTile, N, J * kTile, N, I == J, t_begin, t_end, stage, acc);
   double* dist = dist_all + b * P;
   for (int u = 0; u < 4; ++u) {
     for (int v = 0; v < 4; ++v) {
       const int i = I * kTile + ty + 16 * u, j = J * kTile + tx + 16 * v;
       if (i < j && j < N) atomicAdd(dist + pair_index(i, j, N), acc[u][v]);
+    }
+  }
+}
+
+// Kernel values exp(||x_i - x_j||^2 / scale_b) (scale = -2 sigma^2) of the stacked points' rows
+// i in [r0, r0 + rows) against columns j in [c0, c0 + cols), into out [B, rows, cols]: a kTile x kTile
+// block of outputs a block (blockIdx.x: column tiles, blockIdx.y: row tiles, blockIdx.z: the batch),
+// all the dimensions in turn (tile_sqdist), the exponential taken in registers. The generic path's
+// kernel values on CUDA (cuda::kernel_block): one launch and one write of the block, where the ATen
+// composition takes a GEMM onto the norms, a clamp, the diagonal's zeros, a division and an
+// exponential, each a pass over it.
+template <typename T>
+__global__ void __launch_bounds__(kTileThreads)
+    kernel_block_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
+                        int r0, int rows, int c0, int cols, const double* __restrict__ scale,
+                        double* __restrict__ out_all) {
+  __shared__ TileStage stage;
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
+  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
+                      n_den, d};
+  const int a0 = r0 + blockIdx.y * kTile, b0 = c0 + blockIdx.x * kTile;
+  double acc[4][4] = {};
+  tile_sqdist(pts, a0, r0 + rows, b0, c0 + cols, a0 == b0 && r0 + rows == c0 + cols, 0, d, stage, acc);
+  const double gamma = 1.0 / scale[b];
+  double* out = out_all + static_cast<int64_t>(b) * rows * cols;
+  for (int u = 0; u < 4; ++u) {
+    const int i = blockIdx.y * kTile + ty + 16 * u;  // within the block
+    for (int v = 0; v < 4; ++v) {
+      const int j = blockIdx.x * kTile + tx + 16 * v;
+      if (i < rows && j < cols) out[static_cast<int64_t>(i) * cols + j] = exp(gamma * acc[u][v]);
     }
   }
 }
@@ -906,6 +952,40 @@ Tensor pair_sqdist(const Tensor& denom_in, const Tensor& numer_in) {
                        dist.data_ptr<double>(), sms, limit, stream);
   });
   return dist;
+}
+
+Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, int64_t rows, int64_t c0,
+                    int64_t cols, const Tensor& scale_in) {
+  const c10::cuda::CUDAGuard guard(denom_in.device());
+  const Tensor denom = denom_in.contiguous(), numer = numer_in.contiguous(), scale = scale_in.contiguous();
+  const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
+  const int64_t N = n_den + n_num;
+  TORCH_CHECK(numer.scalar_type() == denom.scalar_type() && numer.size(0) == B && numer.size(2) == d &&
+                  scale.scalar_type() == at::kDouble && scale.numel() == B && N <= std::numeric_limits<int>::max() &&
+                  r0 >= 0 && rows >= 0 && r0 + rows <= N && c0 >= 0 && cols >= 0 && c0 + cols <= N,
+              "kivi_fast: kernel_block expects samples [B, n, d] and [B, m, d] of one dtype, a float64 scale [B] "
+              "and a block within the n + m points, got ", denom.sizes(), ", ", numer.sizes(), ", ", scale.sizes(),
+              ", rows [", r0, ", ", r0 + rows, "), columns [", c0, ", ", c0 + cols, ")");
+  auto out = at::empty({B, rows, cols}, denom.options().dtype(at::kDouble));
+  if (out.numel() == 0) return out;
+  const auto stream = c10::cuda::getCurrentCUDAStream(denom.get_device());
+  const int64_t tiles_r = (rows + kTile - 1) / kTile, tiles_c = (cols + kTile - 1) / kTile;
+  TORCH_CHECK(tiles_r <= 65535 && tiles_c <= std::numeric_limits<int>::max(), "kivi_fast: kernel_block of ", rows,
+              " x ", cols, " is too large");
+  AT_DISPATCH_FLOATING_TYPES(denom.scalar_type(), "kivi_fast_cuda_kernel_block", [&] {
+    const scalar_t* den = denom.data_ptr<scalar_t>();
+    const scalar_t* num = n_num > 0 ? numer.data_ptr<scalar_t>() : nullptr;  // (never read when empty)
+    for (int64_t b0 = 0; b0 < B; b0 += 65535) {  // the grid's batch dimension holds 65535
+      const int64_t nb = std::min<int64_t>(65535, B - b0);
+      const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r), static_cast<unsigned>(nb));
+      kernel_block_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(
+          den + b0 * n_den * d, num + b0 * n_num * d, static_cast<int>(n_den), static_cast<int>(n_num), d,
+          static_cast<int>(r0), static_cast<int>(rows), static_cast<int>(c0), static_cast<int>(cols),
+          scale.data_ptr<double>() + b0, out.data_ptr<double>() + b0 * rows * cols);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return out;
 }
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
