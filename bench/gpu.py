@@ -4,7 +4,8 @@
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
     python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
     python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
-                                         # (by kernel, by stage of kl.cu's forward kernel; batched
+                                         # (by kernel, the count of GPU operations, the host's share
+                                         # of a call, by stage of kl.cu's forward kernel; batched
                                          # shapes: the floors of a call, bench/gpu.py's floors())
 
 (Not named cuda.py: run as a script, bench/ comes first on sys.path, and torch's own ``import
@@ -68,13 +69,36 @@ def peak_mb(fn, p, q) -> float:
 
 
 def profile_table(run, rows: int) -> str:
-    """torch.profiler's table of what run() launches (synchronized before and after), by GPU time."""
+    """torch.profiler's table of what run() launches (synchronized before and after), by GPU time, then
+    the count of the GPU's operations (kernels, copies, fills) and their summed time."""
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         run()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.time_range.elapsed_us() for e in on_gpu) / 1e3
+    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+            + f"\n  {len(on_gpu)} GPU operations, {busy_ms:.3f} ms of GPU time")
+
+
+def host_share(fn, p, q, calls: int = 50) -> str:
+    """Forward + backward of fn: the host's time to enqueue a call (from an idle GPU until the call
+    returns, before the GPU has finished) against the synchronized call's. Where the two are close the
+    call is bound by the host (Python, the dispatcher, the launches), not by the GPU."""
+    for _ in range(5):
+        cpu_bench.call(fn, p, q, True)
+    enqueue, wall = [], []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cpu_bench.call(fn, p, q, True)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        enqueue.append(t1 - t0)
+        wall.append(time.perf_counter() - t0)
+    return (f"  host: {statistics.median(enqueue) * 1e3:.3f} ms to enqueue a "
+            f"{statistics.median(wall) * 1e3:.3f} ms call")
 
 
 def kernel_profile(fn, p, q, rows: int = 15) -> str:
@@ -193,6 +217,7 @@ def main(argv=None) -> int:
                 print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
                 ours = cpu_bench.IMPLS["ours"]
                 print(kernel_profile(ours, p, q))
+                print(host_share(ours, p, q))
                 stages = forward_stages(ours, p, q)
                 print(stages or "  (no kl.cu forward kernel ran)")
                 if stages is not None:  # the elimination one column a step

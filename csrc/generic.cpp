@@ -1,6 +1,8 @@
-// Device-generic implementation: ATen calls only, so it runs wherever ATen does (CUDA tensors for the
-// ops and shapes that csrc/cuda/ does not take). It is also the baseline the CPU kernels (csrc/cpu/)
-// are tested against.
+// Device-generic implementation: ATen calls, so it runs wherever ATen does (CUDA tensors for the ops
+// and shapes that csrc/cuda/'s fused kernels do not take). It is also the baseline the CPU kernels
+// (csrc/cpu/) are tested against. On CUDA three of its pieces are kernels of csrc/cuda/: the packed
+// pairs (cuda::pair_sqdist) and their median (cuda::median_of_pairs), and the blocks of kernel values
+// for samples with few dimensions (cuda::kernel_block).
 //
 // Off the CPU nothing here reads a value back to the host (a read stalls the stream at every call and
 // breaks CUDA-graph capture): where the CPU raises an error for a value (NaN/Inf samples, a zero
@@ -92,7 +94,7 @@ Tensor sq_from_gram(const Tensor& x, const Tensor& xn, const Tensor& y, const Te
 // at (100, 50000) float32, twice what the call needs otherwise). Large enough that the chunks' kernel
 // launches stay few on a GPU (~20 chunks at (100, 50000)).
 constexpr int64_t kChunkBytes = int64_t{4} << 20;
-int64_t chunk_columns(int64_t rows) { return std::max<int64_t>(256, kChunkBytes / (8 * rows)); }
+int64_t chunk_columns(int64_t rows) { return std::max<int64_t>(256, kChunkBytes / (8 * std::max<int64_t>(rows, 1))); }
 
 // Columns [s, s + c) of the stacked points [denom; numer] in float64, in the first c columns of buf
 // ([B, N, >= c]: the last chunk, narrower, reuses the buffer).
@@ -160,7 +162,7 @@ class StackedDistances {
   // distances turned into kernel values in place.
   Tensor kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused_) return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}));
+    if (fused_) return cuda::kernel_block(points_, points_.narrow(1, 0, 0), r0, rows, c0, cols, scale.view({-1}));
 #endif
     return block(r0, rows, c0, cols).div_(scale).exp_();
   }
@@ -177,9 +179,10 @@ class StackedDistances {
     const int64_t step = chunk_rows(B, N, 0);
     for (int64_t r0 = 0, at_pair = 0; r0 < N - 1; r0 += step) {
       const int64_t rows = std::min(step, N - 1 - r0), cols = N - 1 - r0;
-      // row r0 + i holds the pairs with columns r0 + 1 + j, j >= i: the upper triangle of the block
-      auto upper = at::ones({rows, cols}, norms_.options().dtype(at::kBool)).triu_();
-      auto chunk = at::masked_select(block(r0, rows, r0 + 1, cols), upper).view({B, -1});
+      // row r0 + i holds the pairs with columns r0 + 1 + j, j >= i: the upper triangle of the block,
+      // gathered by index (a mask's count would be read back to the host off the CPU)
+      auto upper = at::triu_indices(rows, cols, 0, norms_.options().dtype(at::kLong));
+      auto chunk = block(r0, rows, r0 + 1, cols).view({B, rows * cols}).index_select(1, upper[0] * cols + upper[1]);
       out.narrow(1, at_pair, chunk.size(1)).copy_(chunk);
       at_pair += chunk.size(1);
     }
@@ -248,7 +251,7 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
   check_finite_rows(dist.norms(), n_den, names);
   auto s = sigma.has_value() ? *sigma : median_of_pairs(dist.pairs());
   if (sigma.has_value() && !s.is_cpu()) s = at::where(s.gt(0).logical_and(s.isfinite()), s, NAN);  // see above
-  const int64_t budget = 8 * s.size(0) * n_den * n_den;
+  const int64_t budget = 8 * dist.norms().size(0) * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});
   auto alpha = solve_alpha(dist, n_den, scale, lam, budget);
   if (!alpha.is_cpu()) alpha = at::where(at::isfinite(dist.norms()).all(1, true), alpha, NAN);  // check_finite_rows

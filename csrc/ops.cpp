@@ -122,7 +122,8 @@ Tensor median_bandwidth_op(const Tensor& x) {
 // may not alias its argument.
 std::optional<Tensor> owned_double(const std::optional<Tensor>& sigma) {
   if (!sigma.has_value()) return std::nullopt;
-  return sigma->to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  // [B] whether given as [B] or, for one batch element, as []
+  return sigma->to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).reshape({-1}).contiguous();
 }
 
 template <bool kCpu>

@@ -695,3 +695,25 @@ def test_median_of_overflowing_distances_is_inf():
     huge = torch.tensor([1e154, -1e154] * 20, dtype=torch.float64).reshape(40, 1)
     with implementation("cpu"):
         assert kivi_fast.median_bandwidth(huge).item() == np.median(pdist(huge.numpy())) == float("inf")
+
+
+def test_an_empty_batch_gives_empty_results(compiled):
+    """B = 0 samples: empty estimates, gradients, bandwidths and fits, no error (the generic kernels
+    once divided by the batch's row count)."""
+    p, q = torch.randn(0, 30, 3), torch.randn(0, 20, 3, requires_grad=True)
+    value = kivi_fast.kernel_kl(p, q)
+    value.sum().backward()
+    assert value.shape == (0,) and q.grad.shape == (0, 20, 3)
+    assert kivi_fast.median_bandwidth(p).shape == (0,)
+    assert kivi_fast.DensityRatio().fit(p, q.detach()).alpha.shape == (0, 20)
+
+
+def test_the_ops_take_a_0_dim_bandwidth_for_one_batch_element(compiled):
+    """torch.ops.kivi_fast.kl and fit accept sigma as [] for B = 1 (as [1]), on both paths."""
+    p, q = make_samples(dict(n_p=30, n_q=20, d=3, batch=1, dtype=torch.float64, scale=1.0, shift=0.3, seed=5))
+    ops = torch.ops.kivi_fast
+    for s in (torch.tensor(1.5, dtype=torch.float64), torch.tensor([1.5], dtype=torch.float64)):
+        value, _, used, _ = ops.kl(p, q, 1e-3, 1e-8, s, True, False)
+        alpha, sigma = ops.fit(p, q, 1e-3, s)
+        assert used.shape == sigma.shape == (1,) and used.item() == sigma.item() == 1.5
+        assert_close_rel(value, kivi_fast.kernel_kl(p, q, bandwidth=1.5), 1e-12)

@@ -13,8 +13,9 @@
 // once. The backward is one elementwise launch (projection state) or one launch whose blocks each
 // read the samples' columns for 8 rows of q_z (weight state up to kMaxWeightWork weights, the generic
 // forward's too). The dimension-split distances are summed with atomics, so on that path results can
-// differ in their last bits from run to run. pair_sqdist's launch of the same distance kernels gives
-// the generic path the packed pairs of any number of points for its median (cuda/median.cu).
+// differ in their last bits from run to run. For the generic path (csrc/generic.cpp, many points) the
+// same tiles give the packed pairs of any number of points for its median (pair_sqdist, then
+// cuda/median.cu) and its blocks of kernel values (kernel_block).
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -52,7 +53,7 @@ constexpr int64_t kMaxPoints = 512;       // N: the fused path's limit
 constexpr int64_t kSmallWork = 6144;      // N * d: the points fit in shared memory (48 KB of float64)
 constexpr int64_t kMaxWidePoints = 256;   // N with many dimensions (weight state only: d + 1 >= N)
 constexpr int64_t kMaxWarpPairPoints = 64;  // up to here pair_sqdist_kernel, above pair_tile_kernel
-constexpr int kTile = 64;                 // pair_tile_kernel: points per tile side
+constexpr int kTile = 64;                 // tile_sqdist (pair_tile_kernel, kernel_block_kernel): points a tile side
 constexpr int kTileDims = 32;             // and dimensions per staged slab
 constexpr int kTileThreads = 256;         // 16 x 16 threads, each 4 x 4 pairs
 
@@ -62,14 +63,19 @@ __host__ __device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int
 }
 
 // (row, column) of entry p of the upper triangle of an n x n matrix stored row by row, from the
-// diagonal on (offset 0) or from the first entry right of it (offset 1): walks the rows (small n).
+// diagonal on (offset 0) or from the first entry right of it (offset 1). Row i starts at entry
+// S(i) = i m - i (i - 1) / 2 (m = n - offset, the first row's length): i is the root of that quadratic
+// rounded down, then corrected by whole rows for the double's rounding (pair_sqdist's tiles: up to
+// ~1,600 rows, where walking the rows would cost more than a tile's work).
 __device__ __forceinline__ int2 triangle_entry(int64_t p, int n, int offset) {
-  int i = 0;
-  while (p >= n - offset - i) {
-    p -= n - offset - i;
-    ++i;
-  }
-  return make_int2(i, i + offset + static_cast<int>(p));
+  const int64_t m = n - offset;
+  const auto start = [m](int64_t i) { return i * m - i * (i - 1) / 2; };
+  const double b = static_cast<double>(m) + 0.5;
+  int64_t i = static_cast<int64_t>(b - sqrt(b * b - 2.0 * static_cast<double>(p)));
+  i = max(int64_t{0}, min(i, m - 1));
+  while (i > 0 && start(i) > p) --i;
+  while (i + 1 < m && start(i + 1) <= p) ++i;
+  return make_int2(static_cast<int>(i), static_cast<int>(i + offset + (p - start(i))));
 }
 
 __device__ __forceinline__ double packed_sqdist(const double* dist, int i, int j, int n) {
@@ -620,9 +626,10 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
 // forward, up to kMaxWidePoints points in many dimensions (an MNIST layer with many posterior samples:
 // (100, 50000)); for the generic path's median (pair_sqdist), any N (N = 10,000: 12,403 tiles). The
 // pairs in tiles (I <= J: blockIdx.x), the dimensions split in ranges (blockIdx.y), the batch
-// (blockIdx.z); tile_sqdist's scheme.
+// (blockIdx.z); tile_sqdist's scheme. With one range (gridDim.y == 1) each pair has one writer, which
+// stores its sum: dist need not be zeroed.
 template <typename T>
-__global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() sizes the grid for that
+__global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_pair_sqdist sizes the grid for that
     pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
                      int64_t dims_per_split, double* __restrict__ dist_all) {
   __shared__ TileStage stage;
@@ -639,7 +646,13 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: kl() siz
   for (int u = 0; u < 4; ++u) {
     for (int v = 0; v < 4; ++v) {
       const int i = I * kTile + ty + 16 * u, j = J * kTile + tx + 16 * v;
-      if (i < j && j < N) atomicAdd(dist + pair_index(i, j, N), acc[u][v]);
+      if (i < j && j < N) {
+        if (gridDim.y == 1) {
+          dist[pair_index(i, j, N)] = acc[u][v];
+        } else {
+          atomicAdd(dist + pair_index(i, j, N), acc[u][v]);
+        }
+      }
     }
   }
 }
@@ -770,15 +783,21 @@ int64_t forward_shared_doubles(int64_t N, int64_t n_den, int64_t d, bool compute
   return base + (dist_in_shared ? P : 0) + work;
 }
 
-// The squared distances of every pair of each batch element's stacked points into dist ([B, P],
-// zeroed: the kernels add their partial sums), from the samples in their own dtype:
-// pair_sqdist_kernel up to kMaxWarpPairPoints points, pair_tile_kernel above, with the dimensions
-// split in ranges where the tiles alone would not fill the GPU. limit: the shared memory a block may
-// have.
+// The squared distances of every pair of each batch element's stacked points into dist_t ([B, P]
+// float64, contiguous; zeroed here where the kernels add partial sums), from the samples in their own
+// dtype: pair_sqdist_kernel up to kMaxWarpPairPoints points, pair_tile_kernel above, with the
+// dimensions split in ranges where the tiles alone would not fill the GPU. limit: the shared memory a
+// block may have.
 template <typename scalar_t>
 void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int n_den, int n_num, int64_t d,
-                        double* dist, int sms, int limit, const c10::cuda::CUDAStream& stream) {
+                        Tensor& dist_t, int sms, int limit, const c10::cuda::CUDAStream& stream) {
   const int64_t N = n_den + n_num, P = N * (N - 1) / 2;
+  double* dist = dist_t.data_ptr<double>();
+  bool zeroed = false;
+  const auto zero = [&] {  // once, before the first launch that adds
+    if (!zeroed) dist_t.zero_();
+    zeroed = true;
+  };
   for (int64_t b0 = 0; b0 < B; b0 += 65535) {  // the grids' batch dimension (y or z) holds 65535
     const int64_t nb = std::min<int64_t>(65535, B - b0);
     const scalar_t* den_b = den + b0 * n_den * d;
@@ -794,6 +813,7 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
       const int64_t ranges = std::max<int64_t>(1, (d + dims_per_split - 1) / dims_per_split);
       TORCH_CHECK(tile_pairs <= std::numeric_limits<int>::max(), "kivi_fast: ", N,
                   " points are too many for pair_sqdist");
+      if (ranges > 1) zero();
       const dim3 grid(static_cast<unsigned>(tile_pairs), static_cast<unsigned>(ranges), static_cast<unsigned>(nb));
       pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, dims_per_split,
                                                                     dist_b);
@@ -805,6 +825,7 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
       TORCH_CHECK(bytes <= limit, "kivi_fast: pair_sqdist_kernel needs ", bytes, " bytes of shared memory");
       const int64_t chunks = (d + chunk - 1) / chunk;
       const int64_t per_element = std::max<int64_t>(1, std::min<int64_t>(chunks, (4 * sms + nb - 1) / nb));
+      zero();  // (its blocks add their chunks' sums)
       const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(nb));
       pair_sqdist_kernel<scalar_t><<<grid, kPairThreads, bytes, stream>>>(den_b, num_b, n_den, n_num, d, chunk, dist_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -887,7 +908,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   auto state = at::empty({B, n_q, a.state_width}, f64);
   if (B == 0) return {kl_out, state, sigma_out, clipped};
   // the distances' workspace: the wide path's sums, or distances that do not fit in shared memory
-  auto dist = !a.compute_dist ? at::zeros({B, P}, f64) : at::empty({a.dist_in_shared ? 0 : B, P}, f64);
+  auto dist = at::empty({!a.compute_dist || !a.dist_in_shared ? B : 0, P}, f64);
   Tensor sys = a.system_in_shared ? Tensor() : at::empty({B, n_den * n_den}, f64);
   const auto sigma_given = sigma.has_value() ? sigma->to(at::kDouble).contiguous() : Tensor();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
@@ -896,7 +917,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
     const scalar_t* den = roles.denom.data_ptr<scalar_t>();
     const scalar_t* num = roles.numer.data_ptr<scalar_t>();
     if (!a.compute_dist) {
-      launch_pair_sqdist(den, num, B, a.n_den, a.n_num, d, dist.data_ptr<double>(), sms, limit, stream);
+      launch_pair_sqdist(den, num, B, a.n_den, a.n_num, d, dist, sms, limit, stream);
     }
     const auto forward = two_per_sm ? kl_forward_kernel<scalar_t, 2> : kl_forward_kernel<scalar_t, 1>;
     if (shared_bytes + kStaticShared > 48 * 1024) {
@@ -938,8 +959,9 @@ Tensor pair_sqdist(const Tensor& denom_in, const Tensor& numer_in) {
                   N <= std::numeric_limits<int>::max(),
               "kivi_fast: pair_sqdist expects samples [B, n, d] and [B, m, d] of one dtype, got ", denom.sizes(),
               " and ", numer.sizes());
-  auto dist = at::zeros({B, N * (N - 1) / 2}, denom.options().dtype(at::kDouble));
-  if (dist.numel() == 0 || d == 0) return dist;
+  auto dist = at::empty({B, N * (N - 1) / 2}, denom.options().dtype(at::kDouble));
+  if (dist.numel() == 0) return dist;
+  if (d == 0) return dist.zero_();
   const int device = denom.get_device();
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
   const int limit = max_shared_bytes(device);
@@ -948,8 +970,7 @@ Tensor pair_sqdist(const Tensor& denom_in, const Tensor& numer_in) {
     // an empty side has no storage: its pointer is never read
     const scalar_t* den = denom.data_ptr<scalar_t>();
     const scalar_t* num = n_num > 0 ? numer.data_ptr<scalar_t>() : nullptr;
-    launch_pair_sqdist(den, num, B, static_cast<int>(n_den), static_cast<int>(n_num), d,
-                       dist.data_ptr<double>(), sms, limit, stream);
+    launch_pair_sqdist(den, num, B, static_cast<int>(n_den), static_cast<int>(n_num), d, dist, sms, limit, stream);
   });
   return dist;
 }
