@@ -1,8 +1,9 @@
 // Device-generic implementation: ATen calls, so it runs wherever ATen does (CUDA tensors for the ops
 // and shapes that csrc/cuda/'s fused kernels do not take). It is also the baseline the CPU kernels
-// (csrc/cpu/) are tested against. On CUDA three of its pieces are kernels of csrc/cuda/: the packed
-// pairs (cuda::pair_sqdist) and their median (cuda::median_of_pairs), and the blocks of kernel values
-// for samples with few dimensions (cuda::kernel_block).
+// (csrc/cpu/) are tested against. On CUDA some of its pieces are kernels of csrc/cuda/, where ATen
+// would take several launches or a buffer: the packed pairs (cuda::pair_sqdist) and their median
+// (cuda::median_of_pairs), the blocks of kernel values for samples with few dimensions
+// (cuda::kernel_block), and the kl forward's end (cuda::kl_finish).
 //
 // Off the CPU nothing here reads a value back to the host (a read stalls the stream at every call and
 // breaks CUDA-graph capture): where the CPU raises an error for a value (NaN/Inf samples, a zero
@@ -347,16 +348,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
       at::mul_out(w, k, f.coef.unsqueeze(1));
     }
   }
+  // The state's rows scaled by d log r / dz = (d r / dz) / r, with grad_z k(c, z) = k(c, z) (c - z) /
+  // sigma^2; clipped: none.
+  auto state = !grad_state ? out.new_empty({B, n_q, 0}) : with_points ? out : weights;
+#ifdef KIVI_FAST_WITH_CUDA
+  if (out.is_cuda() && n_q > 0) {  // one launch for the ~14 below (the host bounds these shapes)
+    auto [kl, clipped] = cuda::kl_finish(out, grad_state ? std::optional<Tensor>(state) : std::nullopt, f.sigma,
+                                         clip, reverse);
+    return {kl, state, f.sigma, clipped};
+  }
+#endif
   const auto r = out.select(2, by.size(2) - 1);
-  // d log r / dz = (d r / dz) / r, and grad_z k(c, z) = k(c, z) (c - z) / sigma^2; clipped: none.
   auto row_scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
   auto kl = at::log(r.clamp_min(clip)).mean(-1);
   if (reverse) kl.neg_();
   auto clipped = (r <= clip).to(at::kDouble).mean(-1);
-  // (r, a view of the projection state, is not read again)
-  auto state = !grad_state ? out.new_empty({B, n_q, 0})
-               : with_points ? out.mul_(row_scale.unsqueeze(-1))
-                             : weights.mul_(row_scale.unsqueeze(-1));
+  if (grad_state) state.mul_(row_scale.unsqueeze(-1));  // (r, a view of the projection state, is not read again)
   return {kl, state, f.sigma, clipped};
 }
 

@@ -161,6 +161,12 @@ Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
 // on CUDA tensors with few dimensions.
 Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                     const Tensor& scale);
+// The end of the generic kl forward in one launch: from the ratios r_j, the last column of r_src
+// ([B, n_q, w] float64, contiguous), (KL [B], clipped fraction [B]) as generic::kl defines them, and
+// the rows of state ([B, n_q, *] float64, contiguous, optional; it may be r_src) scaled in place by
+// 1 / (sigma_b^2 r_j), 0 where r_j <= clip. cuda/kl.cu.
+std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Tensor>& state, const Tensor& sigma,
+                                     double clip, bool reverse);
 // The median of the distances from their squares ([B, P] float64, CUDA, P > 0: pair_sqdist's layout,
 // though any order will do). As the generic median, NaN where that raises. cuda/median.cu; the generic
 // path's median on CUDA tensors with many pairs.

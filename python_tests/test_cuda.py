@@ -319,6 +319,15 @@ def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(s
     for v, grad in ((ours_v, ours_g), (gen_v, gen_g)):
         assert_close_rel(v, ref_v, rtol)
         assert_close_rel(grad, ref_g, rtol if dtype == torch.float32 else 1e-8)
+    # a given bandwidth (no median: the fit's peak is the system's), and the op's other outputs
+    given_v, given_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), bandwidth=1.5, **kw)
+    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, bandwidth=1.5, **kw)
+    assert_close_rel(given_v, cpu_v, rtol)
+    assert_close_rel(given_g, cpu_g, rtol if dtype == torch.float32 else 1e-8)
+    outs = torch.ops.kivi_fast.kl(p.to(CUDA), q.to(CUDA), 1e-3, 0.5, None, reverse, True)
+    cpu_outs = torch.ops.kivi_fast.kl(p, q, 1e-3, 0.5, None, reverse, True)  # clip 0.5: some ratios clipped
+    for got, want in zip(outs, cpu_outs):
+        assert_close_rel(got, want, rtol)
     n_den = n_q if reverse else n_p
     N = n_p + n_q
     system = b * 8 * n_den * n_den

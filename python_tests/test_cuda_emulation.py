@@ -399,6 +399,36 @@ def test_kernel_block_equals_the_kernel_of_cdist(n_den, n_num, d, block, dtype):
     assert (k[:2, i - r0, i - c0] == 1.0).all()
 
 
+@pytest.mark.parametrize("reverse", [True, False])
+@pytest.mark.parametrize("state", ["projection", "weights", "none"])
+def test_kl_finish_equals_the_aten_composition(reverse, state):
+    """cuda::kl_finish, the generic kl forward's last launch on CUDA, against the ATen ops it replaces
+    (generic.cpp): the KL and the clipped fraction from the ratios (some clipped, some negative, more
+    rows than threads), each state row scaled by 1 / (sigma^2 r_j) or 0 where clipped, in place; the
+    projection state is the ratios' own tensor. A NaN bandwidth makes only its element's state NaN."""
+    g = torch.Generator().manual_seed(7 + reverse)
+    B, n_q, d = 3, 600, 4
+    out = torch.rand(B, n_q, d + 1, dtype=torch.float64, generator=g) * 2.0
+    out[:, ::7, d] = 1e-9        # clipped
+    out[:, 3::11, d] = -0.25     # negative fits: clipped too
+    sigma = torch.tensor([0.7, 1.9, float("nan")], dtype=torch.float64)
+    clip = 1e-8
+    r = out[..., d].clone()
+    kl = torch.log(r.clamp_min(clip)).mean(-1) * (-1.0 if reverse else 1.0)
+    clipped = (r <= clip).double().mean(-1)
+    row_scale = torch.where(r > clip, 1.0 / (r * sigma[:, None] ** 2), 0.0)
+    weights = torch.rand(B, n_q, 9, dtype=torch.float64, generator=g)
+    target = {"projection": out, "weights": weights, "none": None}[state]
+    expected = None if target is None else target * row_scale[..., None]
+    with emulated_device(multiprocessors=4):
+        got_kl, got_clipped = EMU.kl_finish(out, target, sigma, clip, reverse)
+    assert_close_rel(got_kl, kl, 1e-13)
+    assert torch.equal(got_clipped, clipped)
+    if target is not None:  # element 2: NaN rows but for the clipped ones, which are 0
+        torch.testing.assert_close(target, expected, rtol=1e-15, atol=0, equal_nan=True)
+        assert target[2].isnan().any() and (target[2][r[2] <= clip] == 0).all()
+
+
 @pytest.mark.parametrize("N,ties", [(151, False), (160, False), (160, True), (41, True)])  # 11325 pairs, 12720, ..., 820
 def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
     """cuda/median.cu's multi-block radix selection over packed pairs (several blocks per element on a

@@ -15,7 +15,7 @@
 // forward's too). The dimension-split distances are summed with atomics, so on that path results can
 // differ in their last bits from run to run. For the generic path (csrc/generic.cpp, many points) the
 // same tiles give the packed pairs of any number of points for its median (pair_sqdist, then
-// cuda/median.cu) and its blocks of kernel values (kernel_block).
+// cuda/median.cu) and its blocks of kernel values (kernel_block), and kl_finish ends its forward.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -687,6 +687,52 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+// The end of the generic path's kl forward (cuda::kl_finish), one block a batch element: from the
+// ratios r_j (column width - 1 of r_src [B, n_q, width]) the KL, -+ mean_j log max(r_j, clip) (reverse:
+// minus), the fraction of clipped r_j, and each row of state [B, n_q, state_width] (null: none; it may
+// be r_src itself: a thread reads its row's r_j before it scales the row) scaled by 1 / (sigma_b^2 r_j),
+// 0 where r_j is clipped.
+constexpr int kFinishThreads = 256;
+__global__ void __launch_bounds__(kFinishThreads)
+    kl_finish_kernel(const double* r_src_all, int64_t n_q, int64_t width, double* state_all, int64_t state_width,
+                     const double* __restrict__ sigma, double clip, bool reverse, double* __restrict__ kl_out,
+                     double* __restrict__ clipped_out) {
+  __shared__ double red_log[kFinishThreads / 32];
+  __shared__ double red_cut[kFinishThreads / 32];
+  const int64_t b = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const double* r_src = r_src_all + b * n_q * width + (width - 1);
+  double* state = state_all != nullptr ? state_all + b * n_q * state_width : nullptr;
+  const double inv_s2 = 1.0 / (sigma[b] * sigma[b]);
+  double logs = 0.0, cuts = 0.0;
+  for (int64_t j = tid; j < n_q; j += kFinishThreads) {
+    const double r = r_src[j * width];
+    const bool cut = r <= clip;
+    logs += log(cut ? clip : r);
+    cuts += cut ? 1.0 : 0.0;
+    if (state != nullptr) {
+      const double scale = cut ? 0.0 : inv_s2 / r;
+      for (int64_t t = 0; t < state_width; ++t) state[j * state_width + t] *= scale;
+    }
+  }
+  logs = warp_sum(logs);
+  cuts = warp_sum(cuts);
+  if (lane == 0) {
+    red_log[warp] = logs;
+    red_cut[warp] = cuts;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    double total = 0.0, cut_total = 0.0;
+    for (int w = 0; w < kFinishThreads / 32; ++w) {
+      total += red_log[w];
+      cut_total += red_cut[w];
+    }
+    kl_out[b] = (reverse ? -total : total) / static_cast<double>(n_q);
+    clipped_out[b] = cut_total / static_cast<double>(n_q);
+  }
+}
+
 // grad[b, j, t] = row_scale_b (proj[b, j, t] - proj[b, j, d] z[b, j, t]) (projection state).
 template <typename T>
 __global__ void grad_from_projection_kernel(const double* __restrict__ row_scale, const double* __restrict__ proj,
@@ -1007,6 +1053,28 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
     }
   });
   return out;
+}
+
+std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Tensor>& state, const Tensor& sigma,
+                                     double clip, bool reverse) {
+  const c10::cuda::CUDAGuard guard(r_src.device());
+  const int64_t B = r_src.size(0), n_q = r_src.size(1), width = r_src.size(2);
+  TORCH_CHECK(r_src.scalar_type() == at::kDouble && r_src.is_contiguous() && width > 0 && sigma.numel() == B &&
+                  sigma.scalar_type() == at::kDouble && sigma.is_contiguous() &&
+                  (!state.has_value() || (state->scalar_type() == at::kDouble && state->is_contiguous() &&
+                                          state->size(0) == B && state->size(1) == n_q)),
+              "kivi_fast: kl_finish expects contiguous float64 [B, n_q, w > 0] ratios, state [B, n_q, *] and "
+              "sigma [B]");
+  auto kl = at::empty({B}, r_src.options()), clipped = at::empty({B}, r_src.options());
+  if (B == 0) return {kl, clipped};
+  TORCH_CHECK(n_q > 0, "kivi_fast: kl_finish needs at least one ratio a batch element");
+  const auto stream = c10::cuda::getCurrentCUDAStream(r_src.get_device());
+  kl_finish_kernel<<<static_cast<unsigned>(B), kFinishThreads, 0, stream>>>(
+      r_src.data_ptr<double>(), n_q, width, state.has_value() ? state->data_ptr<double>() : nullptr,
+      state.has_value() ? state->size(2) : 0, sigma.data_ptr<double>(), clip, reverse, kl.data_ptr<double>(),
+      clipped.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {kl, clipped};
 }
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {

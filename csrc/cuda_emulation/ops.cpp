@@ -63,6 +63,8 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("pair_sqdist(Tensor denom, Tensor numer) -> Tensor", &cuda::pair_sqdist);
   m.def("kernel_block(Tensor denom, Tensor numer, int r0, int rows, int c0, int cols, Tensor scale) -> Tensor",
         &cuda::kernel_block);
+  m.def("kl_finish(Tensor r_src, Tensor? state, Tensor sigma, float clip, bool reverse) -> (Tensor, Tensor)",
+        &cuda::kl_finish);
   m.def("median_of_pairs(Tensor pairs) -> Tensor", &cuda::median_of_pairs);
   m.def("handles_kl(int n_total, int d, int batch) -> bool", &handles_kl);
   m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
