@@ -3,7 +3,8 @@
 // (csrc/cpu/) are tested against. On CUDA some of its pieces are kernels of csrc/cuda/, where ATen
 // would take several launches or a buffer: the packed pairs (cuda::pair_sqdist) and their median
 // (cuda::median_of_pairs), the blocks of kernel values for samples with few dimensions
-// (cuda::kernel_block), and the kl forward's end (cuda::kl_finish).
+// (cuda::kernel_block), the fit's coefficients from its solve (cuda::fit_coef), and the kl forward's
+// end (cuda::kl_finish).
 //
 // Off the CPU nothing here reads a value back to the host (a read stalls the stream at every call and
 // breaks CUDA-graph capture): where the CPU raises an error for a value (NaN/Inf samples, a zero
@@ -163,9 +164,21 @@ class StackedDistances {
   // distances turned into kernel values in place.
   Tensor kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused_) return cuda::kernel_block(points_, points_.narrow(1, 0, 0), r0, rows, c0, cols, scale.view({-1}));
+    if (fused_) {
+      return cuda::kernel_block(points_, points_.narrow(1, 0, 0), r0, rows, c0, cols, scale.view({-1}), 1.0, 0.0);
+    }
 #endif
     return block(r0, rows, c0, cols).div_(scale).exp_();
+  }
+
+  // [B, n, n]: the fit's system K_dd / n + lam I over the first n points (the denominator's).
+  Tensor system(int64_t n, const Tensor& scale, double lam) const {
+#ifdef KIVI_FAST_WITH_CUDA
+    if (fused_) return cuda::kernel_block(points_, points_.narrow(1, 0, 0), 0, n, 0, n, scale.view({-1}), n, lam);
+#endif
+    auto out = kernel(0, n, 0, n, scale).div_(static_cast<double>(n));
+    out.diagonal(0, 1, 2).add_(lam);
+    return out;
   }
 
   // [B, N (N - 1) / 2]: the pairs i < j, packed row by row (kivi.h, cuda::pair_sqdist's layout).
@@ -206,9 +219,12 @@ class StackedDistances {
   Tensor norms_;
 };
 
-// alpha [B, n_den]: the right side first, from the numerator's columns in chunks of rows within
-// budget bytes, then the system K_dd / n_den + lam I, factored in place.
-Tensor solve_alpha(const StackedDistances& dist, int64_t n_den, const Tensor& scale, double lam, int64_t budget) {
+// The fit's system K_dd / n_den + lam I solved for its right side K_dn 1 / (lam n_den n_num): x
+// [B, n_den, 1] (alpha = -x) and Cholesky's info [B] (0: positive definite; checked here on the CPU).
+// The right side first, from the numerator's columns in chunks of rows within budget bytes, then the
+// system, factored in place.
+std::pair<Tensor, Tensor> solve_system(const StackedDistances& dist, int64_t n_den, const Tensor& scale, double lam,
+                                       int64_t budget) {
   const int64_t B = scale.size(0), n_num = dist.N - n_den;
   auto rhs = at::empty({B, n_den, 1}, scale.options());
   const int64_t step = chunk_rows(B, n_num, budget);
@@ -218,8 +234,7 @@ Tensor solve_alpha(const StackedDistances& dist, int64_t n_den, const Tensor& sc
     at::sum_out(part, dist.kernel(r0, rows, n_den, n_num, scale), -1, true);
   }
   rhs.div_(lam * static_cast<double>(n_den) * static_cast<double>(n_num));
-  auto system = dist.kernel(0, n_den, 0, n_den, scale).div_(static_cast<double>(n_den));
-  system.diagonal(0, 1, 2).add_(lam);
+  auto system = dist.system(n_den, scale, lam);
   // Factored in place: the system is symmetric, so its transpose is the column-major layout LAPACK and
   // cuSOLVER factor, and at::linalg_cholesky_ex_out then neither copies it nor allocates the factor
   // (an n_den x n_den float64 matrix: 200 MB at n_den = 5,000).
@@ -231,8 +246,7 @@ Tensor solve_alpha(const StackedDistances& dist, int64_t n_den, const Tensor& sc
   }
   // two triangular solves rather than cholesky_solve, whose CUDA version may read its status back
   auto y = at::linalg_solve_triangular(chol, rhs, /*upper=*/false);
-  auto alpha = -at::linalg_solve_triangular(chol.mH(), y, /*upper=*/true).squeeze(-1);
-  return chol.is_cpu() ? alpha : at::where((info == 0).unsqueeze(-1), alpha, NAN);
+  return {at::linalg_solve_triangular(chol.mH(), y, /*upper=*/true), info};
 }
 
 // A fit of numer / denom from their stacked points' distances: coef [B, N] and sigma [B], the kernel's
@@ -254,11 +268,18 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
   if (sigma.has_value() && !s.is_cpu()) s = at::where(s.gt(0).logical_and(s.isfinite()), s, NAN);  // see above
   const int64_t budget = 8 * dist.norms().size(0) * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});
-  auto alpha = solve_alpha(dist, n_den, scale, lam, budget);
-  if (!alpha.is_cpu()) alpha = at::where(at::isfinite(dist.norms()).all(1, true), alpha, NAN);  // check_finite_rows
-  const int64_t n_num = dist.N - n_den;
-  auto beta = at::full({alpha.size(0), n_num}, 1.0 / (lam * static_cast<double>(n_num)), alpha.options());
-  return {{at::cat({alpha, beta}, 1), s}, scale, budget};
+  auto [x, info] = solve_system(dist, n_den, scale, lam, budget);
+  const double beta = 1.0 / (lam * static_cast<double>(dist.N - n_den));
+#ifdef KIVI_FAST_WITH_CUDA
+  if (x.is_cuda()) return {{cuda::fit_coef(x, info, dist.norms(), beta), s}, scale, budget};  // one launch
+#endif
+  // off the CPU: NaN for an element whose system failed or whose samples are not finite (check_finite_rows)
+  auto alpha = -x.squeeze(-1);
+  if (!alpha.is_cpu()) {
+    alpha = at::where((info == 0).unsqueeze(-1).logical_and(at::isfinite(dist.norms()).all(1, true)), alpha, NAN);
+  }
+  auto betas = at::full({alpha.size(0), dist.N - n_den}, beta, alpha.options());
+  return {{at::cat({alpha, betas}, 1), s}, scale, budget};
 }
 
 // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j) from the projection (row_scale [B, m] or [B, 1])

@@ -155,12 +155,16 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
 // (i, j) at i (2N - i - 1) / 2 + j - i - 1. From differences, as kl's own distances. cuda/kl.cu; the
 // generic path's pairs for the median on CUDA tensors.
 Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
-// The kernel values exp(D_ij / scale_b) (scale [B] float64 = -2 sigma^2) of the stacked points [denom;
-// numer] for rows [r0, r0 + rows) and columns [c0, c0 + cols): [B, rows, cols] float64, D from
-// differences (exact zeros for a point against itself). cuda/kl.cu; the generic path's kernel values
-// on CUDA tensors with few dimensions.
+// The kernel values exp(D_ij / scale_b) / divisor (scale [B] float64 = -2 sigma^2), plus `diagonal`
+// where i = j, of the stacked points [denom; numer] for rows [r0, r0 + rows) and columns [c0, c0 + cols):
+// [B, rows, cols] float64, D from differences (exact zeros for a point against itself). cuda/kl.cu;
+// the generic path's kernel values and system on CUDA tensors with few dimensions.
 Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
-                    const Tensor& scale);
+                    const Tensor& scale, double divisor, double diagonal);
+// The generic fit's coefficients [B, N] = [-x, beta 1] from its solve's x [B, n_den, 1], NaN for alpha
+// where info [B] (Cholesky's, int32) is not 0 or the stacked points' squared norms [B, N] are not
+// finite. cuda/kl.cu.
+Tensor fit_coef(const Tensor& x, const Tensor& info, const Tensor& norms, double beta);
 // The end of the generic kl forward in one launch: from the ratios r_j, the last column of r_src
 // ([B, n_q, w] float64, contiguous), (KL [B], clipped fraction [B]) as generic::kl defines them, and
 // the rows of state ([B, n_q, *] float64, contiguous, optional; it may be r_src) scaled in place by

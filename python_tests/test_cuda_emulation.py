@@ -380,23 +380,45 @@ def test_pair_sqdist_packs_every_pair(n_den, n_num, d, dtype):
 ])
 def test_kernel_block_equals_the_kernel_of_cdist(n_den, n_num, d, block, dtype):
     """cuda::kernel_block, the generic path's kernel values on CUDA: exp(D / scale) of any block of the
-    stacked points against torch.cdist's, exact ones where a point meets itself, NaN for a NaN
-    scale (a NaN bandwidth) in its batch element only."""
+    stacked points against differences, exact ones where a point meets itself, NaN for a NaN scale (a
+    NaN bandwidth) in its batch element only; and the system's form, divided, plus the diagonal."""
     g = torch.Generator().manual_seed(n_den + d)
     den = torch.randn(3, n_den, d, dtype=torch.float64, generator=g).to(dtype)
     num = torch.randn(3, n_num, d, dtype=torch.float64, generator=g).to(dtype) + 0.5
     scale = -2.0 * torch.tensor([1.5, 3.0, float("nan")], dtype=torch.float64) ** 2
     r0, rows, c0, cols = block
     with emulated_device(multiprocessors=4):
-        k = EMU.kernel_block(den, num, r0, rows, c0, cols, scale)
+        k = EMU.kernel_block(den, num, r0, rows, c0, cols, scale, 1.0, 0.0)
+        system = EMU.kernel_block(den, num, r0, rows, c0, cols, scale, 7.0, 0.25)  # K / 7 + 0.25 where i = j
     pts = torch.cat([den, num], 1).double()
-    expected = (torch.cdist(pts[:, r0:r0 + rows], pts[:, c0:c0 + cols]).square() / scale[:, None, None]).exp()
+    sq = (pts[:, r0:r0 + rows, None] - pts[:, None, c0:c0 + cols]).square().sum(-1)
+    expected = (sq / scale[:, None, None]).exp()
     assert k.shape == (3, rows, cols) and k.dtype == torch.float64
     assert_close_rel(k[:2], expected[:2], 1e-12)
     assert k[2].isnan().all()
     lo, hi = max(r0, c0), min(r0 + rows, c0 + cols)
     i = torch.arange(lo, max(lo, hi))  # the points in both ranges
     assert (k[:2, i - r0, i - c0] == 1.0).all()
+    expected_system = expected / 7.0
+    expected_system[:, i - r0, i - c0] += 0.25
+    assert_close_rel(system[:2], expected_system[:2], 1e-12)
+    assert (system[:2, i - r0, i - c0] == 1.0 / 7.0 + 0.25).all()
+
+
+def test_fit_coef_assembles_the_coefficients():
+    """cuda::fit_coef: [-x, beta 1] per batch element, NaN for alpha (not beta) where Cholesky failed or
+    a squared norm is NaN/Inf; more points than threads."""
+    B, n_den, N = 4, 300, 700
+    x = torch.randn(B, n_den, 1, dtype=torch.float64)
+    info = torch.tensor([0, 3, 0, 0], dtype=torch.int32)
+    norms = torch.rand(B, N, dtype=torch.float64)
+    norms[2, 650] = float("inf")
+    norms[3, 10] = float("nan")
+    with emulated_device(multiprocessors=4):
+        coef = EMU.fit_coef(x, info, norms, 0.125)
+    assert coef.shape == (B, N)
+    assert torch.equal(coef[0, :n_den], -x[0, :, 0]) and (coef[:, n_den:] == 0.125).all()
+    assert coef[1:, :n_den].isnan().all()
 
 
 @pytest.mark.parametrize("reverse", [True, False])

@@ -657,8 +657,9 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_p
   }
 }
 
-// Kernel values exp(||x_i - x_j||^2 / scale_b) (scale = -2 sigma^2) of the stacked points' rows
-// i in [r0, r0 + rows) against columns j in [c0, c0 + cols), into out [B, rows, cols]: a kTile x kTile
+// Kernel values exp(||x_i - x_j||^2 / scale_b) / divisor (scale = -2 sigma^2), plus `diagonal` where
+// i = j, of the stacked points' rows i in [r0, r0 + rows) against columns j in [c0, c0 + cols), into
+// out [B, rows, cols] (the system K_dd / n + lam I: divisor n, diagonal lam): a kTile x kTile
 // block of outputs a block (blockIdx.x: column tiles, blockIdx.y: row tiles, blockIdx.z: the batch),
 // all the dimensions in turn (tile_sqdist), the exponential taken in registers. The generic path's
 // kernel values on CUDA (cuda::kernel_block): one launch and one write of the block, where the ATen
@@ -667,8 +668,8 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_p
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads)
     kernel_block_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
-                        int r0, int rows, int c0, int cols, const double* __restrict__ scale,
-                        double* __restrict__ out_all) {
+                        int r0, int rows, int c0, int cols, const double* __restrict__ scale, double divisor,
+                        double diagonal, double* __restrict__ out_all) {
   __shared__ TileStage stage;
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
@@ -682,9 +683,31 @@ __global__ void __launch_bounds__(kTileThreads)
     const int i = blockIdx.y * kTile + ty + 16 * u;  // within the block
     for (int v = 0; v < 4; ++v) {
       const int j = blockIdx.x * kTile + tx + 16 * v;
-      if (i < rows && j < cols) out[static_cast<int64_t>(i) * cols + j] = exp(gamma * acc[u][v]);
+      if (i < rows && j < cols) {
+        // (divided, then the diagonal added: the ATen composition's rounding)
+        const double k = exp(gamma * acc[u][v]) / divisor;
+        out[static_cast<int64_t>(i) * cols + j] = r0 + i == c0 + j ? k + diagonal : k;
+      }
     }
   }
+}
+
+// The generic fit's coefficients (cuda::fit_coef), one block a batch element: coef = [-x, beta 1]
+// ([B, N]) from the solve's x ([B, n_den, 1]), with NaN for alpha where Cholesky failed (info != 0) or
+// a sample is not finite (a squared norm in norms [B, N] is NaN/Inf).
+constexpr int kCoefThreads = 256;
+__global__ void __launch_bounds__(kCoefThreads)
+    fit_coef_kernel(const double* __restrict__ x_all, const int* __restrict__ info,
+                    const double* __restrict__ norms_all, int64_t n_den, int64_t N, double beta,
+                    double* __restrict__ coef_all) {
+  const int64_t b = blockIdx.x;
+  const double* norms = norms_all + b * N;
+  int bad = info[b] != 0;
+  for (int64_t c = threadIdx.x; c < N; c += kCoefThreads) bad |= key_of(norms[c]) >= kNotFiniteKey;  // (norms >= 0)
+  bad = __syncthreads_or(bad);
+  const double* x = x_all + b * n_den;
+  double* coef = coef_all + b * N;
+  for (int64_t c = threadIdx.x; c < N; c += kCoefThreads) coef[c] = c >= n_den ? beta : bad ? NAN : -x[c];
 }
 
 // The end of the generic path's kl forward (cuda::kl_finish), one block a batch element: from the
@@ -1022,7 +1045,7 @@ Tensor pair_sqdist(const Tensor& denom_in, const Tensor& numer_in) {
 }
 
 Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, int64_t rows, int64_t c0,
-                    int64_t cols, const Tensor& scale_in) {
+                    int64_t cols, const Tensor& scale_in, double divisor, double diagonal) {
   const c10::cuda::CUDAGuard guard(denom_in.device());
   const Tensor denom = denom_in.contiguous(), numer = numer_in.contiguous(), scale = scale_in.contiguous();
   const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
@@ -1048,19 +1071,36 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
       kernel_block_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(
           den + b0 * n_den * d, num + b0 * n_num * d, static_cast<int>(n_den), static_cast<int>(n_num), d,
           static_cast<int>(r0), static_cast<int>(rows), static_cast<int>(c0), static_cast<int>(cols),
-          scale.data_ptr<double>() + b0, out.data_ptr<double>() + b0 * rows * cols);
+          scale.data_ptr<double>() + b0, divisor, diagonal, out.data_ptr<double>() + b0 * rows * cols);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
   return out;
 }
 
-std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Tensor>& state, const Tensor& sigma,
+Tensor fit_coef(const Tensor& x_in, const Tensor& info_in, const Tensor& norms_in, double beta) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), info = info_in.contiguous(), norms = norms_in.contiguous();
+  const int64_t B = x.size(0), n_den = x.size(1), N = norms.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kDouble && x.numel() == B * n_den && info.scalar_type() == at::kInt &&
+                  info.numel() == B && norms.scalar_type() == at::kDouble && norms.size(0) == B && N >= n_den,
+              "kivi_fast: fit_coef expects x [B, n_den, 1] float64, info [B] int32, norms [B, N] float64");
+  auto coef = at::empty({B, N}, x.options());
+  if (coef.numel() == 0) return coef;
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+  fit_coef_kernel<<<static_cast<unsigned>(B), kCoefThreads, 0, stream>>>(
+      x.data_ptr<double>(), info.data_ptr<int>(), norms.data_ptr<double>(), n_den, N, beta, coef.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return coef;
+}
+
+std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Tensor>& state, const Tensor& sigma_in,
                                      double clip, bool reverse) {
   const c10::cuda::CUDAGuard guard(r_src.device());
+  const Tensor sigma = sigma_in.contiguous();
   const int64_t B = r_src.size(0), n_q = r_src.size(1), width = r_src.size(2);
   TORCH_CHECK(r_src.scalar_type() == at::kDouble && r_src.is_contiguous() && width > 0 && sigma.numel() == B &&
-                  sigma.scalar_type() == at::kDouble && sigma.is_contiguous() &&
+                  sigma.scalar_type() == at::kDouble &&
                   (!state.has_value() || (state->scalar_type() == at::kDouble && state->is_contiguous() &&
                                           state->size(0) == B && state->size(1) == n_q)),
               "kivi_fast: kl_finish expects contiguous float64 [B, n_q, w > 0] ratios, state [B, n_q, *] and "
