@@ -373,14 +373,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
   // sigma^2; clipped: none.
   auto state = !grad_state ? out.new_empty({B, n_q, 0}) : with_points ? out : weights;
 #ifdef KIVI_FAST_WITH_CUDA
-  if (out.is_cuda() && n_q > 0) {  // one launch for the ~14 below (the host bounds these shapes)
+  // One launch for the 13 below where the state is small (a block an element scales it; the host bounds
+  // such calls, as (1000, 32)'s), ATen's launches, over the whole GPU, for larger ones.
+  if (out.is_cuda() && n_q > 0 && n_q * state.size(2) <= (int64_t{1} << 17)) {
     auto [kl, clipped] = cuda::kl_finish(out, grad_state ? std::optional<Tensor>(state) : std::nullopt, f.sigma,
                                          clip, reverse);
     return {kl, state, f.sigma, clipped};
   }
 #endif
   const auto r = out.select(2, by.size(2) - 1);
-  auto row_scale = (r > clip).to(at::kDouble) / (r * (f.sigma * f.sigma).unsqueeze(1));
+  // (0, not 0 / 0, where a clipped r_j is 0: as the CPU and CUDA kernels)
+  auto row_scale = at::where(r > clip, 1.0 / (r * (f.sigma * f.sigma).unsqueeze(1)), 0.0);
   auto kl = at::log(r.clamp_min(clip)).mean(-1);
   if (reverse) kl.neg_();
   auto clipped = (r <= clip).to(at::kDouble).mean(-1);

@@ -424,22 +424,24 @@ def test_fit_coef_assembles_the_coefficients():
 @pytest.mark.parametrize("reverse", [True, False])
 @pytest.mark.parametrize("state", ["projection", "weights", "none"])
 def test_kl_finish_equals_the_aten_composition(reverse, state):
-    """cuda::kl_finish, the generic kl forward's last launch on CUDA, against the ATen ops it replaces
-    (generic.cpp): the KL and the clipped fraction from the ratios (some clipped, some negative, more
-    rows than threads), each state row scaled by 1 / (sigma^2 r_j) or 0 where clipped, in place; the
-    projection state is the ratios' own tensor. A NaN bandwidth makes only its element's state NaN."""
+    """cuda::kl_finish, the generic kl forward's last launch on CUDA, against the formula of the ATen
+    branch it replaces (generic.cpp): the KL and the clipped fraction from the ratios (some clipped,
+    some negative, one 0, more rows than threads), each state row scaled by 1 / (sigma^2 r_j) or 0
+    where clipped, in place; the projection state is the ratios' own tensor (more columns than lanes
+    in the weights state). A NaN bandwidth makes only its element's state NaN."""
     g = torch.Generator().manual_seed(7 + reverse)
     B, n_q, d = 3, 600, 4
     out = torch.rand(B, n_q, d + 1, dtype=torch.float64, generator=g) * 2.0
     out[:, ::7, d] = 1e-9        # clipped
     out[:, 3::11, d] = -0.25     # negative fits: clipped too
+    out[:, 5, d] = 0.0           # 0: a row of 0, not 0 / 0
     sigma = torch.tensor([0.7, 1.9, float("nan")], dtype=torch.float64)
     clip = 1e-8
     r = out[..., d].clone()
     kl = torch.log(r.clamp_min(clip)).mean(-1) * (-1.0 if reverse else 1.0)
     clipped = (r <= clip).double().mean(-1)
     row_scale = torch.where(r > clip, 1.0 / (r * sigma[:, None] ** 2), 0.0)
-    weights = torch.rand(B, n_q, 9, dtype=torch.float64, generator=g)
+    weights = torch.rand(B, n_q, 70, dtype=torch.float64, generator=g)
     target = {"projection": out, "weights": weights, "none": None}[state]
     expected = None if target is None else target * row_scale[..., None]
     with emulated_device(multiprocessors=4):

@@ -712,9 +712,9 @@ __global__ void __launch_bounds__(kCoefThreads)
 
 // The end of the generic path's kl forward (cuda::kl_finish), one block a batch element: from the
 // ratios r_j (column width - 1 of r_src [B, n_q, width]) the KL, -+ mean_j log max(r_j, clip) (reverse:
-// minus), the fraction of clipped r_j, and each row of state [B, n_q, state_width] (null: none; it may
-// be r_src itself: a thread reads its row's r_j before it scales the row) scaled by 1 / (sigma_b^2 r_j),
-// 0 where r_j is clipped.
+// minus), and the fraction of clipped r_j; then each row of state [B, n_q, state_width] (null: none; it
+// may be r_src itself) scaled by 1 / (sigma_b^2 r_j), 0 where r_j is clipped, a warp a row (its lanes
+// along the row: coalesced). For small states (kl_finish's caller): one block works through them.
 constexpr int kFinishThreads = 256;
 __global__ void __launch_bounds__(kFinishThreads)
     kl_finish_kernel(const double* r_src_all, int64_t n_q, int64_t width, double* state_all, int64_t state_width,
@@ -725,18 +725,12 @@ __global__ void __launch_bounds__(kFinishThreads)
   const int64_t b = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const double* r_src = r_src_all + b * n_q * width + (width - 1);
-  double* state = state_all != nullptr ? state_all + b * n_q * state_width : nullptr;
-  const double inv_s2 = 1.0 / (sigma[b] * sigma[b]);
   double logs = 0.0, cuts = 0.0;
   for (int64_t j = tid; j < n_q; j += kFinishThreads) {
     const double r = r_src[j * width];
     const bool cut = r <= clip;
     logs += log(cut ? clip : r);
     cuts += cut ? 1.0 : 0.0;
-    if (state != nullptr) {
-      const double scale = cut ? 0.0 : inv_s2 / r;
-      for (int64_t t = 0; t < state_width; ++t) state[j * state_width + t] *= scale;
-    }
   }
   logs = warp_sum(logs);
   cuts = warp_sum(cuts);
@@ -744,7 +738,7 @@ __global__ void __launch_bounds__(kFinishThreads)
     red_log[warp] = logs;
     red_cut[warp] = cuts;
   }
-  __syncthreads();
+  __syncthreads();  // (also: every r_j is read before the rows are scaled, state may be r_src)
   if (tid == 0) {
     double total = 0.0, cut_total = 0.0;
     for (int w = 0; w < kFinishThreads / 32; ++w) {
@@ -753,6 +747,15 @@ __global__ void __launch_bounds__(kFinishThreads)
     }
     kl_out[b] = (reverse ? -total : total) / static_cast<double>(n_q);
     clipped_out[b] = cut_total / static_cast<double>(n_q);
+  }
+  if (state_all == nullptr) return;
+  double* state = state_all + b * n_q * state_width;
+  const double inv_s2 = 1.0 / (sigma[b] * sigma[b]);
+  for (int64_t j = warp; j < n_q; j += kFinishThreads / 32) {
+    const double r = r_src[j * width];
+    __syncwarp();  // every lane has read r_j before one rewrites it (state may be r_src)
+    const double scale = r <= clip ? 0.0 : inv_s2 / r;
+    for (int64_t t = lane; t < state_width; t += 32) state[j * state_width + t] *= scale;
   }
 }
 
@@ -1087,6 +1090,7 @@ Tensor fit_coef(const Tensor& x_in, const Tensor& info_in, const Tensor& norms_i
               "kivi_fast: fit_coef expects x [B, n_den, 1] float64, info [B] int32, norms [B, N] float64");
   auto coef = at::empty({B, N}, x.options());
   if (coef.numel() == 0) return coef;
+  TORCH_CHECK(B <= std::numeric_limits<int>::max(), "kivi_fast: fit_coef takes at most 2^31 - 1 batch elements");
   const auto stream = c10::cuda::getCurrentCUDAStream(x.get_device());
   fit_coef_kernel<<<static_cast<unsigned>(B), kCoefThreads, 0, stream>>>(
       x.data_ptr<double>(), info.data_ptr<int>(), norms.data_ptr<double>(), n_den, N, beta, coef.data_ptr<double>());
@@ -1107,7 +1111,8 @@ std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Te
               "sigma [B]");
   auto kl = at::empty({B}, r_src.options()), clipped = at::empty({B}, r_src.options());
   if (B == 0) return {kl, clipped};
-  TORCH_CHECK(n_q > 0, "kivi_fast: kl_finish needs at least one ratio a batch element");
+  TORCH_CHECK(n_q > 0 && B <= std::numeric_limits<int>::max(),
+              "kivi_fast: kl_finish needs at least one ratio a batch element, and at most 2^31 - 1 elements");
   const auto stream = c10::cuda::getCurrentCUDAStream(r_src.get_device());
   kl_finish_kernel<<<static_cast<unsigned>(B), kFinishThreads, 0, stream>>>(
       r_src.data_ptr<double>(), n_q, width, state.has_value() ? state->data_ptr<double>() : nullptr,
