@@ -146,7 +146,8 @@ def with_switch(switch: str, flag: bool, fn):
 def switch_ab(p, q, switch: str, target_s: float) -> str:
     """Ours (forward + backward) with a testing switch on (the default) and off, timed alternately:
     set_two_blocks_per_sm (batches of more than one wave: two forward blocks per SM, or one),
-    set_paired_elimination (the forward's elimination two columns a step, or one)."""
+    set_paired_elimination (the forward's elimination two columns a step, or one), set_generic_kernels
+    (many points: the generic path's CUDA kernels, or ATen's composition of the same steps)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
                    p, q, True, target_s)
@@ -228,6 +229,8 @@ def main(argv=None) -> int:
                     print(floors(p, q))
                 if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:
                     print(switch_ab(p, q, "set_two_blocks_per_sm", args.target_s))
+                if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches
+                    print(switch_ab(p, q, "set_generic_kernels", args.target_s))
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:

@@ -131,7 +131,7 @@ class StackedDistances {
       points_ = stack_points(denom, numer).to(at::kDouble);
       norms_ = points_.square().sum(-1);
 #ifdef KIVI_FAST_WITH_CUDA
-      fused_ = denom.is_cuda();  // cuda::kernel_block reads the samples themselves
+      fused_ = denom.is_cuda() && cuda::use_generic_kernels();  // cuda::kernel_block reads the points
 #endif
       return;
     }
@@ -184,7 +184,7 @@ class StackedDistances {
   // [B, N (N - 1) / 2]: the pairs i < j, packed row by row (kivi.h, cuda::pair_sqdist's layout).
   Tensor pairs() const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (denom_.is_cuda()) return cuda::pair_sqdist(denom_, numer_);  // from the samples, no chunks
+    if (denom_.is_cuda() && cuda::use_generic_kernels()) return cuda::pair_sqdist(denom_, numer_);  // no chunks
 #endif
     const int64_t B = norms_.size(0);
     auto out = at::empty({B, N * (N - 1) / 2}, norms_.options());
@@ -271,7 +271,9 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
   auto [x, info] = solve_system(dist, n_den, scale, lam, budget);
   const double beta = 1.0 / (lam * static_cast<double>(dist.N - n_den));
 #ifdef KIVI_FAST_WITH_CUDA
-  if (x.is_cuda()) return {{cuda::fit_coef(x, info, dist.norms(), beta), s}, scale, budget};  // one launch
+  if (x.is_cuda() && cuda::use_generic_kernels()) {
+    return {{cuda::fit_coef(x, info, dist.norms(), beta), s}, scale, budget};  // one launch
+  }
 #endif
   // off the CPU: NaN for an element whose system failed or whose samples are not finite (check_finite_rows)
   auto alpha = -x.squeeze(-1);
@@ -375,7 +377,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
 #ifdef KIVI_FAST_WITH_CUDA
   // One launch for the 13 below where the state is small (a block an element scales it; the host bounds
   // such calls, as (1000, 32)'s), ATen's launches, over the whole GPU, for larger ones.
-  if (out.is_cuda() && n_q > 0 && n_q * state.size(2) <= (int64_t{1} << 17)) {
+  if (out.is_cuda() && cuda::use_generic_kernels() && n_q > 0 && n_q * state.size(2) <= (int64_t{1} << 17)) {
     auto [kl, clipped] = cuda::kl_finish(out, grad_state ? std::optional<Tensor>(state) : std::nullopt, f.sigma,
                                          clip, reverse);
     return {kl, state, f.sigma, clipped};

@@ -336,6 +336,27 @@ def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(s
     assert peak <= blocks + inputs + 16 * 2**20, (peak, blocks)
 
 
+@pytest.mark.parametrize("shape", GENERIC_SHAPES[:2], ids=["550-points", "batch-ties"])
+def test_the_generic_paths_cuda_kernels_equal_its_aten_composition(shape):
+    """set_generic_kernels(False), the benches' A/B: the generic path on CUDA without its kernels
+    (pair_sqdist, kernel_block, fit_coef, kl_finish) gives what it gives with them, median and given
+    bandwidth, both settings of reverse."""
+    b, n_p, n_q, d, ties = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + d, 1.2, 0.3)
+    if ties:
+        p, q = p.round(), q.round()
+    p, q = p.to(CUDA), q.to(CUDA)
+    for kw in (dict(reverse=True), dict(reverse=False), dict(bandwidth=1.5)):
+        with_kernels = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+        old = torch.ops.kivi_fast_testing.set_generic_kernels(False)
+        try:
+            composed = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+        finally:
+            torch.ops.kivi_fast_testing.set_generic_kernels(old)
+        for got, want in zip(with_kernels, composed):
+            assert_close_rel(got, want.cpu(), 1e-9)
+
+
 @pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (100, 700), (300, 3)])  # CUDA (small, wide, tiles), generic
 def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
     """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN:

@@ -836,6 +836,8 @@ int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMa
 std::atomic<bool> two_blocks_per_sm{true};
 // set_paired_elimination's switch (benches: solve_spd's one column a step against two).
 std::atomic<bool> paired_elimination{true};
+// set_generic_kernels's switch (benches: the generic path's CUDA kernels against its ATen composition).
+std::atomic<bool> generic_kernels{true};
 
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
@@ -1007,6 +1009,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
 bool set_two_blocks_per_sm(bool flag) { return two_blocks_per_sm.exchange(flag); }
 
 bool set_paired_elimination(bool flag) { return paired_elimination.exchange(flag); }
+
+bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
+
+bool use_generic_kernels() { return generic_kernels.load(); }
 
 void set_stage_clocks(const std::optional<Tensor>& buffer) {
   if (!buffer.has_value()) {
