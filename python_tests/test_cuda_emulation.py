@@ -222,7 +222,8 @@ def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
     with emulated_device(multiprocessors=2):
         launches()
         two = emulated_kl(p, q, False)
-        (two_bytes,) = [s for name, _, _, s in launches() if name == "forward"]
+        ((two_grid, two_bytes),) = [(g, s) for name, g, _, s in launches() if name == "forward"]
+        assert two_grid == (4, 1, 1)  # two blocks on each of 2 multiprocessors take the 5 elements in turn
         old = EMU.set_two_blocks_per_sm(False)
         try:
             one = emulated_kl(p, q, False)
@@ -236,6 +237,33 @@ def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
         for a, e in zip(out, cpu[0]):
             assert_close_rel(a, e, 1e-6 if a.dtype == torch.float32 else 1e-9)
         assert_close_rel(g, cpu[1], 1e-6 if dtype == torch.float32 else 1e-9)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_blocks_take_the_batch_in_turn_through_their_workspace_slots(reverse):
+    """Where the forward keeps its distances and system in global memory, kl() launches only as many
+    blocks as the GPU holds at once, each taking batch elements in turn through its own workspace slot:
+    on an emulated device of one multiprocessor one block computes all 5 elements through one slot
+    (what an element leaves there must not reach the next), the same bits as one block an element."""
+    p, q = seeded_samples(5, 100, 100, 8, torch.float64, 4 + reverse, 1.2, 0.3)
+    p[2] *= 3.0  # elements unlike each other: another scale, a zero median (NaN) in between
+    p[3], q[3] = 0.0, 0.0
+    old = EMU.set_two_blocks_per_sm(False)
+    try:
+        results = []
+        for multiprocessors, blocks in ((1, 1), (132, 5)):
+            with emulated_device(multiprocessors=multiprocessors, shared_per_block_optin=60000):
+                launches()
+                results.append(emulated_kl(p, q, reverse))
+                (grid,) = [g for name, g, _, _ in launches() if name == "forward"]
+                assert grid == (blocks, 1, 1)
+    finally:
+        EMU.set_two_blocks_per_sm(old)
+    (one_slot, one_slot_g), (own, own_g) = results
+    for a, e in zip(one_slot, own):
+        assert torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num())
+    assert torch.equal(one_slot_g.nan_to_num(), own_g.nan_to_num())
+    assert one_slot[0][3].isnan() and one_slot[0][[0, 1, 2, 4]].isfinite().all()
 
 
 @pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])

@@ -4,18 +4,19 @@
 // (10, 314000); with many posterior samples, (100, 50000)). Other shapes take the device-generic ATen
 // path (csrc/generic.cpp); handles_kl says which.
 //
-// One block per batch element does the whole forward in one launch, in shared memory where it fits
-// (kl_forward_kernel says what goes where): the points as float64, every pair's distance, the exact
-// median by radix selection on the distances' bit patterns, the system K_dd / n_den + lam I, its
-// elimination and solve, the evaluation of the ratio at q_z's points, the KL and the backward's grad
-// state. With many dimensions a first launch splits the distances over dimension chunks
-// (pair_sqdist_kernel; pair_tile_kernel above 64 points), so that the whole GPU reads the samples
-// once. The backward is one elementwise launch (projection state) or one launch whose blocks each
-// read the samples' columns for 8 rows of q_z (weight state up to kMaxWeightWork weights, the generic
-// forward's too). The dimension-split distances are summed with atomics, so on that path results can
-// differ in their last bits from run to run. For the generic path (csrc/generic.cpp, many points) the
-// same tiles give the packed pairs of any number of points for its median (pair_sqdist, then
-// cuda/median.cu) and its blocks of kernel values (kernel_block), and kl_finish ends its forward.
+// One block a batch element does the whole forward in one launch, in shared memory where it fits
+// (kl_forward_kernel says what goes where; where it does not, as many blocks as the GPU holds take the
+// elements in turn, each with its own slot of the global workspace): the points as float64, every
+// pair's distance, the exact median by radix selection on the distances' bit patterns, the system K_dd
+// / n_den + lam I, its elimination and solve, the evaluation of the ratio at q_z's points, the KL and
+// the backward's grad state. With many dimensions a first launch splits the distances over dimension
+// chunks (pair_sqdist_kernel; pair_tile_kernel above 64 points), so that the whole GPU reads the
+// samples once. The backward is one elementwise launch (projection state) or one launch whose blocks
+// each read the samples' columns for 8 rows of q_z (weight state up to kMaxWeightWork weights, the
+// generic forward's too). The dimension-split distances are summed with atomics, so on that path
+// results can differ in their last bits from run to run. For the generic path (csrc/generic.cpp, many
+// points) the same tiles give the packed pairs of any number of points for its median (pair_sqdist,
+// then cuda/median.cu) and its blocks of kernel values (kernel_block), and kl_finish ends its forward.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
 // of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
@@ -191,14 +192,15 @@ struct KlArgs {
                             // consecutive points hit distinct banks)
   bool dist_in_shared;      // the distances in shared memory (else in the global workspace)
   bool system_in_shared;    // the n_den x n_den system in shared memory, else in sys_ws
+  int batch;                // B: the blocks take the batch elements b = blockIdx.x + k gridDim.x in turn
   bool paired_elimination;  // solve_spd's two columns a step (set_paired_elimination)
   long long* clocks;        // benches: block 0's clock64() at the stage boundaries (kForwardStages), or null
 };
 
-// Where block 0 of kl_forward_kernel is when it reads the clock (a bench's per-stage latency):
+// Where kl_forward_kernel is in batch element 0 when it reads the clock (a bench's per-stage latency):
 // 0 start, 1 distances, 2 median, 3 system made, 4 solved, 5 evaluated (the end).
-__device__ __forceinline__ void stage_clock(const KlArgs& a, int stage) {
-  if (a.clocks != nullptr && blockIdx.x == 0 && threadIdx.x == 0) a.clocks[stage] = clock64();
+__device__ __forceinline__ void stage_clock(const KlArgs& a, int b, int stage) {
+  if (a.clocks != nullptr && b == 0 && threadIdx.x == 0) a.clocks[stage] = clock64();
 }
 
 // Back substitution of the eliminated system by one warp (warp 0; S's upper triangle holds U, with
@@ -384,154 +386,161 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ double scratch[kWarps][32];
   __shared__ int not_pd;
 
-  const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slot = blockIdx.x;
   const int N = a.n_den + a.n_num, n = a.n_den, ldx = a.ldx;
   const int64_t d = a.d, P = static_cast<int64_t>(N) * (N - 1) / 2;
-  const Stacked<T> pts{den_all + static_cast<int64_t>(b) * a.n_den * d, num_all + static_cast<int64_t>(b) * a.n_num * d,
-                      a.n_den, d};
-  double* coef = smem;
-  double* X = smem + N;  // [N, ldx] when compute_dist
-  double* region = X + (a.compute_dist ? N * ldx : 0);
-  double* dist = a.dist_in_shared ? region : dist_all + b * P;
-  double* work = (a.dist_in_shared && !a.compute_dist) ? region + P : region;
-  // squared distance of stacked points i and j, from the staged points or the stored distances
-  auto sqdist = [&](int i, int j) -> double {
-    if (!a.compute_dist) return packed_sqdist(dist, i, j, N);
-    const double* xi = X + i * ldx;
-    const double* xj = X + j * ldx;
-    double s = 0.0;
-    for (int64_t t = 0; t < d; ++t) {
-      const double diff = xi[t] - xj[t];
-      s += diff * diff;
-    }
-    return s;
-  };
-
-  stage_clock(a, 0);
-  if (a.compute_dist) {  // the points as float64 in shared memory, then every pair's squared distance
-    for (int64_t e = tid; e < N * d; e += kThreads) {
-      const int c = static_cast<int>(e / d);
-      X[c * ldx + (e - c * d)] = static_cast<double>(pts.row(c)[e - c * d]);
-    }
-    __syncthreads();
-    for (int i = warp; i < N; i += kWarps) {
-      for (int j = i + 1 + lane; j < N; j += 32) dist[pair_index(i, j, N)] = sqdist(i, j);
-    }
-    __syncthreads();
-  } else if (a.dist_in_shared) {  // pair_sqdist_kernel's sums, staged
-    for (int64_t p = tid; p < P; p += kThreads) dist[p] = dist_all[b * P + p];
-    __syncthreads();
-  }
-  stage_clock(a, 1);
-
-  // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
-  double sigma = NAN;
-  if (all_finite(dist, P)) {
-    sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, sel);
-    if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
-  }
-  stage_clock(a, 2);
-  const double gamma = -0.5 / (sigma * sigma);
-
-  // The system S = K_dd / n + lam I (its upper triangle, row-major) and the right-hand side
-  // K_dn 1 / (lam n n_num) in coef[0, n).
-  double* S = a.system_in_shared ? work : sys_all + static_cast<int64_t>(b) * n * n;
-  const double inv_n = 1.0 / n;
-  for (int i = warp; i < n; i += kWarps) {
-    for (int j = i + lane; j < n; j += 32) {
-      S[i * n + j] = exp(gamma * sqdist(i, j)) * inv_n + (i == j ? a.lam : 0.0);
-    }
-    double r = 0.0;
-    for (int c = n + lane; c < N; c += 32) r += exp(gamma * sqdist(i, c));
-    r = warp_sum(r);
-    if (lane == 0) coef[i] = r / (a.lam * n * static_cast<double>(a.n_num));
-  }
-  if (tid == 0) not_pd = 0;
-  __syncthreads();
-  stage_clock(a, 3);
-  solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);  // ends with a barrier
-  stage_clock(a, 4);
-  const bool bad = not_pd || isnan(sigma);
-  const double beta = 1.0 / (a.lam * a.n_num);
-  for (int c = tid; c < N; c += kThreads) coef[c] = bad ? NAN : (c < n ? -coef[c] : beta);
-  __syncthreads();
-
-  // The ratio at q_z's points (one warp per point), the KL's terms and the grad state.
-  const double inv_s2 = 1.0 / (sigma * sigma);
-  double* wbuf = work + warp * N;  // this warp's terms coef_c k(c, z_j)
-  const int groups = d <= 32 ? 32 / static_cast<int>(d) : 1;  // projection: lanes per dimension
-  double kl_sum = 0.0;
-  int clipped = 0;
-  for (int jq = warp; jq < a.n_q; jq += kWarps) {
-    const int j = a.row0 + jq;
-    double r = 0.0;
-    for (int c = lane; c < N; c += 32) {
-      const double t = coef[c] * exp(gamma * sqdist(c, j));
-      r += t;
-      if (a.state_width > 0) wbuf[c] = t;
-    }
-    r = warp_sum(r);
-    const bool cut = r <= a.clip;
-    if (lane == 0) {
-      kl_sum += cut ? log(a.clip) : log(r);
-      clipped += cut;
-    }
-    if (a.state_width == 0) continue;
-    // W_jc = coef_c k(c, z_j) / (sigma^2 r_j), 0 where r_j is clipped
-    const double scale = cut ? 0.0 : inv_s2 / r;
-    double* state = state_all + (static_cast<int64_t>(b) * a.n_q + jq) * a.state_width;
-    if (!a.projection) {
-      for (int c = lane; c < N; c += 32) state[c] = wbuf[c] * scale;
-      __syncwarp();
-      continue;
-    }
-    __syncwarp();
-    double wsum = 0.0;
-    for (int c = lane; c < N; c += 32) wsum += wbuf[c];
-    wsum = warp_sum(wsum);
-    // [sum_c W_jc x_c, sum_c W_jc]: with d <= 32, lane (t, g) sums dimension t over the points
-    // c = g mod groups, then the groups are added. The points are in shared memory: a projection
-    // state means d + 1 < N, so N d <= kSmallWork (handles_kl), so compute_dist.
-    if (d <= 32) {
-      const int t = lane % static_cast<int>(d), g = lane / static_cast<int>(d);
-      double acc = 0.0;
-      if (g < groups) {
-        for (int c = g; c < N; c += groups) acc += wbuf[c] * X[c * ldx + t];
+  // The batch elements in turn: with a grid of as many blocks as the GPU holds at once (kl()), the
+  // global workspaces (the distances computed here, the system) need one slot a block, not one an
+  // element.
+  for (int b = blockIdx.x; b < a.batch; b += gridDim.x) {
+    const Stacked<T> pts{den_all + static_cast<int64_t>(b) * a.n_den * d,
+                        num_all + static_cast<int64_t>(b) * a.n_num * d, a.n_den, d};
+    double* coef = smem;
+    double* X = smem + N;  // [N, ldx] when compute_dist
+    double* region = X + (a.compute_dist ? N * ldx : 0);
+    // (given distances, the wide path's, are per element)
+    double* dist = a.dist_in_shared ? region : dist_all + (a.compute_dist ? slot : b) * P;
+    double* work = (a.dist_in_shared && !a.compute_dist) ? region + P : region;
+    // squared distance of stacked points i and j, from the staged points or the stored distances
+    auto sqdist = [&](int i, int j) -> double {
+      if (!a.compute_dist) return packed_sqdist(dist, i, j, N);
+      const double* xi = X + i * ldx;
+      const double* xj = X + j * ldx;
+      double s = 0.0;
+      for (int64_t t = 0; t < d; ++t) {
+        const double diff = xi[t] - xj[t];
+        s += diff * diff;
       }
-      scratch[warp][lane] = acc;
-      __syncwarp();
-      if (lane < d) {
-        double sum = 0.0;
-        for (int h = 0; h < groups; ++h) sum += scratch[warp][h * d + lane];
-        state[lane] = sum * scale;
+      return s;
+    };
+
+    stage_clock(a, b, 0);
+    if (a.compute_dist) {  // the points as float64 in shared memory, then every pair's squared distance
+      for (int64_t e = tid; e < N * d; e += kThreads) {
+        const int c = static_cast<int>(e / d);
+        X[c * ldx + (e - c * d)] = static_cast<double>(pts.row(c)[e - c * d]);
       }
-    } else {
-      for (int64_t t = lane; t < d; t += 32) {
+      __syncthreads();
+      for (int i = warp; i < N; i += kWarps) {
+        for (int j = i + 1 + lane; j < N; j += 32) dist[pair_index(i, j, N)] = sqdist(i, j);
+      }
+      __syncthreads();
+    } else if (a.dist_in_shared) {  // pair_sqdist_kernel's sums, staged
+      for (int64_t p = tid; p < P; p += kThreads) dist[p] = dist_all[b * P + p];
+      __syncthreads();
+    }
+    stage_clock(a, b, 1);
+
+    // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
+    double sigma = NAN;
+    if (all_finite(dist, P)) {
+      sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, sel);
+      if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
+    }
+    stage_clock(a, b, 2);
+    const double gamma = -0.5 / (sigma * sigma);
+
+    // The system S = K_dd / n + lam I (its upper triangle, row-major) and the right-hand side
+    // K_dn 1 / (lam n n_num) in coef[0, n).
+    double* S = a.system_in_shared ? work : sys_all + static_cast<int64_t>(slot) * n * n;
+    const double inv_n = 1.0 / n;
+    for (int i = warp; i < n; i += kWarps) {
+      for (int j = i + lane; j < n; j += 32) {
+        S[i * n + j] = exp(gamma * sqdist(i, j)) * inv_n + (i == j ? a.lam : 0.0);
+      }
+      double r = 0.0;
+      for (int c = n + lane; c < N; c += 32) r += exp(gamma * sqdist(i, c));
+      r = warp_sum(r);
+      if (lane == 0) coef[i] = r / (a.lam * n * static_cast<double>(a.n_num));
+    }
+    if (tid == 0) not_pd = 0;
+    __syncthreads();
+    stage_clock(a, b, 3);
+    solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);  // ends with a barrier
+    stage_clock(a, b, 4);
+    const bool bad = not_pd || isnan(sigma);
+    const double beta = 1.0 / (a.lam * a.n_num);
+    for (int c = tid; c < N; c += kThreads) coef[c] = bad ? NAN : (c < n ? -coef[c] : beta);
+    __syncthreads();
+
+    // The ratio at q_z's points (one warp per point), the KL's terms and the grad state.
+    const double inv_s2 = 1.0 / (sigma * sigma);
+    double* wbuf = work + warp * N;  // this warp's terms coef_c k(c, z_j)
+    const int groups = d <= 32 ? 32 / static_cast<int>(d) : 1;  // projection: lanes per dimension
+    double kl_sum = 0.0;
+    int clipped = 0;
+    for (int jq = warp; jq < a.n_q; jq += kWarps) {
+      const int j = a.row0 + jq;
+      double r = 0.0;
+      for (int c = lane; c < N; c += 32) {
+        const double t = coef[c] * exp(gamma * sqdist(c, j));
+        r += t;
+        if (a.state_width > 0) wbuf[c] = t;
+      }
+      r = warp_sum(r);
+      const bool cut = r <= a.clip;
+      if (lane == 0) {
+        kl_sum += cut ? log(a.clip) : log(r);
+        clipped += cut;
+      }
+      if (a.state_width == 0) continue;
+      // W_jc = coef_c k(c, z_j) / (sigma^2 r_j), 0 where r_j is clipped
+      const double scale = cut ? 0.0 : inv_s2 / r;
+      double* state = state_all + (static_cast<int64_t>(b) * a.n_q + jq) * a.state_width;
+      if (!a.projection) {
+        for (int c = lane; c < N; c += 32) state[c] = wbuf[c] * scale;
+        __syncwarp();
+        continue;
+      }
+      __syncwarp();
+      double wsum = 0.0;
+      for (int c = lane; c < N; c += 32) wsum += wbuf[c];
+      wsum = warp_sum(wsum);
+      // [sum_c W_jc x_c, sum_c W_jc]: with d <= 32, lane (t, g) sums dimension t over the points
+      // c = g mod groups, then the groups are added. The points are in shared memory: a projection
+      // state means d + 1 < N, so N d <= kSmallWork (handles_kl), so compute_dist.
+      if (d <= 32) {
+        const int t = lane % static_cast<int>(d), g = lane / static_cast<int>(d);
         double acc = 0.0;
-        for (int c = 0; c < N; ++c) acc += wbuf[c] * X[c * ldx + t];
-        state[t] = acc * scale;
+        if (g < groups) {
+          for (int c = g; c < N; c += groups) acc += wbuf[c] * X[c * ldx + t];
+        }
+        scratch[warp][lane] = acc;
+        __syncwarp();
+        if (lane < d) {
+          double sum = 0.0;
+          for (int h = 0; h < groups; ++h) sum += scratch[warp][h * d + lane];
+          state[lane] = sum * scale;
+        }
+      } else {
+        for (int64_t t = lane; t < d; t += 32) {
+          double acc = 0.0;
+          for (int c = 0; c < N; ++c) acc += wbuf[c] * X[c * ldx + t];
+          state[t] = acc * scale;
+        }
       }
+      if (lane == 0) state[d] = wsum * scale;
+      __syncwarp();
     }
-    if (lane == 0) state[d] = wsum * scale;
-    __syncwarp();
-  }
-  if (lane == 0) {
-    red_kl[warp] = kl_sum;
-    red_clipped[warp] = clipped;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    double s = 0.0;
-    int c = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      s += red_kl[w];
-      c += red_clipped[w];
+    if (lane == 0) {
+      red_kl[warp] = kl_sum;
+      red_clipped[warp] = clipped;
     }
-    kl_out[b] = (a.reverse ? -s : s) / a.n_q;
-    clipped_out[b] = static_cast<double>(c) / a.n_q;
-    sigma_out[b] = sigma;
+    __syncthreads();
+    if (tid == 0) {
+      double s = 0.0;
+      int c = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        s += red_kl[w];
+        c += red_clipped[w];
+      }
+      kl_out[b] = (a.reverse ? -s : s) / a.n_q;
+      clipped_out[b] = static_cast<double>(c) / a.n_q;
+      sigma_out[b] = sigma;
+    }
+    stage_clock(a, b, 5);
+    __syncthreads();  // the next element rewrites shared memory
   }
-  stage_clock(a, 5);
 }
 
 // Squared distances of every pair of N <= kMaxWarpPairPoints points in many dimensions, summed over
@@ -910,7 +919,7 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 }  // namespace
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
-  if (n_total > kMaxPoints) return false;
+  if (n_total > kMaxPoints || batch > std::numeric_limits<int>::max()) return false;
   const bool small = n_total * d <= kSmallWork;
   // many dimensions: the distances by pair_sqdist_kernel or pair_tile_kernel (batch on the grid's y
   // or z), and the points are not staged in shared memory, which a projection state reads
@@ -982,8 +991,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   auto state = at::empty({B, n_q, a.state_width}, f64);
   if (B == 0) return {kl_out, state, sigma_out, clipped};
   // the distances' workspace: the wide path's sums, or distances that do not fit in shared memory
-  auto dist = at::empty({!a.compute_dist || !a.dist_in_shared ? B : 0, P}, f64);
-  Tensor sys = a.system_in_shared ? Tensor() : at::empty({B, n_den * n_den}, f64);
+  // Blocks: one an element, or, where the forward keeps a workspace in global memory (the distances
+  // it computes, the system), as many as the GPU holds at once, each taking elements in turn, so that
+  // the workspaces are one slot a block (1024 x (100, 8): 264 slots of distances, 42 MB, not 163).
+  const bool slots = (a.compute_dist && !a.dist_in_shared) || !a.system_in_shared;
+  const int64_t blocks = slots ? std::min<int64_t>(B, (two_per_sm ? 2 : 1) * int64_t{sms}) : B;
+  a.batch = static_cast<int>(B);
+  // the distances: given (the pair kernels' sums, one row an element) or a workspace (one a block)
+  auto dist = at::empty({!a.compute_dist ? B : !a.dist_in_shared ? blocks : 0, P}, f64);
+  Tensor sys = a.system_in_shared ? Tensor() : at::empty({blocks, n_den * n_den}, f64);
   const auto sigma_given = sigma.has_value() ? sigma->to(at::kDouble).contiguous() : Tensor();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
 
@@ -997,7 +1013,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
     if (shared_bytes + kStaticShared > 48 * 1024) {
       allow_all_shared_memory(reinterpret_cast<const void*>(forward), device, kStaticShared);
     }
-    forward<<<static_cast<unsigned>(B), kThreads, shared_bytes, stream>>>(
+    forward<<<static_cast<unsigned>(blocks), kThreads, shared_bytes, stream>>>(
         den, num, sigma_given.defined() ? sigma_given.data_ptr<double>() : nullptr, dist.data_ptr<double>(),
         sys.defined() ? sys.data_ptr<double>() : nullptr, kl_out.data_ptr<double>(), state.data_ptr<double>(),
         sigma_out.data_ptr<double>(), clipped.data_ptr<double>(), a);
