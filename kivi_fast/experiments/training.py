@@ -279,5 +279,9 @@ class Distributed:
         return out
 
     def close(self) -> None:
+        """At the end of a run that every rank reaches: the group is torn down only once all ranks are
+        done with it (a rank tearing down gloo's connections while another still works on, e.g. rank 0
+        writing the results, was seen to abort: "terminate called without an active exception")."""
         if self.world > 1 and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
