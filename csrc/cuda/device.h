@@ -4,11 +4,16 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 #include <map>
 #include <utility>
 
 namespace kivi_fast::cuda {
+
+// The most blocks a grid's y or z dimension holds: launches that put the batch there take it in chunks
+// of this many elements, and the kernels that need the whole batch in one grid refuse more.
+constexpr int64_t kMaxGridYZ = 65535;
 
 // A device attribute (multiprocessor count, the shared memory a block may opt in to), cached (not in
 // the CPU emulation, csrc/cuda_emulation/, whose tests change the emulated device between calls).

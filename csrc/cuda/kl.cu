@@ -881,8 +881,8 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
     if (!zeroed) dist_t.zero_();
     zeroed = true;
   };
-  for (int64_t b0 = 0; b0 < B; b0 += 65535) {  // the grids' batch dimension (y or z) holds 65535
-    const int64_t nb = std::min<int64_t>(65535, B - b0);
+  for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grids' y or z
+    const int64_t nb = std::min(kMaxGridYZ, B - b0);
     const scalar_t* den_b = den + b0 * n_den * d;
     const scalar_t* num_b = num + b0 * n_num * d;
     double* dist_b = dist + b0 * P;
@@ -923,7 +923,7 @@ bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
   const bool small = n_total * d <= kSmallWork;
   // many dimensions: the distances by pair_sqdist_kernel or pair_tile_kernel (batch on the grid's y
   // or z), and the points are not staged in shared memory, which a projection state reads
-  if (!small && (n_total > kMaxWidePoints || batch > 65535 || kl_state_is_projection(n_total, d))) return false;
+  if (!small && (n_total > kMaxWidePoints || batch > kMaxGridYZ || kl_state_is_projection(n_total, d))) return false;
   // the leanest layout (distances and system in global memory) must fit this device's blocks
   const int64_t least = forward_shared_doubles(n_total, 0, d, small, small ? (d | 1) : 0, false, false);
   return 8 * least + kStaticShared <= max_shared_bytes(device);
@@ -1085,13 +1085,13 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
   if (out.numel() == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream(denom.get_device());
   const int64_t tiles_r = (rows + kTile - 1) / kTile, tiles_c = (cols + kTile - 1) / kTile;
-  TORCH_CHECK(tiles_r <= 65535 && tiles_c <= std::numeric_limits<int>::max(), "kivi_fast: kernel_block of ", rows,
+  TORCH_CHECK(tiles_r <= kMaxGridYZ && tiles_c <= std::numeric_limits<int>::max(), "kivi_fast: kernel_block of ", rows,
               " x ", cols, " is too large");
   AT_DISPATCH_FLOATING_TYPES(denom.scalar_type(), "kivi_fast_cuda_kernel_block", [&] {
     const scalar_t* den = denom.data_ptr<scalar_t>();
     const scalar_t* num = n_num > 0 ? numer.data_ptr<scalar_t>() : nullptr;  // (never read when empty)
-    for (int64_t b0 = 0; b0 < B; b0 += 65535) {  // the grid's batch dimension holds 65535
-      const int64_t nb = std::min<int64_t>(65535, B - b0);
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grid's z
+      const int64_t nb = std::min(kMaxGridYZ, B - b0);
       const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r), static_cast<unsigned>(nb));
       kernel_block_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(
           den + b0 * n_den * d, num + b0 * n_num * d, static_cast<int>(n_den), static_cast<int>(n_num), d,
@@ -1146,7 +1146,7 @@ std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Te
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
   // the weight state's kernel: grid.z = batch (grid.y = row tiles: within limits below kMaxWeightWork)
-  return kl_state_is_projection(n_total, d) || (batch <= 65535 && n_q * n_total <= kMaxWeightWork);
+  return kl_state_is_projection(n_total, d) || (batch <= kMaxGridYZ && n_q * n_total <= kMaxWeightWork);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,

@@ -170,10 +170,10 @@ Tensor median_of_pairs(const Tensor& pairs_in) {
   const int device = pairs.get_device();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
-  // Batch elements in chunks of at most 65535 (the grids' y dimension), each chunk's grid with
+  // Batch elements in chunks of at most kMaxGridYZ (the grids' y dimension), each chunk's grid with
   // enough blocks to fill the GPU, at most one per kThreads pairs.
-  for (int64_t b0 = 0; b0 < B; b0 += 65535) {
-    const int64_t nb = std::min<int64_t>(65535, B - b0);
+  for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {
+    const int64_t nb = std::min(kMaxGridYZ, B - b0);
     const double* pairs_b = pairs.data_ptr<double>() + b0 * P;  // the chunk's first element as element 0
     Selection* sel_b = sel + b0;
     unsigned long long* h_b = h + b0 * kMaxBins;
