@@ -3,6 +3,7 @@
     python bench/gpu.py                          # bench/run.py's shapes, float32 and float64
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
     python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
+                                         # (--compile-mode reduce-overhead: also in CUDA graphs)
     python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
                                          # (by kernel, the count of GPU operations, the host's share
                                          # of a call, by stage of kl.cu's forward kernel; batched
@@ -203,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-s", type=float, default=0.5, help="seconds per implementation and timing")
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     ap.add_argument("--compiled", action="store_true", help="also the pure sides under torch.compile")
+    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                    help="torch.compile's mode for --compiled (default: torch's default)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: the GPU time of each kernel in one forward + backward of ours")
     args = ap.parse_args(argv)
@@ -234,9 +237,9 @@ def main(argv=None) -> int:
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     if args.compiled:
-        for name in cpu_bench.PURE:
-            impls[name + "_compiled"] = torch.compile(cpu_bench.IMPLS[name], dynamic=False)
-        pure += tuple(name + "_compiled" for name in cpu_bench.PURE)
+        compiled = cpu_bench.compiled_sides(cpu_bench.PURE, mode=args.compile_mode)
+        impls.update(compiled)
+        pure += tuple(compiled)
     rows = []
     for shape in args.shapes.split(","):
         b, n, d, batched = cpu_bench.parse_shape(shape)

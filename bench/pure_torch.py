@@ -34,6 +34,12 @@ but for strong's refined float32 factor):
   factor or the refinement stalls). Up to 256 rows, float64 Cholesky.
 - ``fast`` is the fastest in float32: everything in the input dtype, LU (``linalg.solve_ex``) up to 256
   rows, Cholesky above. It misses the contract on many inputs (bench/precision.py counts them).
+
+Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) both sides read nothing back to
+the host, so that up to 2^17 pairs a call is one graph: a failed factorization or a zero median gives
+NaN for its element instead of an error (as kivi_fast's CUDA ops), the distances are formed without
+``out=`` into views of one buffer, and strong factors in float64 above 256 rows (its refinement loop
+reads residuals back). Above 2^17 pairs the sampled median still breaks the graph.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ def _sqdists(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype) -> tuple[torch.T
     bsz, n_q, d = q.shape
     n_p = p.shape[1]
     n = n_q + n_p
+    if torch.compiler.is_compiling():
+        return _sqdists_traced(q, p, dt)
     if n * (n - 1) // 2 <= _SMALL_PAIRS:  # one buffer: the small median gathers its pairs by one index_select
         both = torch.empty(bsz, n_q * n + n_p * n_p, dtype=dt, device=q.device)
         d2 = both[:, : n_q * n].view(bsz, n_q, n)
@@ -89,6 +97,24 @@ def _sqdists(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype) -> tuple[torch.T
     d2[:, :, :n_q].diagonal(dim1=-2, dim2=-1).zero_()
     d2_pp.diagonal(dim1=-2, dim2=-1).zero_()
     return d2, d2_pp, both
+
+
+def _sqdists_traced(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype):
+    """``_sqdists`` under torch.compile: the same values without ``out=`` into views of a buffer (dynamo
+    breaks the graph at each; inductor plans the buffers itself) and without the tall path's chunks."""
+    n_q, n_p = q.shape[1], p.shape[1]
+    x = torch.cat([q, p], 1).to(dt) - q.mean(1, keepdim=True, dtype=dt)
+    xq, xp = x[:, :n_q], x[:, n_q:]
+    sq = x.square().sum(-1)
+    d2 = torch.baddbmm(sq[:, :n_q, None] + sq[:, None, :], xq, x.mT, alpha=-2.0)
+    d2_pp = torch.baddbmm(sq[:, n_q:, None] + sq[:, None, n_q:], xp, xp.mT, alpha=-2.0)
+    d2[:, :, :n_q].diagonal(dim1=-2, dim2=-1).zero_()
+    d2_pp.diagonal(dim1=-2, dim2=-1).zero_()
+    n = n_q + n_p
+    if n * (n - 1) // 2 > _SMALL_PAIRS:
+        return d2, d2_pp, None
+    both = torch.cat([d2.flatten(1), d2_pp.flatten(1)], 1)
+    return both[:, : n_q * n].view(-1, n_q, n), both[:, n_q * n:].view(-1, n_p, n_p), both
 
 
 def _tall_grams(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,13 +164,16 @@ def _pair_index(n_q: int, n_p: int, device) -> torch.Tensor:
     """Flat positions of the distinct pairs in [d2 (n_q x N) | d2_pp (n_p x n_p)], cached: the q-q upper
     triangle, the q-p block, the p-p upper triangle."""
     key = (n_q, n_p, str(device))
-    if key not in _TRIU_CACHE:
-        n = n_q + n_p
-        rq, cq = torch.triu_indices(n_q, n_q, offset=1, device=device)
-        rp, cp = torch.triu_indices(n_p, n_p, offset=1, device=device)
-        qp = (torch.arange(n_q, device=device)[:, None] * n + n_q + torch.arange(n_p, device=device)).flatten()
-        _TRIU_CACHE[key] = torch.cat([rq * n + cq, qp, n_q * n + rp * n_p + cp])
-    return _TRIU_CACHE[key]
+    if key in _TRIU_CACHE:
+        return _TRIU_CACHE[key]
+    n = n_q + n_p
+    rq, cq = torch.triu_indices(n_q, n_q, offset=1, device=device)
+    rp, cp = torch.triu_indices(n_p, n_p, offset=1, device=device)
+    qp = (torch.arange(n_q, device=device)[:, None] * n + n_q + torch.arange(n_p, device=device)).flatten()
+    index = torch.cat([rq * n + cq, qp, n_q * n + rp * n_p + cp])
+    if not torch.compiler.is_compiling():  # (a traced graph computes it: storing it would break the trace)
+        _TRIU_CACHE[key] = index
+    return index
 
 
 def _median_small(both: torch.Tensor, n_q: int, n_p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +268,16 @@ def _median_sqdist(d2_q: torch.Tensor, d2_pp: torch.Tensor, both: torch.Tensor):
 # ---------------------------------------------------------------------------------------------------
 # The fit's linear system, (K_qq + n_q lam I) x = K_qp 1 / (lam n_p).
 
+def _checked(x: torch.Tensor, info: torch.Tensor, message: str) -> torch.Tensor:
+    """x, or an error where a factorization failed (info != 0). Under torch.compile NaN for the failed
+    elements instead: reading info back to the host would break the graph (as kivi_fast's CUDA ops do)."""
+    if torch.compiler.is_compiling():
+        return torch.where((info == 0)[..., None, None], x, torch.nan)
+    if bool((info != 0).any()):
+        raise ValueError(message)
+    return x
+
+
 def _solve_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a x = b in a's dtype: LU up to 256 rows (batched small systems), Cholesky above."""
     if a.shape[-1] <= _LU_ROWS:
@@ -246,16 +285,14 @@ def _solve_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     else:
         chol, info = torch.linalg.cholesky_ex(a)
         x = torch.cholesky_solve(b, chol)
-    if bool((info != 0).any()):
-        raise ValueError("K_qq / n_q + lam I could not be factored; increase lam")
-    return x
+    return _checked(x, info, "K_qq / n_q + lam I could not be factored; increase lam")
 
 
 def _solve_strong(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a x = b, float64 a and b: Cholesky up to 256 rows; above, a float32 factor and the solve refined
     in float64 until the residual is at float64's level (LAPACK's dsposv scheme: the float32 factor
     takes half the time), the float64 factor where float32 cannot factor or the refinement stalls."""
-    if a.shape[-1] > _LU_ROWS:
+    if a.shape[-1] > _LU_ROWS and not torch.compiler.is_compiling():  # (its loop reads back residuals)
         chol32, info = torch.linalg.cholesky_ex(a.to(torch.float32))
         if not bool((info != 0).any()):
             # ||r|| <= sqrt(n) eps ||a|| ||x|| (infinity norms; a's entries are >= 0)
@@ -267,9 +304,7 @@ def _solve_strong(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                     return x
                 x += torch.cholesky_solve(res.float(), chol32)
     chol, info = torch.linalg.cholesky_ex(a)
-    if bool((info != 0).any()):
-        raise ValueError("K_qq / n_q + lam I is not positive definite in float64; increase lam")
-    return torch.cholesky_solve(b, chol)
+    return _checked(torch.cholesky_solve(b, chol), info, "K_qq / n_q + lam I is not positive definite in float64; increase lam")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,7 +320,9 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
     lo, hi = _median_sqdist(d2, d2_pp, both)
     del d2_pp, both
     sigma = 0.5 * (lo.clamp_min(0).sqrt() + hi.clamp_min(0).sqrt())   # [B]
-    if bool((sigma == 0).any()):
+    if torch.compiler.is_compiling():  # NaN, not an error (_checked)
+        sigma = torch.where(sigma == 0, torch.nan, sigma)
+    elif bool((sigma == 0).any()):
         raise ValueError("the median pairwise distance is 0; the median bandwidth is undefined")
     k = d2.mul_((-0.5 / sigma**2)[:, None, None]).exp_()             # [B, n_q, N], the kernel, in place
 

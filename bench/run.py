@@ -7,6 +7,7 @@
     python bench/run.py --quick              # a fast subset
     python bench/run.py --markdown --json bench/results.json
     python bench/run.py --shapes 100x8,128x100x8 --dtypes float32 --threads 1
+    python bench/run.py --dtypes float32 --threads 1 --no-memory --compiled   # and both sides compiled
 
 Shapes are n x d (n_p = n_q = n) or B x n x d. For each shape, dtype and thread count it times the
 forward and the forward+backward (gradient w.r.t. q_z) of the three implementations, called in turn
@@ -93,6 +94,14 @@ IMPLS = {"ours": ours_kl, "strong": strong_kl, "fast": fast_kl}
 PURE = ("strong", "fast")
 
 
+def compiled_sides(sides, mode: str | None = None) -> dict:
+    """Each pure side under torch.compile (``mode``: torch.compile's), as "<side>_compiled" (a graph per
+    shape, dtype and pass: the recompile limit raised so that no cell falls back to eager unseen)."""
+    torch._dynamo.config.recompile_limit = 4096
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\._inductor")  # inductor's own deprecations
+    return {name + "_compiled": torch.compile(IMPLS[name], dynamic=False, mode=mode) for name in sides}
+
+
 def call(fn, p, q, backward: bool):
     if backward:
         q = q.detach().requires_grad_(True)
@@ -114,20 +123,24 @@ def ours_runnable(b, n, d, max_ref_gb: float) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Self-check: both implementations agree with the oracle on small shapes (value and gradient).
 
-def self_check(check_ours: bool) -> None:
+def self_check(check_ours: bool, compiled: dict | None = None) -> None:
     """Each side against kivi_fast.reference.kernel_kl, value and gradient (relative, 2-norm for the gradient):
     float64 to 1e-8; float32 to 1e-3 (the contract) for ours and strong, to 1e-2 for fast, which is not
-    held to the contract (bench/precision.py counts its misses)."""
+    held to the contract (bench/precision.py counts its misses). The compiled sides (compiled_sides) on
+    the two float32 cases whose graphs differ most from eager (batched; above 256 rows)."""
     cases = [(1, 30, 5, False), (3, 12, 4, True), (1, 20, 300, False), (1, 100, 8, False), (1, 300, 6, False),
              (1, 10, 9000, False)]  # (300, 6): above 256 rows and the sampled median; (10, 9000): tall
     for dtype in (torch.float64, torch.float32):
         for b, n, d, batched in cases:
             p, q = make_inputs(b, n, d, batched, dtype, seed=1)
             want, want_g = call(lambda p_, q_: reference.kernel_kl(p_, q_, LAM), p, q, True)
-            for name, fn in IMPLS.items():
+            sides = dict(IMPLS)
+            if compiled and dtype == torch.float32 and (batched or n > 256):
+                sides.update(compiled)
+            for name, fn in sides.items():
                 if name == "ours" and not check_ours:
                     continue
-                rtol = 1e-8 if dtype == torch.float64 else (1e-2 if name == "fast" else 1e-3)
+                rtol = 1e-8 if dtype == torch.float64 else (1e-2 if name.startswith("fast") else 1e-3)
                 got, got_g = call(fn, p, q, True)
                 what = f"{name} vs kivi_fast.reference.kernel_kl on {shape_name(b, n, d, batched)} {dtype}"
                 assert got.dtype == dtype and got_g.dtype == dtype, what + ": dtype"
@@ -140,7 +153,8 @@ def self_check(check_ours: bool) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Timing.
 
-def time_calls(fns: dict, p, q, backward: bool, target_s: float, min_reps: int = 5, max_reps: int = 2000):
+def time_calls(fns: dict, p, q, backward: bool, target_s: float, min_reps: int = 5, max_reps: int = 2000,
+               pure=PURE):
     """(median, minimum wall time in s, repetitions) of each fn, after warm-up, and under "<name>_ratio"
     for each pure side the median over repetitions of its time over ours in the same repetition.
 
@@ -169,7 +183,7 @@ def time_calls(fns: dict, p, q, backward: bool, target_s: float, min_reps: int =
         if reps >= max_reps or (reps >= min_reps and time.perf_counter() - start >= target_s * len(fns)):
             break
     out = {name: (statistics.median(ts), min(ts), len(ts)) for name, ts in times.items()}
-    for name in PURE:
+    for name in pure:
         if name in times and "ours" in times:
             out[name + "_ratio"] = statistics.median(a / b for a, b in zip(times[name], times["ours"]))
     return out
@@ -299,6 +313,11 @@ def table(rows: list[dict], markdown: bool) -> str:
                      _fmt_ms(r["strong_s"]), _fmt_ms(r["fast_s"]), _fmt(r["strong_ratio"], ".2f"),
                      _fmt(r["fast_ratio"], ".2f"), _fmt_ms(r["roofline_s"]),
                      _fmt(None if r["roofline_frac"] is None else 100 * r["roofline_frac"], ".1f"), mb(r)])
+    return _render(head, body, markdown)
+
+
+def _render(head: list[str], body: list[list[str]], markdown: bool) -> str:
+    """A table as markdown or as aligned text; its first four columns name the cell (left-aligned)."""
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -306,6 +325,20 @@ def table(rows: list[dict], markdown: bool) -> str:
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = lambda row: "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in body])
+
+
+def compiled_table(rows: list[dict], names: list[str], markdown: bool) -> str:
+    """Each compiled side's median ms and x/ours, beside its eager self's."""
+    head = ["shape", "dtype", "thr", "pass"] + [h for k in names for h in (f"{k} ms", f"{k}/ours", f"eager/{k}")]
+    body = []
+    for r in rows:
+        cells = []
+        for k in names:
+            eager = r[k.removesuffix("_compiled") + "_s"]
+            cells += [_fmt_ms(r[k + "_s"]), _fmt(r[k + "_ratio"], ".2f"),
+                      _fmt(None if eager is None else eager / r[k + "_s"], ".2f")]
+        body.append([r["shape"], r["dtype"], str(r["threads"]), r["pass"]] + cells)
+    return _render(head, body, markdown)
 
 
 def main(argv=None) -> int:
@@ -322,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ref-gb", type=float, default=3.0,
                     help="on the reference backend, skip 'ours' where it would materialize more than this")
     ap.add_argument("--sides", default="strong,fast", help="pure sides to time beside ours (default strong,fast)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time each side under torch.compile (not its memory): the compiled table after the main one")
     ap.add_argument("--_mem", nargs=3, metavar=("IMPL", "SHAPE", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -345,10 +380,16 @@ def main(argv=None) -> int:
     if info["kivi_fast_backend"] == "reference":
         print("WARNING: the compiled ops are not built; 'ours' is the pure-PyTorch reference (kivi_fast/reference.py)")
 
+    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    unknown = set(sides) - set(PURE)
+    if unknown:
+        ap.error(f"--sides: unknown {sorted(unknown)}; known: {', '.join(PURE)}")
+    compiled = compiled_sides(sides) if args.compiled else {}
+
     if not args.no_check:
         t0 = time.perf_counter()
-        self_check(check_ours=True)
-        print(f"self-check passed: ours, strong and fast agree with kivi_fast.reference.kernel_kl (value and "
+        self_check(check_ours=True, compiled=compiled)
+        print(f"self-check passed: {', '.join(['ours', *sides, *compiled])} agree with kivi_fast.reference.kernel_kl (value and "
               f"gradient; float64 1e-8, float32 1e-3 (fast 1e-2) relative) [{time.perf_counter() - t0:.1f} s]")
 
     rates = {}
@@ -364,11 +405,6 @@ def main(argv=None) -> int:
     for t in threads:
         lower = [rates[u] for u in threads if u <= t]
         roof_rates[t] = {k: max(r[k] for r in lower) for k in rates[t] if k != "threads"}
-
-    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
-    unknown = set(sides) - set(PURE)
-    if unknown:
-        ap.error(f"--sides: unknown {sorted(unknown)}; known: {', '.join(PURE)}")
 
     mem = {}
     if not args.no_memory:
@@ -395,7 +431,8 @@ def main(argv=None) -> int:
                 torch.set_num_threads(t)
                 for backward in (False, True):
                     fns = {k: IMPLS[k] for k in ["ours"] + sides if k != "ours" or run_ours}
-                    res = time_calls(fns, p, q, backward, target_s)
+                    fns.update(compiled)
+                    res = time_calls(fns, p, q, backward, target_s, pure=PURE + tuple(compiled))
                     w = roofline.work(b, n, n, d, p.element_size(), backward)
                     roof = roofline.roofline_s(w, roof_rates[t], dtype)
                     row = {
@@ -411,12 +448,15 @@ def main(argv=None) -> int:
                         row[f"{k}_ratio_of_medians"] = (None if row["ours_s"] is None or row[f"{k}_s"] is None
                                                         else row[f"{k}_s"] / row["ours_s"])
                         row[f"{k}_roofline_frac"] = None if row[f"{k}_s"] is None else roof / row[f"{k}_s"]
+                    for k in compiled:
+                        row[f"{k}_s"], row[f"{k}_ratio"] = res[k][0], res.get(f"{k}_ratio")
                     row["roofline_s"] = roof
                     row["roofline_frac"] = None if row["ours_s"] is None else roof / row["ours_s"]
                     row.update(w)
                     rows.append(row)
                     print(f"  {name:>16} {dt} {t} thr {row['pass']:>7}: "
-                          + ", ".join(f"{k} {_fmt_ms(row[k + '_s'])} ms" for k in IMPLS if row[k + "_s"] is not None)
+                          + ", ".join(f"{k} {_fmt_ms(row[k + '_s'])} ms" for k in [*IMPLS, *compiled]
+                                      if row[k + "_s"] is not None)
                           + ("" if run_ours else " (ours skipped: reference backend too big)"), flush=True)
     torch.set_num_threads(prev_threads)
     load1 = os.getloadavg()
@@ -424,6 +464,9 @@ def main(argv=None) -> int:
     print()
     print(table(rows, args.markdown))
     print()
+    if compiled:
+        print(compiled_table(rows, list(compiled), args.markdown))
+        print()
     # busy: other jobs held more than a quarter of the CPUs just before the run (the load average
     # would also count this benchmark's own previous run; during a run the benchmark itself keeps the
     # 1-minute average near 1-2). The load average at each row is in the JSON.

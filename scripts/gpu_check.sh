@@ -4,17 +4,18 @@
 # kernels under compute-sanitizer (where installed: memcheck, and racecheck on kernels that stage
 # tiles in shared memory), bench/gpu.py and bench/train_steps.py, and profiles of where the GPU time
 # goes: ours on six shapes (bench/gpu.py --profile), the training steps replayed from CUDA graphs
-# (bench/train_steps.py --profile). Everything it prints also goes to OUT_DIR/gpu_check.log; the
-# benches' JSON go to OUT_DIR.
+# (bench/train_steps.py --profile); last, the pure sides under torch.compile on the shapes where
+# compiling can pay (bench/gpu.py --compiled: minutes of compiling). Everything it prints also goes to
+# OUT_DIR/gpu_check.log; the benches' JSON go to OUT_DIR.
 #   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
-#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps,profile)
+#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps,profile,compiled)
 #   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
-PHASES="${PHASES:-build,tests,sanitizer,bench,steps,profile}"
+PHASES="${PHASES:-build,tests,sanitizer,bench,steps,profile,compiled}"
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 date
@@ -74,6 +75,10 @@ if has profile; then
 fi
 if has steps; then
   python3 bench/train_steps.py --json "$out/train_steps.json" || fail steps
+fi
+if has compiled; then
+  python3 bench/gpu.py --compiled --dtypes float32 --shapes 128x100x8,1024x100x8,100x8,10x314000,1000x32 \
+    --json "$out/cuda_compiled.json" || fail compiled
 fi
 date
 if [ "$status" -eq 0 ]; then echo "gpu_check: all phases passed ($PHASES)"; else echo "gpu_check: failed: ${failed[*]}"; fi
