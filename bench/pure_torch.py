@@ -36,10 +36,11 @@ but for strong's refined float32 factor):
   rows, Cholesky above. It misses the contract on many inputs (bench/precision.py counts them).
 
 Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) both sides read nothing back to
-the host, so that up to 2^17 pairs a call is one graph: a failed factorization or a zero median gives
-NaN for its element instead of an error (as kivi_fast's CUDA ops), the distances are formed without
-``out=`` into views of one buffer, and strong factors in float64 above 256 rows (its refinement loop
-reads residuals back). Above 2^17 pairs the sampled median still breaks the graph.
+the host, so that a call is one graph: a failed factorization or a zero median gives NaN for its
+element instead of an error (as kivi_fast's CUDA ops), the distances are formed without ``out=`` into
+views of one buffer, the median gathers every pair for one ``kthvalue`` at any size (the sampled
+bracket reads counts back; N (N - 1) / 2 more values held), and strong factors in float64 above 256
+rows (its refinement loop reads residuals back).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _sqdists(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype) -> tuple[torch.T
 
 def _sqdists_traced(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype):
     """``_sqdists`` under torch.compile: the same values without ``out=`` into views of a buffer (dynamo
-    breaks the graph at each; inductor plans the buffers itself) and without the tall path's chunks."""
+    breaks the graph at each; inductor plans the buffers itself) and without the tall path's chunks,
+    always in one buffer for ``_median_small``."""
     n_q, n_p = q.shape[1], p.shape[1]
     x = torch.cat([q, p], 1).to(dt) - q.mean(1, keepdim=True, dtype=dt)
     xq, xp = x[:, :n_q], x[:, n_q:]
@@ -111,8 +113,6 @@ def _sqdists_traced(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype):
     d2[:, :, :n_q].diagonal(dim1=-2, dim2=-1).zero_()
     d2_pp.diagonal(dim1=-2, dim2=-1).zero_()
     n = n_q + n_p
-    if n * (n - 1) // 2 > _SMALL_PAIRS:
-        return d2, d2_pp, None
     both = torch.cat([d2.flatten(1), d2_pp.flatten(1)], 1)
     return both[:, : n_q * n].view(-1, n_q, n), both[:, n_q * n:].view(-1, n_p, n_p), both
 
@@ -258,7 +258,7 @@ def _median_bracket(d2_q: torch.Tensor, d2_pp: torch.Tensor, gen: torch.Generato
 def _median_sqdist(d2_q: torch.Tensor, d2_pp: torch.Tensor, both: torch.Tensor):
     """The two middle squared distances over the distinct pairs of the N points, [B] each."""
     n_q, n = d2_q.shape[1:]
-    if n * (n - 1) // 2 <= _SMALL_PAIRS:
+    if n * (n - 1) // 2 <= _SMALL_PAIRS or torch.compiler.is_compiling():  # (the bracket reads values back)
         return _median_small(both, n_q, n - n_q)
     gen = torch.Generator(device=d2_q.device).manual_seed(0)
     out = [_median_bracket(d2_q[b], d2_pp[b], gen) for b in range(d2_q.shape[0])]
