@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     ap.add_argument("--compiled", action="store_true", help="also the pure sides under torch.compile")
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
-                    help="torch.compile's mode for --compiled (default: torch's default)")
+                    help="torch.compile's mode for --compiled (default: torch's default; with CUDA graphs the "
+                         "compiled sides' peak MB misses the graphs' memory pool)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: the GPU time of each kernel in one forward + backward of ours")
     args = ap.parse_args(argv)
@@ -236,24 +237,15 @@ def main(argv=None) -> int:
                     print(switch_ab(p, q, "set_generic_kernels", args.target_s))
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
-    if args.compiled:
-        compiled = cpu_bench.compiled_sides(cpu_bench.PURE, mode=args.compile_mode)
-        impls.update(compiled)
-        pure += tuple(compiled)
+    compiled = cpu_bench.compiled_sides(cpu_bench.PURE, mode=args.compile_mode) if args.compiled else {}
     rows = []
     for shape in args.shapes.split(","):
         b, n, d, batched = cpu_bench.parse_shape(shape)
         for dtype_name in args.dtypes.split(","):
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
             for backward in (False, True):
-                run_impls, run_pure = dict(impls), pure
-                for name in [k for k in impls if k.endswith("_compiled")]:
-                    try:  # torch.compile can fail on a pure side; that side is then left out, and said so
-                        cpu_bench.call(impls[name], p, q, backward)
-                    except Exception as err:  # noqa: BLE001
-                        print(f"  {name} left out: {type(err).__name__}: {str(err).splitlines()[-1][:160]}")
-                        del run_impls[name]
-                        run_pure = tuple(k for k in run_pure if k != name)
+                run_compiled = cpu_bench.compiled_for(compiled, p, q, backward)  # (failures left out, and said so)
+                run_impls, run_pure = {**impls, **run_compiled}, pure + tuple(run_compiled)
                 t = time_sides(run_impls, run_pure, p, q, backward, args.target_s)
                 row = {"shape": cpu_bench.shape_name(b, n, d, batched), "dtype": dtype_name,
                        "pass": "fwd+bwd" if backward else "fwd"}

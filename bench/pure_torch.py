@@ -35,9 +35,11 @@ but for strong's refined float32 factor):
 - ``fast`` is the fastest in float32: everything in the input dtype, LU (``linalg.solve_ex``) up to 256
   rows, Cholesky above. It misses the contract on many inputs (bench/precision.py counts them).
 
-Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) both sides read nothing back to
-the host, so that a call is one graph: a failed factorization or a zero median gives NaN for its
-element instead of an error (as kivi_fast's CUDA ops), the distances are formed without ``out=`` into
+On a GPU and under ``torch.compile`` a failed factorization or a zero median gives NaN for its element
+instead of an error (as kivi_fast's CUDA ops), so that no check stalls the host. Eagerly on a GPU,
+strong's refinement above 256 rows and the sampled median above 2^17 pairs still read values back.
+Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) nothing does, so that a call is
+one graph: the distances are formed without ``out=`` into
 views of one buffer, the median gathers every pair for one ``kthvalue`` at any size (the sampled
 bracket reads counts back; N (N - 1) / 2 more values held), and strong factors in float64 above 256
 rows (its refinement loop reads residuals back).
@@ -164,14 +166,15 @@ def _pair_index(n_q: int, n_p: int, device) -> torch.Tensor:
     """Flat positions of the distinct pairs in [d2 (n_q x N) | d2_pp (n_p x n_p)], cached: the q-q upper
     triangle, the q-p block, the p-p upper triangle."""
     key = (n_q, n_p, str(device))
-    if key in _TRIU_CACHE:
+    tracing = torch.compiler.is_compiling()  # a traced graph computes it: the cache would enter its guards
+    if not tracing and key in _TRIU_CACHE:
         return _TRIU_CACHE[key]
     n = n_q + n_p
     rq, cq = torch.triu_indices(n_q, n_q, offset=1, device=device)
     rp, cp = torch.triu_indices(n_p, n_p, offset=1, device=device)
     qp = (torch.arange(n_q, device=device)[:, None] * n + n_q + torch.arange(n_p, device=device)).flatten()
     index = torch.cat([rq * n + cq, qp, n_q * n + rp * n_p + cp])
-    if not torch.compiler.is_compiling():  # (a traced graph computes it: storing it would break the trace)
+    if not tracing:
         _TRIU_CACHE[key] = index
     return index
 
@@ -268,10 +271,17 @@ def _median_sqdist(d2_q: torch.Tensor, d2_pp: torch.Tensor, both: torch.Tensor):
 # ---------------------------------------------------------------------------------------------------
 # The fit's linear system, (K_qq + n_q lam I) x = K_qp 1 / (lam n_p).
 
+def _may_read_back(t: torch.Tensor) -> bool:
+    """Whether a check may read a value of t back to the host to raise an error: eagerly on the CPU. On
+    a GPU the read would stall the host, and under torch.compile it would break the graph: NaN for the
+    failed batch element instead, as kivi_fast's CUDA ops give."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _checked(x: torch.Tensor, info: torch.Tensor, message: str) -> torch.Tensor:
-    """x, or an error where a factorization failed (info != 0). Under torch.compile NaN for the failed
-    elements instead: reading info back to the host would break the graph (as kivi_fast's CUDA ops do)."""
-    if torch.compiler.is_compiling():
+    """x, or an error where a factorization failed (info != 0); NaN for the failed elements where a
+    check may not read back (_may_read_back)."""
+    if not _may_read_back(x):
         return torch.where((info == 0)[..., None, None], x, torch.nan)
     if bool((info != 0).any()):
         raise ValueError(message)
@@ -320,7 +330,7 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
     lo, hi = _median_sqdist(d2, d2_pp, both)
     del d2_pp, both
     sigma = 0.5 * (lo.clamp_min(0).sqrt() + hi.clamp_min(0).sqrt())   # [B]
-    if torch.compiler.is_compiling():  # NaN, not an error (_checked)
+    if not _may_read_back(sigma):
         sigma = torch.where(sigma == 0, torch.nan, sigma)
     elif bool((sigma == 0).any()):
         raise ValueError("the median pairwise distance is 0; the median bandwidth is undefined")

@@ -95,11 +95,26 @@ PURE = ("strong", "fast")
 
 
 def compiled_sides(sides, mode: str | None = None) -> dict:
-    """Each pure side under torch.compile (``mode``: torch.compile's), as "<side>_compiled" (a graph per
-    shape, dtype and pass: the recompile limit raised so that no cell falls back to eager unseen)."""
+    """Each pure side under torch.compile (``mode``: torch.compile's), as "<side>_compiled": one graph a
+    call (fullgraph: a break raises rather than timing a split graph), a graph per shape, dtype, pass
+    and thread count (the recompile limit raised so that no cell falls back to eager unseen)."""
     torch._dynamo.config.recompile_limit = 4096
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\._inductor")  # inductor's own deprecations
-    return {name + "_compiled": torch.compile(IMPLS[name], dynamic=False, mode=mode) for name in sides}
+    return {name + "_compiled": torch.compile(IMPLS[name], dynamic=False, mode=mode, fullgraph=True) for name in sides}
+
+
+def compiled_for(compiled: dict, p, q, backward: bool) -> dict:
+    """The compiled sides that compile and run for these inputs, each called once (its compile and
+    warm-up, outside any timing); a side that fails is left out of the cell, and said so."""
+    ok = {}
+    for name, fn in compiled.items():
+        try:
+            call(fn, p, q, backward)
+        except Exception as err:  # noqa: BLE001
+            print(f"  {name} left out: {type(err).__name__}: {str(err).strip().splitlines()[-1][:160]}")
+            continue
+        ok[name] = fn
+    return ok
 
 
 def call(fn, p, q, backward: bool):
@@ -127,7 +142,7 @@ def self_check(check_ours: bool, compiled: dict | None = None) -> None:
     """Each side against kivi_fast.reference.kernel_kl, value and gradient (relative, 2-norm for the gradient):
     float64 to 1e-8; float32 to 1e-3 (the contract) for ours and strong, to 1e-2 for fast, which is not
     held to the contract (bench/precision.py counts its misses). The compiled sides (compiled_sides) on
-    the two float32 cases whose graphs differ most from eager (batched; above 256 rows)."""
+    the float32 cases whose graphs differ most from eager (batched; above 256 rows; tall)."""
     cases = [(1, 30, 5, False), (3, 12, 4, True), (1, 20, 300, False), (1, 100, 8, False), (1, 300, 6, False),
              (1, 10, 9000, False)]  # (300, 6): above 256 rows and the sampled median; (10, 9000): tall
     for dtype in (torch.float64, torch.float32):
@@ -135,7 +150,7 @@ def self_check(check_ours: bool, compiled: dict | None = None) -> None:
             p, q = make_inputs(b, n, d, batched, dtype, seed=1)
             want, want_g = call(lambda p_, q_: reference.kernel_kl(p_, q_, LAM), p, q, True)
             sides = dict(IMPLS)
-            if compiled and dtype == torch.float32 and (batched or n > 256):
+            if compiled and dtype == torch.float32 and (batched or n > 256 or d >= pure_torch._TALL_D):
                 sides.update(compiled)
             for name, fn in sides.items():
                 if name == "ours" and not check_ours:
@@ -334,9 +349,9 @@ def compiled_table(rows: list[dict], names: list[str], markdown: bool) -> str:
     for r in rows:
         cells = []
         for k in names:
-            eager = r[k.removesuffix("_compiled") + "_s"]
-            cells += [_fmt_ms(r[k + "_s"]), _fmt(r[k + "_ratio"], ".2f"),
-                      _fmt(None if eager is None else eager / r[k + "_s"], ".2f")]
+            eager, mine = r[k.removesuffix("_compiled") + "_s"], r[k + "_s"]  # (None: not run, or left out)
+            cells += [_fmt_ms(mine), _fmt(r[k + "_ratio"], ".2f"),
+                      _fmt(None if eager is None or mine is None else eager / mine, ".2f")]
         body.append([r["shape"], r["dtype"], str(r["threads"]), r["pass"]] + cells)
     return _render(head, body, markdown)
 
@@ -389,7 +404,7 @@ def main(argv=None) -> int:
     if not args.no_check:
         t0 = time.perf_counter()
         self_check(check_ours=True, compiled=compiled)
-        print(f"self-check passed: {', '.join(['ours', *sides, *compiled])} agree with kivi_fast.reference.kernel_kl (value and "
+        print(f"self-check passed: {', '.join([*IMPLS, *compiled])} agree with kivi_fast.reference.kernel_kl (value and "
               f"gradient; float64 1e-8, float32 1e-3 (fast 1e-2) relative) [{time.perf_counter() - t0:.1f} s]")
 
     rates = {}
@@ -431,7 +446,7 @@ def main(argv=None) -> int:
                 torch.set_num_threads(t)
                 for backward in (False, True):
                     fns = {k: IMPLS[k] for k in ["ours"] + sides if k != "ours" or run_ours}
-                    fns.update(compiled)
+                    fns.update(compiled_for(compiled, p, q, backward))
                     res = time_calls(fns, p, q, backward, target_s, pure=PURE + tuple(compiled))
                     w = roofline.work(b, n, n, d, p.element_size(), backward)
                     roof = roofline.roofline_s(w, roof_rates[t], dtype)
@@ -449,7 +464,10 @@ def main(argv=None) -> int:
                                                         else row[f"{k}_s"] / row["ours_s"])
                         row[f"{k}_roofline_frac"] = None if row[f"{k}_s"] is None else roof / row[f"{k}_s"]
                     for k in compiled:
-                        row[f"{k}_s"], row[f"{k}_ratio"] = res[k][0], res.get(f"{k}_ratio")
+                        med, best, reps = res.get(k, (None, None, 0))
+                        row[f"{k}_s"], row[f"{k}_min_s"], row[f"{k}_reps"] = med, best, reps
+                        row[f"{k}_ratio"] = res.get(f"{k}_ratio")
+                        row[f"{k}_ratio_of_medians"] = None if med is None or row["ours_s"] is None else med / row["ours_s"]
                     row["roofline_s"] = roof
                     row["roofline_frac"] = None if row["ours_s"] is None else roof / row["ours_s"]
                     row.update(w)

@@ -1,6 +1,7 @@
 """bench/pure_torch.py's two pure-PyTorch sides, the baselines every speed ratio is against: eager and
 under torch.compile (bench/run.py and bench/gpu.py --compiled), against kivi_fast.reference."""
 
+import importlib.util
 import os
 import sys
 
@@ -9,8 +10,18 @@ import torch
 
 from kivi_fast import reference
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import pure_torch  # noqa: E402
+
+def _load_pure_torch():
+    """bench/pure_torch.py by its path (bench/ on sys.path would let its scripts shadow other modules)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "pure_torch.py")
+    spec = importlib.util.spec_from_file_location("bench_pure_torch", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dynamo finds a traced function's globals by its module's name)
+    spec.loader.exec_module(module)
+    return module
+
+
+pure_torch = _load_pure_torch()
 
 LAM = 1e-3
 
@@ -29,7 +40,7 @@ def draw(shape, seed):
 
 
 @pytest.mark.parametrize("side", pure_torch.SIDES)
-@pytest.mark.parametrize("shape", [(3, 12, 4), (40, 5), (300, 3)])  # batched; unbatched; above 256 rows
+@pytest.mark.parametrize("shape", [(3, 12, 4), (40, 5), (300, 3)], ids=["batched", "unbatched", "above-256-rows"])
 def test_sides_equal_the_reference_in_float64(side, shape):
     p, q = draw(shape, seed=len(shape) + shape[-1])
     want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
@@ -38,13 +49,21 @@ def test_sides_equal_the_reference_in_float64(side, shape):
     torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
 
 
-@pytest.mark.parametrize("side, shape", [("strong", (3, 12, 4)), ("fast", (3, 12, 4)), ("strong", (300, 3))])
-def test_compiled_sides_are_one_graph_equal_to_the_reference(side, shape):
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("side, shape", [("strong", (3, 12, 4)), ("strong", (300, 3)), ("fast", (10, 9000))],
+                         ids=["strong-batched", "strong-above-256-rows", "fast-tall"])
+def test_compiled_sides_are_one_graph_equal_to_the_reference(side, shape, fresh_dynamo):
     """A side whose graph breaks (host reads, out= into views, a global cache written in the trace) is
     slower than it need be under torch.compile, or fails to compile: the compiled baseline would not
     be the strongest. (300, 3): above 256 rows and above 2^17 pairs, where the eager sides read values
-    back (strong's refinement, the sampled median)."""
-    torch._dynamo.reset()
+    back (strong's refinement, the sampled median); (10, 9000): the tall path, which eager takes in
+    chunks of d."""
     p, q = draw(shape, seed=7)
     fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
     want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
@@ -53,9 +72,23 @@ def test_compiled_sides_are_one_graph_equal_to_the_reference(side, shape):
     torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
 
 
-def test_a_zero_median_raises_eagerly_and_gives_nan_compiled():
+def test_compiled_strong_keeps_the_contract_in_float32(fresh_dynamo):
+    """float32 inputs, as the benches run them: strong compiled within the contract's 1e-3 of the float64
+    reference, and equal to strong eager (the same float64 steps)."""
+    p, q = (t.float() for t in draw((4, 30, 6), seed=11))
+    fn = lambda a, b: pure_torch.kl(a, b, LAM, side="strong")  # noqa: E731
+    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p.double(), q.double())
+    got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
+    eager, eager_g = value_and_grad(fn, p, q)
+    assert got.dtype == got_g.dtype == torch.float32
+    assert ((got.double() - want).abs() / want.abs()).max() <= 1e-3
+    assert (got_g.double() - want_g).norm() / want_g.norm() <= 1e-3
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_g, eager_g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_zero_median_raises_eagerly_and_gives_nan_compiled(fresh_dynamo):
     """Compiled, a side reads nothing back to the host (as kivi_fast's CUDA ops): NaN for that element."""
-    torch._dynamo.reset()
     p, q = draw((2, 10, 3), seed=3)
     p[1] = 0.0
     q[1] = 0.0  # every point of element 1 the same: median distance 0
