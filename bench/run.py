@@ -454,20 +454,15 @@ def main(argv=None) -> int:
                         "shape": name, "B": b, "n": n, "d": d, "batched": batched, "dtype": dt, "threads": t,
                         "pass": "fwd+bwd" if backward else "fwd", "load_average_1min": os.getloadavg()[0],
                     }
-                    for k in IMPLS:
+                    for k in [*IMPLS, *compiled]:
                         med, best, reps = res.get(k, (None, None, 0))
                         row[f"{k}_s"], row[f"{k}_min_s"], row[f"{k}_reps"] = med, best, reps
-                        row[f"{k}_mb"] = mem.get((k, shape, dt))
-                    for k in PURE:
+                        row[f"{k}_mb"] = mem.get((k, shape, dt))  # (compiled sides: not measured)
+                    for k in PURE + tuple(compiled):
                         row[f"{k}_ratio"] = res.get(f"{k}_ratio")
                         row[f"{k}_ratio_of_medians"] = (None if row["ours_s"] is None or row[f"{k}_s"] is None
                                                         else row[f"{k}_s"] / row["ours_s"])
                         row[f"{k}_roofline_frac"] = None if row[f"{k}_s"] is None else roof / row[f"{k}_s"]
-                    for k in compiled:
-                        med, best, reps = res.get(k, (None, None, 0))
-                        row[f"{k}_s"], row[f"{k}_min_s"], row[f"{k}_reps"] = med, best, reps
-                        row[f"{k}_ratio"] = res.get(f"{k}_ratio")
-                        row[f"{k}_ratio_of_medians"] = None if med is None or row["ours_s"] is None else med / row["ours_s"]
                     row["roofline_s"] = roof
                     row["roofline_frac"] = None if row["ours_s"] is None else roof / row["ours_s"]
                     row.update(w)
