@@ -98,3 +98,29 @@ def test_a_zero_median_raises_eagerly_and_gives_nan_compiled(fresh_dynamo):
     out = torch.compile(fn, dynamic=False)(p, q)
     assert torch.isnan(out[1]) and torch.isfinite(out[0])
     torch.testing.assert_close(out[0], reference.kernel_kl(p[0], q[0], LAM), rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("side", pure_torch.SIDES)
+def test_eager_sides_on_a_gpu_read_nothing_back_and_give_nan_for_a_bad_element(side):
+    """The GPU baseline tuned for the GPU: up to 2^17 pairs and 256 rows an eager call never stalls the
+    host (torch's sync debug mode raises on any read), and a zero median gives NaN for its element
+    instead of an error; the other elements equal the CPU's."""
+    p, q = draw((4, 100, 8), seed=5)
+    p[2] = 0.0
+    q[2] = 0.0  # every point of element 2 the same: median distance 0
+    fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
+    good = [0, 1, 3]
+    want, want_g = value_and_grad(fn, p[good], q[good])
+    p, q = p.cuda(), q.cuda()
+    value_and_grad(fn, p, q)  # first calls create library handles, which may synchronize
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, got_g = value_and_grad(fn, p, q)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    assert torch.isnan(got[2]).item()
+    torch.testing.assert_close(got[good].cpu(), want, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(got_g[good].cpu(), want_g, rtol=1e-7, atol=1e-10)

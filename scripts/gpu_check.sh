@@ -35,7 +35,7 @@ if has build; then
   echo "built in $(( $(date +%s) - t0 )) s"
 fi
 if has tests; then
-  python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py || fail tests
+  python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py python_tests/test_bench_sides.py || fail tests
 fi
 if has sanitizer && command -v compute-sanitizer > /dev/null; then
   # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses
