@@ -28,6 +28,17 @@ def has_ops() -> bool:
 
 
 @contextlib.contextmanager
+def no_host_sync():
+    """Any read of a device value by the host raises inside (torch's sync debug mode)."""
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+@contextlib.contextmanager
 def implementation(name: str):
     """Run kivi_fast's public functions on one implementation: "cpu", "generic" or "reference"."""
     if name in ("cpu", "generic") and not has_ops():

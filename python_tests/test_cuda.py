@@ -6,7 +6,6 @@ These run only where torch sees a GPU; elsewhere pytest reports them as skipped 
 generic kernels themselves are also tested on the CPU (the ``generic`` implementation of conftest).
 """
 
-import contextlib
 import copy
 import math
 
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 import kivi_fast
 from kivi_fast import reference
 
-from conftest import implementation
+from conftest import implementation, no_host_sync
 from test_ops_vs_reference import MAX_WORK, make_samples, value_and_grad
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -117,17 +116,6 @@ def test_mixed_devices_and_bad_arguments_raise_clear_errors():
         kivi_fast.kernel_kl(p.to(CUDA), q)
     with pytest.raises(ValueError, match="lam"):
         kivi_fast.kernel_kl(p.to(CUDA), q.to(CUDA), lam=0.0)
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Any read of a device value by the host raises inside (torch's sync debug mode)."""
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
 
 
 def assert_cuda_equals_cpu_kernels(p, q, reverse: bool, rtol: float, value_rtol: float | None = None) -> None:
