@@ -2,20 +2,21 @@
 # The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU and never runs
 # this): builds kivi_fast with its CUDA kernels into that environment, then runs the CUDA tests, the
 # kernels under compute-sanitizer (where installed: memcheck, and racecheck on kernels that stage
-# tiles in shared memory), bench/gpu.py and bench/train_steps.py, and profiles of where the GPU time
-# goes: ours on six shapes (bench/gpu.py --profile), the training steps replayed from CUDA graphs
-# (bench/train_steps.py --profile); last, the pure sides under torch.compile on the shapes where
-# compiling can pay (bench/gpu.py --compiled: minutes of compiling). Everything it prints also goes to
+# tiles in shared memory), bench/gpu.py, then the pure sides under torch.compile on the shapes where
+# compiling can pay (bench/gpu.py --compiled: minutes of compiling; the baselines the ratios need,
+# before what only explains them), bench/train_steps.py, and last the profiles of where the GPU time
+# goes with the kernels' A/B switches: ours on six shapes (bench/gpu.py --profile), the training steps
+# replayed from CUDA graphs (bench/train_steps.py --profile). Everything it prints also goes to
 # OUT_DIR/gpu_check.log; the benches' JSON go to OUT_DIR.
 #   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
-#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,steps,profile,compiled)
+#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,compiled,steps,profile)
 #   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
-PHASES="${PHASES:-build,tests,sanitizer,bench,steps,profile,compiled}"
+PHASES="${PHASES:-build,tests,sanitizer,bench,compiled,steps,profile}"
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 date
@@ -69,18 +70,18 @@ if has bench; then
     --json "$out/cuda_results.json" || fail bench
   python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || fail bench64
 fi
-if has profile; then
-  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64 || fail profile
-  python3 bench/train_steps.py --profile || fail steps-profile
-fi
-if has steps; then
-  python3 bench/train_steps.py --json "$out/train_steps.json" || fail steps
-fi
 if has compiled; then
   # (the shapes of the 10x target and the host-bound one: launches are what compiling saves; each
   # shape costs four compiles, tens of seconds with Triton)
   python3 bench/gpu.py --compiled --dtypes float32 --shapes 128x100x8,1024x100x8,1000x32 \
     --json "$out/cuda_compiled.json" || fail compiled
+fi
+if has steps; then
+  python3 bench/train_steps.py --json "$out/train_steps.json" || fail steps
+fi
+if has profile; then
+  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64 || fail profile
+  python3 bench/train_steps.py --profile || fail steps-profile
 fi
 date
 if [ "$status" -eq 0 ]; then echo "gpu_check: all phases passed ($PHASES)"; else echo "gpu_check: failed: ${failed[*]}"; fi
