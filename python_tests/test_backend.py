@@ -74,6 +74,39 @@ def test_the_cuda_kernels_switches_say_when_the_build_has_no_cuda_kernels():
             call()
 
 
+def configure_as_if_torch_were_cuda(tmp_path, torch_cuda: str, env: dict) -> str:
+    """CMakeLists.txt's configure (no build) with torch's CUDA version given (KIVI_FAST_TEST_TORCH_CUDA)
+    on this machine's CPU torch: its output, with CMake's line wrapping undone."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(["cmake", "-S", str(root), "-B", str(tmp_path / "build"), f"-DPython_EXECUTABLE={sys.executable}",
+                          f"-DKIVI_FAST_TEST_TORCH_CUDA={torch_cuda}", "-DKIVI_FAST_CUDA_EMULATION=OFF",
+                          "-DCMAKE_CUDA_ARCHITECTURES=90"],
+                         capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert run.returncode != 0  # (with a CPU torch the configure cannot get further than the checks)
+    return " ".join((run.stdout + run.stderr).split())
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake on this machine")
+def test_a_cuda_torch_without_a_cuda_compiler_stops_the_build_saying_what_to_do(tmp_path):
+    out = configure_as_if_torch_were_cuda(tmp_path, "13.0", {"CUDACXX": str(tmp_path / "no" / "nvcc")})
+    assert "torch is a CUDA 13.0 build, but no CUDA compiler (nvcc) was found" in out, out[-3000:]
+    assert "Install a CUDA 13.x toolkit" in out and "-Ccmake.define.KIVI_FAST_CUDA=OFF" in out, out[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("nvcc") is None, reason="no cmake or no nvcc")
+def test_a_cuda_compiler_of_another_major_version_than_torchs_stops_the_build(tmp_path):
+    import re
+
+    version = re.search(r"release (\d+)\.", subprocess.run(["nvcc", "--version"], capture_output=True,
+                                                            text=True).stdout)
+    other = int(version.group(1)) - 1
+    out = configure_as_if_torch_were_cuda(tmp_path, f"{other}.4", {"CUDACXX": shutil.which("nvcc")})
+    assert f"torch is a CUDA {other}.4 build, but the CUDA compiler" in out, out[-3000:]
+    assert f"nvcc of a CUDA {other}.x toolkit" in out and "-Ccmake.define.KIVI_FAST_CUDA=OFF" in out, out[-3000:]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_the_cuda_sources_compile_with_nvcc(tmp_path):
     """csrc/cuda/'s .cu files through nvcc's front end (host and device code to C++; no GPU needed),
