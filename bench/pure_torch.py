@@ -13,7 +13,8 @@ with PyTorch alone, as fast as we could make them:
 - the median over the N (N - 1) / 2 distinct pairs, exact: up to 2^17 pairs, gathered by one cached
   index and one ``kthvalue`` (the upper middle value, for an even count, by elementwise passes); above,
   a sampled bracket (a sorted sample of 4096 entries brackets the middle ranks, one compare-and-count
-  pass over the blocks, the same on the values inside, ``kthvalue`` when few are left or on a miss);
+  pass over the blocks, the same on the values inside, ``kthvalue`` when few are left or on a miss: on
+  a GPU a sort of all pairs, ``_sorts_long_rows``);
 - lam added in place on the diagonal of the kernel's q block, solved as (K_qq + n_q lam I) x =
   K_qp 1 / (lam n_p); the ratio at the points q is then r = n_q lam x exactly, which saves the
   evaluation's pass and its cancellation of terms of size ~1/lam;
@@ -37,12 +38,14 @@ but for strong's refined float32 factor):
 
 On a GPU and under ``torch.compile`` a failed factorization or a zero median gives NaN for its element
 instead of an error (as kivi_fast's CUDA ops), so that no check stalls the host. Eagerly on a GPU,
-strong's refinement above 256 rows and the sampled median above 2^17 pairs still read values back.
-Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) nothing does, so that a call is
-one graph: the distances are formed without ``out=`` into
-views of one buffer, the median gathers every pair for one ``kthvalue`` at any size (the sampled
-bracket reads counts back; N (N - 1) / 2 more values held), and strong factors in float64 above 256
-rows (its refinement loop reads residuals back).
+strong's refinement above 256 rows and the sampled median above 2^17 pairs still read values back (a
+few reads a call, where a sort of all pairs, which reads none, moves every pair several times: 1.1 ms
+for 8 M on an H100). Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) nothing
+does, so that a call is one graph: the distances are formed without ``out=`` into views of one
+buffer, the median gathers every pair at any size for one
+``kthvalue`` (on a GPU above 2^17 pairs, one sort, with its copy and int64 indices; the sampled bracket
+reads counts back; N (N - 1) / 2 more values held), and strong factors in float64 above 256 rows (its
+refinement loop reads residuals back).
 """
 
 from __future__ import annotations
@@ -179,12 +182,24 @@ def _pair_index(n_q: int, n_p: int, device) -> torch.Tensor:
     return index
 
 
+def _sorts_long_rows(t: torch.Tensor) -> bool:
+    """Whether a selection over more than _SMALL_PAIRS gathered pairs sorts them: off the CPU, where
+    kthvalue gives each row to one thread block (65 ms for one row of 8 M pairs on an H100, against
+    1.1 ms for a device-wide sort; csrc/generic.cpp). Under torch.compile, which gathers every pair, and
+    on a miss of the eager bracket."""
+    return t.device.type != "cpu"
+
+
 def _median_small(both: torch.Tensor, n_q: int, n_p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The two middle squared distances over the distinct pairs ([B] each) from ``_sqdists``' buffer:
-    all pairs gathered by one index_select, one kthvalue, the upper middle value by elementwise passes."""
+    all pairs gathered by one index_select, one kthvalue, the upper middle value by elementwise passes;
+    on a GPU more than _SMALL_PAIRS a row are sorted instead, and the middles read off."""
     pairs = both.index_select(1, _pair_index(n_q, n_p, both.device))
     m = pairs.shape[1]
     k = (m + 1) // 2  # 1-based rank of the lower middle
+    if m > _SMALL_PAIRS and _sorts_long_rows(pairs):
+        ordered = torch.sort(pairs, dim=-1).values
+        return ordered[:, k - 1], ordered[:, k - 1 if m % 2 else k]
     lo = torch.kthvalue(pairs, k, dim=-1).values
     hi = lo if m % 2 else _upper_middle_(pairs, lo, k)
     return lo, hi

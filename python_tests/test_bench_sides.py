@@ -68,6 +68,30 @@ def test_compiled_sides_are_one_graph_equal_to_the_reference(side, shape, fresh_
     torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.parametrize("n_q", [300, 299], ids=["even-pairs", "odd-pairs"])
+def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dynamo):
+    """Off the CPU a selection over more than 2^17 gathered pairs sorts them (a GPU's kthvalue gives a
+    row to one thread block): under torch.compile, which gathers every pair, and on a miss of the eager
+    bracket. Forced here on the CPU with 599 or 600 points (179,101 or 179,700 pairs): the middles read
+    off the sorted pairs equal kthvalue's, and both sides compiled equal the reference."""
+    p, q = draw((300, 3), seed=13)
+    q = q[:n_q]
+    n = 300 + n_q
+    both = torch.rand(2, n_q * n + 300 * 300, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    by_kthvalue = pure_torch._median_small(both, n_q, 300)
+    calls = []
+    monkeypatch.setattr(pure_torch, "_sorts_long_rows", lambda t: calls.append(t.shape) or True)
+    by_sort = pure_torch._median_small(both, n_q, 300)
+    assert calls and all(torch.equal(a, b) for a, b in zip(by_sort, by_kthvalue))
+    monkeypatch.setattr(pure_torch, "_sorts_long_rows", lambda t: True)  # (no side effect in a traced graph)
+    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
+    for side in pure_torch.SIDES:
+        fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
+        got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
+
+
 def test_compiled_strong_keeps_the_contract_in_float32(fresh_dynamo):
     """float32 inputs, as the benches run them: strong compiled within the contract's 1e-3 of the float64
     reference, and equal to strong eager (the same float64 steps)."""
