@@ -2,8 +2,9 @@
 
     python bench/gpu.py                          # bench/run.py's shapes, float32 and float64
     python bench/gpu.py --shapes 128x100x8 --dtypes float32 --json bench/cuda_results.json
-    python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides under torch.compile
-                                         # (--compile-mode reduce-overhead: also in CUDA graphs)
+    python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides and ours under torch.compile
+                                         # (--compile-mode reduce-overhead: also in CUDA graphs), with
+                                         # the like-for-like ratios <side>_compiled / ours_compiled
     python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
                                          # (by kernel, the count of GPU operations, the host's share
                                          # of a call, by stage of kl.cu's forward kernel; batched
@@ -238,6 +239,8 @@ def main(argv=None) -> int:
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     compiled = cpu_bench.compiled_sides(cpu_bench.PURE, mode=args.compile_mode) if args.compiled else {}
+    if args.compiled:  # ours under the same compile too (with reduce-overhead, CUDA graphs): like for like
+        compiled["ours_compiled"] = torch.compile(cpu_bench.IMPLS["ours"], dynamic=False, mode=args.compile_mode)
     rows = []
     for shape in args.shapes.split(","):
         b, n, d, batched = cpu_bench.parse_shape(shape)
@@ -255,10 +258,14 @@ def main(argv=None) -> int:
                         row[name + "_mb"] = peak_mb(run_impls[name], p, q)
                 for name in run_pure:
                     row[name + "_ratio"] = t[name + "_ratio"]
+                like = [k for k in run_compiled if k != "ours_compiled"] if "ours_compiled" in run_compiled else []
+                for name in like:  # (a ratio of the medians)
+                    row[name + "_vs_ours_compiled"] = t[name] / t["ours_compiled"]
                 rows.append(row)
                 print(f"{row['shape']:>14} {dtype_name:8} {row['pass']:8} "
                       + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in run_impls)
                       + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in run_pure)
+                      + "".join(f"  {k}/ours_compiled {row[k + '_vs_ours_compiled']:5.2f}" for k in like)
                       + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls) if backward else ""),
                       flush=True)
     save_json(args.json, info, rows)
