@@ -44,7 +44,9 @@ def timed_call(fn, p, q, backward: bool) -> float:
     return synchronized_seconds(lambda: cpu_bench.call(fn, p, q, backward))
 
 
-def time_sides(impls: dict, pure: tuple, p, q, backward: bool, target_s: float) -> dict:
+def time_sides(impls: dict, pure: tuple, p, q, backward: bool, target_s: float, like: tuple = ()) -> dict:
+    """Median seconds of each of impls, called in turn round after round; <name>_ratio for each of pure:
+    the median of its rounds' ratios to ours, and <a>_vs_<b> for each pair (a, b) of like the same."""
     for fn in impls.values():  # warm-up: cuBLAS/cuSOLVER handles, the caching allocator
         for _ in range(3):
             timed_call(fn, p, q, backward)
@@ -58,6 +60,8 @@ def time_sides(impls: dict, pure: tuple, p, q, backward: bool, target_s: float) 
     out = {name: statistics.median(ts) for name, ts in times.items()}
     for name in pure:
         out[name + "_ratio"] = statistics.median(a / b for a, b in zip(times[name], times["ours"]))
+    for a_name, b_name in like:
+        out[f"{a_name}_vs_{b_name}"] = statistics.median(a / b for a, b in zip(times[a_name], times[b_name]))
     return out
 
 
@@ -240,6 +244,7 @@ def main(argv=None) -> int:
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     compiled = cpu_bench.compiled_sides(cpu_bench.PURE, mode=args.compile_mode) if args.compiled else {}
     if args.compiled:  # ours under the same compile too (with reduce-overhead, CUDA graphs): like for like
+        # (not fullgraph: a break, which would cost ours time, is timed rather than leaving ours out)
         compiled["ours_compiled"] = torch.compile(cpu_bench.IMPLS["ours"], dynamic=False, mode=args.compile_mode)
     rows = []
     for shape in args.shapes.split(","):
@@ -249,7 +254,9 @@ def main(argv=None) -> int:
             for backward in (False, True):
                 run_compiled = cpu_bench.compiled_for(compiled, p, q, backward)  # (failures left out, and said so)
                 run_impls, run_pure = {**impls, **run_compiled}, pure + tuple(run_compiled)
-                t = time_sides(run_impls, run_pure, p, q, backward, args.target_s)
+                like = tuple((k, "ours_compiled") for k in run_compiled if k != "ours_compiled") \
+                    if "ours_compiled" in run_compiled else ()
+                t = time_sides(run_impls, run_pure, p, q, backward, args.target_s, like)
                 row = {"shape": cpu_bench.shape_name(b, n, d, batched), "dtype": dtype_name,
                        "pass": "fwd+bwd" if backward else "fwd"}
                 for name in run_impls:
@@ -258,14 +265,13 @@ def main(argv=None) -> int:
                         row[name + "_mb"] = peak_mb(run_impls[name], p, q)
                 for name in run_pure:
                     row[name + "_ratio"] = t[name + "_ratio"]
-                like = [k for k in run_compiled if k != "ours_compiled"] if "ours_compiled" in run_compiled else []
-                for name in like:  # (a ratio of the medians)
-                    row[name + "_vs_ours_compiled"] = t[name] / t["ours_compiled"]
+                for a_name, b_name in like:
+                    row[f"{a_name}_vs_{b_name}"] = t[f"{a_name}_vs_{b_name}"]
                 rows.append(row)
                 print(f"{row['shape']:>14} {dtype_name:8} {row['pass']:8} "
                       + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in run_impls)
                       + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in run_pure)
-                      + "".join(f"  {k}/ours_compiled {row[k + '_vs_ours_compiled']:5.2f}" for k in like)
+                      + "".join(f"  {a}/{b} {t[f'{a}_vs_{b}']:5.2f}" for a, b in like)
                       + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls) if backward else ""),
                       flush=True)
     save_json(args.json, info, rows)

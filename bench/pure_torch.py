@@ -39,13 +39,12 @@ but for strong's refined float32 factor):
 On a GPU and under ``torch.compile`` a failed factorization or a zero median gives NaN for its element
 instead of an error (as kivi_fast's CUDA ops), so that no check stalls the host. Eagerly on a GPU,
 strong's refinement above 256 rows and the sampled median above 2^17 pairs still read values back (a
-few reads a call, where a sort of all pairs, which reads none, moves every pair several times: 1.1 ms
-for 8 M on an H100). Under ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) nothing
-does, so that a call is one graph: the distances are formed without ``out=`` into views of one
-buffer, the median gathers every pair at any size for one
-``kthvalue`` (on a GPU above 2^17 pairs, one sort, with its copy and int64 indices; the sampled bracket
-reads counts back; N (N - 1) / 2 more values held), and strong factors in float64 above 256 rows (its
-refinement loop reads residuals back).
+few reads a call, where a sort of all pairs, which reads none, moves every pair several times). Under
+``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) nothing does, so that a call is one
+graph: the distances are formed without ``out=`` into views of one buffer, the median gathers every
+pair at any size for one ``kthvalue`` (on a GPU above 2^17 pairs, one sort, with its copy and int64
+indices; the sampled bracket reads counts back; N (N - 1) / 2 more values held), and strong factors in
+float64 above 256 rows (its refinement loop reads residuals back).
 """
 
 from __future__ import annotations
@@ -183,10 +182,9 @@ def _pair_index(n_q: int, n_p: int, device) -> torch.Tensor:
 
 
 def _sorts_long_rows(t: torch.Tensor) -> bool:
-    """Whether a selection over more than _SMALL_PAIRS gathered pairs sorts them: off the CPU, where
-    kthvalue gives each row to one thread block (65 ms for one row of 8 M pairs on an H100, against
-    1.1 ms for a device-wide sort; csrc/generic.cpp). Under torch.compile, which gathers every pair, and
-    on a miss of the eager bracket."""
+    """Whether a selection over more than _SMALL_PAIRS values sorts them: off the CPU, where kthvalue
+    gives each row to one thread block (measured on an H100: csrc/generic.cpp, median_of_pairs). Under
+    torch.compile, which gathers every pair, and where the eager bracket misses."""
     return t.device.type != "cpu"
 
 
@@ -199,7 +197,7 @@ def _median_small(both: torch.Tensor, n_q: int, n_p: int) -> tuple[torch.Tensor,
     k = (m + 1) // 2  # 1-based rank of the lower middle
     if m > _SMALL_PAIRS and _sorts_long_rows(pairs):
         ordered = torch.sort(pairs, dim=-1).values
-        return ordered[:, k - 1], ordered[:, k - 1 if m % 2 else k]
+        return ordered[:, k - 1], ordered[:, m // 2]
     lo = torch.kthvalue(pairs, k, dim=-1).values
     hi = lo if m % 2 else _upper_middle_(pairs, lo, k)
     return lo, hi
@@ -225,7 +223,7 @@ def _split(values: torch.Tensor, lo: float, hi: float) -> tuple[int, torch.Tenso
 def _select(values: torch.Tensor, r_lo: int, r_hi: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The values of ranks r_lo <= r_hi (0-based) of a 1-D tensor, exactly: a
     sampled bracket, one compare-and-count pass and a recursion on the values inside; kthvalue when
-    few are left or the bracket misses."""
+    few are left or the bracket misses (on a GPU, above _SMALL_PAIRS values, a sort)."""
     total = values.numel()
     if total > _SMALL_PAIRS:
         idx = torch.randint(0, total, (_SAMPLE,), generator=gen, device=values.device)
@@ -236,6 +234,9 @@ def _select(values: torch.Tensor, r_lo: int, r_hi: int, gen: torch.Generator) ->
                 return inside[0], inside[0]
             if inside.numel() <= total // 2:
                 return _select(inside, r_lo - below, r_hi - below, gen)
+    if total > _SMALL_PAIRS and _sorts_long_rows(values):
+        ordered = torch.sort(values).values
+        return ordered[r_lo], ordered[r_hi]
     lo = torch.kthvalue(values, r_lo + 1).values
     if r_hi == r_lo:
         return lo, lo

@@ -90,6 +90,25 @@ def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dyn
         got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
         torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
+        graphs = []  # the traced graph sorts (kthvalue would give the same values)
+
+        def record(gm, example_inputs):
+            graphs.append(gm.print_readable(print_output=False))
+            return gm.forward
+        torch.compile(fn, backend=record, dynamic=False, fullgraph=True)(p, q)
+        assert "torch.sort" in graphs[0] and "kthvalue" not in graphs[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("n_q", [300, 299], ids=["even-pairs", "odd-pairs"])
+def test_on_a_gpu_the_middles_of_many_pairs_by_sorting_equal_the_cpus(n_q):
+    """_sorts_long_rows itself: on a GPU the selection over 179,101 or 179,700 gathered pairs sorts them,
+    and its middles equal the CPU's kthvalue."""
+    n = 300 + n_q
+    both = torch.rand(2, n_q * n + 300 * 300, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    assert pure_torch._sorts_long_rows(both.cuda()) and not pure_torch._sorts_long_rows(both)
+    for got, want in zip(pure_torch._median_small(both.cuda(), n_q, 300), pure_torch._median_small(both, n_q, 300)):
+        assert torch.equal(got.cpu(), want)
 
 
 def test_compiled_strong_keeps_the_contract_in_float32(fresh_dynamo):
