@@ -212,9 +212,14 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     help="torch.compile's mode for --compiled (default: torch's default; with CUDA graphs the "
                          "compiled sides' peak MB misses the graphs' memory pool)")
+    ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd (forward alone), fwd+bwd")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: the GPU time of each kernel in one forward + backward of ours")
     args = ap.parse_args(argv)
+    passes = {"fwd": False, "fwd+bwd": True}
+    if not args.passes or any(k not in passes for k in args.passes.split(",")):
+        ap.error(f"--passes: comma-separated names of {sorted(passes)}, got {args.passes!r}")
+    backwards = [passes[k] for k in args.passes.split(",")]
     info = device_info("bench/gpu.py")
     if info is None:
         return 2
@@ -251,7 +256,7 @@ def main(argv=None) -> int:
         b, n, d, batched = cpu_bench.parse_shape(shape)
         for dtype_name in args.dtypes.split(","):
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
-            for backward in (False, True):
+            for backward in backwards:
                 run_compiled = cpu_bench.compiled_for(compiled, p, q, backward)  # (failures left out, and said so)
                 run_impls, run_pure = {**impls, **run_compiled}, pure + tuple(run_compiled)
                 like = tuple((k, "ours_compiled") for k in run_compiled if k != "ours_compiled") \

@@ -73,8 +73,9 @@ fi
 if has compiled; then
   # (the shapes of the 10x target and the host-bound one: launches are what compiling and CUDA graphs
   # save, so the strongest pure sides there are compiled with reduce-overhead; ours the same way beside
-  # them, like for like; each shape costs six compiles, tens of seconds with Triton)
-  python3 bench/gpu.py --compiled --compile-mode reduce-overhead --dtypes float32 \
+  # them, like for like; forward + backward only, the targets' pass: each shape costs three compiles,
+  # tens of seconds each with Triton)
+  python3 bench/gpu.py --compiled --compile-mode reduce-overhead --dtypes float32 --passes fwd+bwd \
     --shapes 128x100x8,1024x100x8,1000x32 --json "$out/cuda_compiled.json" || fail compiled
 fi
 if has steps; then
