@@ -331,14 +331,16 @@ def table(rows: list[dict], markdown: bool) -> str:
     return _render(head, body, markdown)
 
 
-def _render(head: list[str], body: list[list[str]], markdown: bool) -> str:
-    """A table as markdown or as aligned text; its first four columns name the cell (left-aligned)."""
+def _render(head: list[str], body: list[list[str]], markdown: bool, names: int = 4) -> str:
+    """A table as markdown or as aligned text; its first ``names`` columns name the cell (left-aligned)."""
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|"]
+        lines = ["| " + " | ".join(head) + " |",
+                 "|" + "|".join("---" if i < names else "---:" for i in range(len(head))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
         return "\n".join(lines)
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    fmt = lambda row: "  ".join(c.ljust(w) if i < names else c.rjust(w)  # noqa: E731
+                                for i, (c, w) in enumerate(zip(row, widths)))
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in body])
 
 

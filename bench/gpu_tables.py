@@ -1,0 +1,103 @@
+"""The GPU section's tables (bench/README.md, "GPU") from the JSON of one ``scripts/gpu_check.sh`` run.
+
+    python bench/gpu_tables.py runs/gpu_check          # the folder gpu_check.sh wrote (OUT_DIR)
+    python bench/gpu_tables.py bench --markdown        # the committed JSON
+
+For each float32 shape, forward + backward: ours against each pure side at its strongest, eager or
+compiled. A shape that the compiled phase timed (``cuda_compiled.json``) takes all its numbers from
+that run, where ours, the eager sides and the compiled ones were timed in turn in one process; the
+others come from the bench phase (``cuda_results.json``). Ratios are the benches' own (medians of each
+round's ratio); "like for like" is a compiled pure side against ours compiled the same way. Peak MB
+is the bench phase's (with CUDA graphs a compiled side's peak leaves out the graphs' memory pool).
+Then the training steps (``train_steps.json``), when that file is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import run as cpu_bench  # bench/run.py: the tables' rendering
+
+SIDES = ("strong", "fast")
+
+
+def load(folder: str, name: str) -> dict | None:
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def rows_by_shape(data: dict | None) -> dict:
+    """{shape: row} of a bench JSON's float32 forward + backward rows."""
+    if data is None:
+        return {}
+    return {r["shape"]: r for r in data["rows"] if r["dtype"] == "float32" and r["pass"] == "fwd+bwd"}
+
+
+def strongest(row: dict, side: str) -> tuple[str, float, float]:
+    """(which, ms, its ratio to ours) of a pure side at its strongest in one row: eager or compiled."""
+    options = [(side, row[side + "_s"], row[side + "_ratio"])]
+    if row.get(side + "_compiled_s") is not None:
+        options.append((side + " compiled", row[side + "_compiled_s"], row[side + "_compiled_ratio"]))
+    return min(options, key=lambda o: o[1])
+
+
+def bench_table(bench: dict, compiled: dict, markdown: bool) -> str:
+    head = ["shape", "dtype", "pass", "timed in", "ours ms", "strong at its best", "fast at its best",
+            "strong/ours", "fast/ours", "like for like", "peak MB ours / strong / fast"]
+    body = []
+    for shape, row in {**bench, **compiled}.items():
+        best = {side: strongest(row, side) for side in SIDES}
+        like = " / ".join(f"{row[k]:.2f}" for k in (f"{s}_compiled_vs_ours_compiled" for s in SIDES) if k in row)
+        peaks = bench.get(shape, row)
+        mb = " / ".join(cpu_bench._fmt(peaks.get(k + "_mb"), ".1f") for k in ("ours",) + SIDES)
+        body.append([shape, "float32", "fwd+bwd", "compiled phase" if shape in compiled else "bench phase",
+                     cpu_bench._fmt_ms(row["ours_s"])]
+                    + [f"{cpu_bench._fmt_ms(best[s][1])} ({best[s][0]})" for s in SIDES]
+                    + [f"{best[s][2]:.2f}" for s in SIDES] + [like or "-", mb])
+    return cpu_bench._render(head, body, markdown)
+
+
+def steps_table(steps: dict, markdown: bool) -> str:
+    head = ["step", "CUDA kernels ms", "KL ms (share)", "ATen kernels ms", "KL ms (share)", "eager ms",
+            "CUDA graph ms", "graph + TF32 ms", "KL graphed alone ms (share)"]
+    body = []
+    for r in steps["rows"]:
+        cells = ["-"] * 8
+        if "cuda" in r:
+            for i, k in enumerate(("cuda", "generic")):
+                cells[2 * i] = cpu_bench._fmt_ms(r[k]["step_seconds"])
+                cells[2 * i + 1] = f"{cpu_bench._fmt_ms(r[k]['kl_seconds'])} ({100 * r[k]['kl_share']:.0f}%)"
+        if "eager" in r:
+            cells[4:7] = [cpu_bench._fmt_ms(r.get(k)) for k in ("eager", "graph", "graph_tf32")]
+        if "kl_graph" in r:
+            cells[7] = f"{cpu_bench._fmt_ms(r['kl_graph'])} ({100 * r['kl_graph_share']:.0f}%)"
+        body.append([r["case"]] + cells)
+    return cpu_bench._render(head, body, markdown, names=1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", help="where gpu_check.sh wrote its JSON (its OUT_DIR), or bench/")
+    ap.add_argument("--markdown", action="store_true", help="markdown tables")
+    args = ap.parse_args(argv)
+    bench, compiled = load(args.folder, "cuda_results.json"), load(args.folder, "cuda_compiled.json")
+    steps = load(args.folder, "train_steps.json")
+    if bench is None and compiled is None:
+        print(f"bench/gpu_tables.py: no cuda_results.json or cuda_compiled.json in {args.folder}", file=sys.stderr)
+        return 2
+    device = (bench or compiled)["device"]
+    print(" ".join(f"{k}={v}" for k, v in device.items()) + "\n")
+    print(bench_table(rows_by_shape(bench), rows_by_shape(compiled), args.markdown))
+    if steps is not None:
+        print("\n" + steps_table(steps, args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

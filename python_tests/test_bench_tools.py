@@ -1,0 +1,48 @@
+"""bench/gpu_tables.py, which turns a GPU run's JSON into the GPU section's tables: each pure side at its
+strongest (eager or compiled), from the run that timed it, on made-up rows."""
+
+import json
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def row(shape, ours, strong, fast, **extra):
+    out = {"shape": shape, "dtype": "float32", "pass": "fwd+bwd", "ours_s": ours, "strong_s": strong,
+           "fast_s": fast, "strong_ratio": strong / ours, "fast_ratio": fast / ours}
+    out.update(extra)
+    return out
+
+
+def tables(tmp_path, files: dict) -> dict:
+    """{shape: {column: cell}} of the bench table that gpu_tables.py prints (markdown) for these files."""
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps({"device": {"gpu": "made up"}, "rows": rows}))
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_tables.py"), str(tmp_path), "--markdown"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    return {c[0]: dict(zip(head, c)) for c in cells if c[0].startswith("(")}
+
+
+def test_each_pure_side_at_its_strongest_from_the_run_that_timed_it(tmp_path):
+    bench = [row("(1000, 32)", 1e-3, 4e-3, 3e-3, ours_mb=8.0, strong_mb=30.0, fast_mb=20.0),
+             row("(5000, 64)", 7e-3, 12e-3, 9e-3, ours_mb=380.0, strong_mb=800.0, fast_mb=510.0)]
+    # the compiled phase's own run of (1000, 32): strong compiled beats strong eager, fast compiled loses
+    compiled = [row("(1000, 32)", 1.1e-3, 4.4e-3, 3.3e-3, strong_compiled_s=2.2e-3, strong_compiled_ratio=2.0,
+                    fast_compiled_s=5.5e-3, fast_compiled_ratio=5.0, ours_compiled_s=1.0e-3, ours_compiled_ratio=0.9,
+                    strong_compiled_vs_ours_compiled=2.1, fast_compiled_vs_ours_compiled=5.4)]
+    t = tables(tmp_path, {"cuda_results.json": bench, "cuda_compiled.json": compiled})
+    small, large = t["(1000, 32)"], t["(5000, 64)"]
+    assert small["timed in"] == "compiled phase" and large["timed in"] == "bench phase"
+    assert small["ours ms"] == "1.1"  # the compiled run's ours, not the bench phase's
+    assert small["strong at its best"] == "2.2 (strong compiled)" and small["strong/ours"] == "2.00"
+    assert small["fast at its best"] == "3.3 (fast)" and small["fast/ours"] == "3.00"
+    assert small["like for like"] == "2.10 / 5.40"
+    assert small["peak MB ours / strong / fast"] == "8.0 / 30.0 / 20.0"  # the bench phase's
+    assert large["strong at its best"] == "12 (strong)" and large["strong/ours"] == "1.71"
+    assert large["fast/ours"] == "1.29" and large["like for like"] == "-"
