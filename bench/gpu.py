@@ -273,13 +273,13 @@ def main(argv=None) -> int:
                 for a_name, b_name in like:
                     row[f"{a_name}_vs_{b_name}"] = t[f"{a_name}_vs_{b_name}"]
                 rows.append(row)
+                save_json(args.json, info, rows)  # after each row: a run cut off keeps what it timed
                 print(f"{row['shape']:>14} {dtype_name:8} {row['pass']:8} "
                       + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in run_impls)
                       + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in run_pure)
                       + "".join(f"  {a}/{b} {t[f'{a}_vs_{b}']:5.2f}" for a, b in like)
                       + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls) if backward else ""),
                       flush=True)
-    save_json(args.json, info, rows)
     return 0
 
 

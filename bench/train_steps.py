@@ -167,6 +167,7 @@ def main(argv=None) -> int:
             finally:
                 torch.ops.kivi_fast_testing.set_force_generic(old)
         rows.append(row)
+        gpu_bench.save_json(args.json, info, rows)  # after each row: a run cut off keeps what it timed
         print(f"{name:18} " + "  ".join(
             f"{k}: step {row[k]['step_seconds'] * 1e3:6.2f} ms, KL {row[k]['kl_seconds'] * 1e3:6.2f} ms "
             f"({100 * row[k]['kl_share']:4.1f}%)" for k in ("generic", "cuda")), flush=True)
@@ -180,9 +181,9 @@ def main(argv=None) -> int:
             row["kl_graph_share"] = row["kl_graph"] / row["graph"]
             kl = f"; its KL graphed alone {row['kl_graph'] * 1e3:.2f} ms ({100 * row['kl_graph_share']:.0f}%)"
         rows.append(row)
+        gpu_bench.save_json(args.json, info, rows)  # after each row: a run cut off keeps what it timed
         print(f"{row['case']:24} eager {row['eager'] * 1e3:6.2f} ms, CUDA graph {row['graph'] * 1e3:6.2f} ms, "
               f"and with --tf32 {row['graph_tf32'] * 1e3:6.2f} ms{kl}", flush=True)
-    gpu_bench.save_json(args.json, info, rows)
     return 0
 
 
