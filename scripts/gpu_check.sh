@@ -11,9 +11,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
 #   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,compiled,steps,profile)
 #   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
-# All of it takes ~11 minutes on an H200 (the compiled phase ~5 of them): where one command may run
-# 10 minutes at most, run PHASES=build,tests,sanitizer,bench, then PHASES=compiled,steps,profile on
-# the same machine. The benches write their JSON after each row, so a run cut off keeps what it timed.
+# All of it should take ~11 minutes on an H200 (estimated; the compiled phase ~5): where one command
+# may run 10 minutes at most, run PHASES=build,tests,sanitizer,bench, then PHASES=compiled,steps,profile
+# on the same machine. The benches write their JSON after each row: a run cut off keeps what it timed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
