@@ -20,6 +20,7 @@ import kivi_fast
 from kivi_fast import _backend, reference
 
 from test_cuda import CUDA_KERNEL_SHAPES, WEIGHT_STATE_SHAPES, seeded_samples
+from test_generic_path import peak_bytes
 
 H100 = dict(multiprocessors=132, shared_per_block_optin=232448, shared_per_multiprocessor=233472,
             reserved_shared_per_block=1024)
@@ -371,6 +372,22 @@ def test_bad_values_give_nan_for_their_batch_element(n, d):
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
     good = [0, 4]
     assert_close_rel(value[good], cpu_kl(p[good], q[good], False)[0][0], 1e-9)
+
+
+@pytest.mark.parametrize("b,n,d", [(4, 100, 8), (1, 100, 700), (2, 10, 3000)],
+                         ids=["projection-state", "tiles-weight-state", "warp-pairs-weight-state"])
+def test_a_gpu_holds_the_grad_state_the_pairs_and_the_gradient_and_nothing_more(b, n, d):
+    """The CUDA path's peak memory in one forward + backward, from the emulation's allocations (kl.cu's
+    host code, the same calls as on a GPU): the grad state, then beside it the many-dimension path's
+    pairs (the forward) or the gradient (the backward), and vectors; no copy of the samples, of
+    either dtype (at (100, 700) a float64 copy would add 1.1 MB to ~0.44)."""
+    p, q = seeded_samples(b, n, n, d, torch.float32, n + d, 1.2, 0.3)
+    N, wide = 2 * n, 2 * n * d > 6144
+    state = b * n * (N if d + 1 >= N else d + 1) * 8
+    pairs = b * N * (N - 1) // 2 * 8 if wide else 0
+    grad = b * n * d * 4
+    peak = peak_bytes(lambda: emulated_kl(p, q, True))
+    assert state + max(pairs, grad) <= peak <= state + max(pairs, grad) + 8192, (peak, state, pairs, grad)
 
 
 def packed_pairs(x, y=None):
