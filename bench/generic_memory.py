@@ -37,8 +37,14 @@ H100 = (132, 232448, 233472, 1024)  # multiprocessors, shared memory a block may
 def emulated_cuda_kernels():
     """(handles(p, q), kl(p, q)): whether kl.cu takes these samples on an H100, and ours' forward +
     backward on CUDA tensors by the emulated kernels: the op's forward, its KL cast to the samples'
-    dtype, and the backward (as csrc/ops.cpp and csrc/autograd.cpp call them)."""
-    torch.ops.load_library(cpu_bench.kivi_fast._backend._library_path("_kivi_fast_cuda_emulation"))
+    dtype, and the backward (as csrc/ops.cpp and csrc/autograd.cpp call them); (never, None) in a build
+    without the emulation (CMake's KIVI_FAST_CUDA_EMULATION=OFF)."""
+    path = cpu_bench.kivi_fast._backend._library_path("_kivi_fast_cuda_emulation")
+    if path is None:
+        print("bench/generic_memory.py: no CUDA emulation in this build: the CUDA kernels' column is left out",
+              file=sys.stderr)
+        return (lambda p, q: False), None
+    torch.ops.load_library(path)
     emu = torch.ops.kivi_fast_cuda_emulation
     emu.configure(*H100, 0)
 

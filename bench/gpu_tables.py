@@ -7,9 +7,11 @@ For each float32 shape, forward + backward: ours against each pure side at its s
 compiled. A shape that the compiled phase timed (``cuda_compiled.json``) takes all its numbers from
 that run, where ours, the eager sides and the compiled ones were timed in turn in one process; the
 others come from the bench phase (``cuda_results.json``). Ratios are the benches' own (medians of each
-round's ratio); "like for like" is a compiled pure side against ours compiled the same way. Peak MB
-is the bench phase's (with CUDA graphs a compiled side's peak leaves out the graphs' memory pool).
-Then the training steps (``train_steps.json``), when that file is there.
+round's ratio); "like for like" is each compiled pure side against ours compiled the same way ("-"
+where one was left out). Peak MB is of ours and the eager sides, from the bench phase where it timed
+the shape, else from the compiled phase's run (a compiled side's, with CUDA graphs, would leave out the
+graphs' memory pool). Then the training steps (``train_steps.json``), when that file is there. The
+float64 rows (``cuda_results64.json``) and the forward-alone rows are left to the JSON.
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ def bench_table(bench: dict, compiled: dict, markdown: bool) -> str:
     body = []
     for shape, row in {**bench, **compiled}.items():
         best = {side: strongest(row, side) for side in SIDES}
-        like = " / ".join(f"{row[k]:.2f}" for k in (f"{s}_compiled_vs_ours_compiled" for s in SIDES) if k in row)
+        likes = [row.get(f"{s}_compiled_vs_ours_compiled") for s in SIDES]
+        like = "-" if all(v is None for v in likes) else " / ".join(cpu_bench._fmt(v, ".2f") for v in likes)
         peaks = bench.get(shape, row)
         mb = " / ".join(cpu_bench._fmt(peaks.get(k + "_mb"), ".1f") for k in ("ours",) + SIDES)
         body.append([shape, "float32", "fwd+bwd", "compiled phase" if shape in compiled else "bench phase",
                      cpu_bench._fmt_ms(row["ours_s"])]
                     + [f"{cpu_bench._fmt_ms(best[s][1])} ({best[s][0]})" for s in SIDES]
-                    + [f"{best[s][2]:.2f}" for s in SIDES] + [like or "-", mb])
+                    + [f"{best[s][2]:.2f}" for s in SIDES] + [like, mb])
     return cpu_bench._render(head, body, markdown)
 
 
@@ -91,8 +94,12 @@ def main(argv=None) -> int:
     if bench is None and compiled is None:
         print(f"bench/gpu_tables.py: no cuda_results.json or cuda_compiled.json in {args.folder}", file=sys.stderr)
         return 2
-    device = (bench or compiled)["device"]
-    print(" ".join(f"{k}={v}" for k, v in device.items()) + "\n")
+    devices = [d["device"] for d in (bench, compiled, steps) if d is not None]
+    if any(d.get("gpu") != devices[0].get("gpu") for d in devices):  # (a lease's calls may get other GPUs)
+        print(f"bench/gpu_tables.py: the files come from different GPUs: {[d.get('gpu') for d in devices]}",
+              file=sys.stderr)
+        return 2
+    print(" ".join(f"{k}={v}" for k, v in devices[0].items()) + "\n")
     print(bench_table(rows_by_shape(bench), rows_by_shape(compiled), args.markdown))
     if steps is not None:
         print("\n" + steps_table(steps, args.markdown))

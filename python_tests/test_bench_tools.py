@@ -32,17 +32,33 @@ def tables(tmp_path, files: dict) -> dict:
 def test_each_pure_side_at_its_strongest_from_the_run_that_timed_it(tmp_path):
     bench = [row("(1000, 32)", 1e-3, 4e-3, 3e-3, ours_mb=8.0, strong_mb=30.0, fast_mb=20.0),
              row("(5000, 64)", 7e-3, 12e-3, 9e-3, ours_mb=380.0, strong_mb=800.0, fast_mb=510.0)]
-    # the compiled phase's own run of (1000, 32): strong compiled beats strong eager, fast compiled loses
-    compiled = [row("(1000, 32)", 1.1e-3, 4.4e-3, 3.3e-3, strong_compiled_s=2.2e-3, strong_compiled_ratio=2.0,
-                    fast_compiled_s=5.5e-3, fast_compiled_ratio=5.0, ours_compiled_s=1.0e-3, ours_compiled_ratio=0.9,
-                    strong_compiled_vs_ours_compiled=2.1, fast_compiled_vs_ours_compiled=5.4)]
+    # the compiled phase's own runs: at (1000, 32) strong compiled beats strong eager and fast compiled
+    # loses; (2000, 32) only there, its fast compiled left out. The ratios are the benches' medians of
+    # each round's ratio, which need not be the ratios of the medians.
+    compiled = [row("(1000, 32)", 1.1e-3, 4.4e-3, 3.3e-3, strong_compiled_s=2.2e-3, strong_compiled_ratio=1.9,
+                    fast_compiled_s=5.5e-3, fast_compiled_ratio=5.1, ours_compiled_s=1.0e-3, ours_compiled_ratio=0.9,
+                    strong_compiled_vs_ours_compiled=2.1, fast_compiled_vs_ours_compiled=5.4),
+                row("(2000, 32)", 2e-3, 7e-3, 5e-3, strong_compiled_s=8e-3, strong_compiled_ratio=4.1,
+                    ours_compiled_s=1.9e-3, strong_compiled_vs_ours_compiled=4.2,
+                    ours_mb=33.0, strong_mb=110.0, fast_mb=61.0)]
+    compiled[1]["strong_ratio"] = 3.6  # (a median of ratios, not 7 / 2)
     t = tables(tmp_path, {"cuda_results.json": bench, "cuda_compiled.json": compiled})
-    small, large = t["(1000, 32)"], t["(5000, 64)"]
-    assert small["timed in"] == "compiled phase" and large["timed in"] == "bench phase"
+    small, mid, large = t["(1000, 32)"], t["(2000, 32)"], t["(5000, 64)"]
+    assert small["timed in"] == mid["timed in"] == "compiled phase" and large["timed in"] == "bench phase"
     assert small["ours ms"] == "1.1"  # the compiled run's ours, not the bench phase's
-    assert small["strong at its best"] == "2.2 (strong compiled)" and small["strong/ours"] == "2.00"
+    assert small["strong at its best"] == "2.2 (strong compiled)" and small["strong/ours"] == "1.90"
     assert small["fast at its best"] == "3.3 (fast)" and small["fast/ours"] == "3.00"
     assert small["like for like"] == "2.10 / 5.40"
     assert small["peak MB ours / strong / fast"] == "8.0 / 30.0 / 20.0"  # the bench phase's
+    assert mid["strong at its best"] == "7 (strong)" and mid["strong/ours"] == "3.60"
+    assert mid["like for like"] == "4.20 / -" and mid["peak MB ours / strong / fast"] == "33.0 / 110.0 / 61.0"
     assert large["strong at its best"] == "12 (strong)" and large["strong/ours"] == "1.71"
     assert large["fast/ours"] == "1.29" and large["like for like"] == "-"
+
+
+def test_files_from_different_gpus_are_refused(tmp_path):
+    for name, gpu in (("cuda_results.json", "NVIDIA H100"), ("cuda_compiled.json", "NVIDIA H200")):
+        (tmp_path / name).write_text(json.dumps({"device": {"gpu": gpu}, "rows": [row("(100, 8)", 1e-3, 2e-3, 2e-3)]}))
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_tables.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "different GPUs" in run.stderr

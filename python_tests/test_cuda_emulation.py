@@ -380,7 +380,7 @@ def test_a_gpu_holds_the_grad_state_the_pairs_and_the_gradient_and_nothing_more(
     """The CUDA path's peak memory in one forward + backward, from the emulation's allocations (kl.cu's
     host code, the same calls as on a GPU): the grad state, then beside it the many-dimension path's
     pairs (the forward) or the gradient (the backward), and vectors; no copy of the samples, of
-    either dtype (at (100, 700) a float64 copy, 1.1 MB, would more than triple the peak of 0.42)."""
+    either dtype (at (100, 700) a float64 copy, 1.07 MB, would more than triple the peak of 0.42 MB)."""
     p, q = seeded_samples(b, n, n, d, torch.float32, n + d, 1.2, 0.3)
     N, wide = 2 * n, 2 * n * d > 6144
     state = b * n * (N if d + 1 >= N else d + 1) * 8
