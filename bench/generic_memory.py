@@ -1,28 +1,34 @@
-"""Peak memory of the GPU paths against the pure sides, measured on the CPU: a check of the memory
+"""Peak memory of ours on a GPU against the pure sides, measured on the CPU: a check of the memory
 layout of what CUDA tensors run, without a GPU.
 
     .venv/bin/python bench/generic_memory.py                       # (1000, 32) ... (5000, 64), float32
     .venv/bin/python bench/generic_memory.py --shapes 2000x32 --dtype float64
+    .venv/bin/python bench/generic_memory.py --shapes 1000x32 --launches   # and what a call launches
 
-"ours, ATen kernels": csrc/generic.cpp, forced on CPU tensors (the ``generic`` implementation of the
-tests), what CUDA tensors run where csrc/cuda/kl.cu does not apply. "ours, CUDA kernels": kl.cu's
-forward and backward through their CPU emulation (csrc/cuda_emulation/, an H100's multiprocessors
-and shared memory), whose host code makes the same allocations as on a GPU, for the shapes those
-kernels take ("-" elsewhere). Each side runs one forward + backward (after a warm-up call) under the
-profiler, and its peak is the largest sum of the bytes allocated less those freed during the call.
-The ATen kernels' allocations are a GPU's (the same ATen calls, the same sizes) except in the median
-of many pairs: on a GPU csrc/cuda/kl.cu's pair_sqdist writes the packed pairs from the samples in one
-kernel and csrc/cuda/median.cu reads them in place (a few KB per batch element), while on the CPU the
-generic path packs them in chunks and its median copies them; so ours is reported without the
-allocations made inside ``kivi_fast::pack_pairs`` and ``kivi_fast::median_of_pairs`` (the pairs
-themselves are counted). The pure sides' medians allocate the same on both. bench/gpu.py measures the
-same on a GPU (torch.cuda.max_memory_allocated); where both ran they agreed (the CUDA kernels: 1.3 MB
-at 128 x (100, 8), 0.01 at (100, 8) on an H200).
+"ours on a GPU": the path a CUDA tensor of the shape takes (csrc/ops.cpp's choice: csrc/cuda/kl.cu's
+kernels, or the generic path of csrc/generic.cpp with its CUDA kernels), run on CPU tensors through the
+CPU emulation of the CUDA kernels (csrc/cuda_emulation/, an H100's multiprocessors and shared memory).
+The host code is the GPU build's (kl.cu's, median.cu's and generic.cpp's), so it allocates the same
+buffers through ATen as on a GPU. "ATen composition": the same with the generic path's CUDA kernels
+switched off (``set_generic_kernels(False)``, the benches' A/B), where that path runs ("-" where kl.cu
+takes the forward). The pure sides run on the CPU: their allocations are a GPU's but for their
+median's selection buffers (a GPU's sort or kthvalue allocates its own). Each side runs one forward +
+backward (after a warm-up call) under the profiler, and its peak is the largest sum of the bytes
+allocated less those freed during the call. bench/gpu.py measures the same on a GPU
+(torch.cuda.max_memory_allocated); where both ran they agreed (1.3 MB at 128 x (100, 8), 0.01 at
+(100, 8) on an H200). The emulation runs each kernel's blocks one after another: (5000, 64) takes ~5
+minutes.
+
+--launches also prints, for ours' two columns, the kernels of csrc/cuda/ that one forward + backward
+launches and the ATen calls it makes that run work on the device (a call counts when it or an op
+inside it does more than make a view or an empty tensor; cuSOLVER's factorization is one call, several
+kernels): what bounds the host's time a call where the GPU's work is small.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 
 import torch
@@ -30,82 +36,116 @@ from torch.profiler import ProfilerActivity, profile
 
 import run as cpu_bench  # bench/run.py: inputs, the sides, the call
 
-CPU_ONLY = ("kivi_fast::pack_pairs", "kivi_fast::median_of_pairs")
+from kivi_fast import _cuda_emulation
 
 
-def emulated_cuda_kernels():
-    """(handles(p, q), kl(p, q)): whether kl.cu takes these samples on an H100, and ours' forward +
-    backward on CUDA tensors by the emulated kernels: the op's forward, its KL cast to the samples'
-    dtype, and the backward (as csrc/ops.cpp and csrc/autograd.cpp call them); (never, None) in a build
-    without the emulation (CMake's KIVI_FAST_CUDA_EMULATION=OFF)."""
-    path = cpu_bench.kivi_fast._backend._library_path("_kivi_fast_cuda_emulation")
-    if path is None:
-        print("bench/generic_memory.py: no CUDA emulation in this build: the CUDA kernels' column is left out",
-              file=sys.stderr)
-        return (lambda p, q: False), None
-    torch.ops.load_library(path)
-    emu = torch.ops.kivi_fast_cuda_emulation  # (its device: an H100's attributes, as loaded)
-
-    def batched(t):
-        return t if t.dim() == 3 else t[None]
-
-    def handles(p, q):
-        p, q = batched(p), batched(q)
-        return emu.handles_kl(p.shape[1] + q.shape[1], q.shape[2], q.shape[0])
-
-    def kl(p, q):
-        p, q = batched(p), batched(q.detach())
-        value, state, _, _ = emu.kl(p, q, 1e-3, 1e-8, None, True, True)
-        value = value.to(q.dtype)
-        return value, emu.kl_grad(torch.ones_like(value, dtype=torch.float64), state, q, p, True)
-    return handles, kl
+def gpu_kl(p, q):
+    """ours' forward + backward as CUDA tensors take them, emulated (_cuda_emulation.kl), as a
+    function of no arguments."""
+    p, q = (t if t.dim() == 3 else t[None] for t in (p, q.detach()))
+    grad_kl = torch.ones(p.shape[0], dtype=torch.float64)
+    return lambda: _cuda_emulation.kl(p, q, True, grad_kl)
 
 
-def peak_mb(fn, p, q, skip: tuple[str, ...] = ()) -> float:
-    """Peak MB allocated by one forward + backward; allocations inside ops named in ``skip`` left out."""
-    return peak_of(lambda: cpu_bench.call(fn, p, q, True), skip)
+def aten_composition(emu, p, q, measure):
+    """measure(gpu_kl(p, q)) with the generic path's CUDA kernels switched off; None where kl.cu takes
+    the forward."""
+    b, n, d = (q if q.dim() == 3 else q[None]).shape
+    if emu.handles_kl(n + p.shape[-2], d, b):
+        return None
+    old = emu.set_generic_kernels(False)
+    try:
+        return measure(gpu_kl(p, q))
+    finally:
+        emu.set_generic_kernels(old)
 
 
-def peak_of(run, skip: tuple[str, ...] = ()) -> float:
+# ATen ops that make views or empty tensors only: no work on the device
+NO_DEVICE_WORK = {
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::view_as", "aten::_unsafe_view",
+    "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::narrow", "aten::slice", "aten::select",
+    "aten::unsqueeze", "aten::unsqueeze_", "aten::squeeze", "aten::squeeze_", "aten::expand", "aten::expand_as",
+    "aten::t", "aten::transpose", "aten::permute", "aten::mT", "aten::mH", "aten::adjoint", "aten::diagonal",
+    "aten::alias", "aten::detach", "aten::resize_", "aten::result_type", "aten::conj", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::unbind", "aten::split", "aten::chunk", "aten::contiguous", "aten::to",
+    "aten::lift_fresh",
+}
+
+
+def calls(run, emu) -> tuple[collections.Counter, collections.Counter]:
+    """(csrc/cuda/'s kernels, ATen calls with device work) of run(), by name (after a warm-up call)."""
+    run()
+    emu.take_launches()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    kernels = collections.Counter(emu.take_launches()[0])
+
+    def works(e) -> bool:
+        return e.name not in NO_DEVICE_WORK or any(works(c) for c in e.cpu_children)
+
+    def outermost(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    aten = collections.Counter(e.name for e in prof.events()
+                               if e.name.startswith("aten::") and outermost(e) and works(e))
+    return kernels, aten
+
+
+def peak_of(run) -> float:
     """Peak MB allocated by run() (after a warm-up call: lazy state, the pure sides' cached indices)."""
     run()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = prof.profiler.kineto_results.events()
-    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in skip]
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    now = top = 0
-    for e in memory:
-        if any(a <= e.start_ns() <= b for a, b in spans):
-            continue
-        now += e.nbytes()
-        top = max(top, now)
+    memory = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
     if not memory:
         raise RuntimeError("the profiler recorded no allocations")
+    now = top = 0
+    for e in memory:
+        now += e.nbytes()
+        top = max(top, now)
     return top / 2**20
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="1000x32,2000x32,100x50000,128x100x8,5000x64",
+    ap.add_argument("--shapes", default="1000x32,2000x32,100x50000,128x100x8,100x700,5000x64",
                     help="comma-separated NxD or BxNxD")
     ap.add_argument("--dtype", default="float32", choices=sorted(cpu_bench.DTYPES))
+    ap.add_argument("--launches", action="store_true",
+                    help="also print the kernels and ATen calls of ours' forward + backward")
     args = ap.parse_args(argv)
     if cpu_bench.kivi_fast.backend() != "cpp":
         print("bench/generic_memory.py: the compiled ops are not built", file=sys.stderr)
         return 2
-    handles, cuda_kl = emulated_cuda_kernels()
-    torch.ops.kivi_fast_testing.set_force_generic(True)
-    print(f"peak MB of one forward + backward, {args.dtype}, on the CPU (ours, ATen kernels: without the "
-          f"CPU's packing and median buffers; ours, CUDA kernels: emulated, where they apply)")
-    print(f"{'shape':>14} {'ours, ATen kernels':>19} {'ours, CUDA kernels':>19} {'strong':>9} {'fast':>9}")
+    emu = _cuda_emulation.load()
+    if emu is None:
+        print("bench/generic_memory.py: this build has no CUDA emulation (CMake's KIVI_FAST_CUDA_EMULATION=OFF)",
+              file=sys.stderr)
+        return 2
+    print(f"peak MB of one forward + backward, {args.dtype}, on the CPU (ours: the GPU's path, emulated)")
+    print(f"{'shape':>14} {'ours on a GPU':>14} {'ATen composition':>17} {'strong':>9} {'fast':>9}")
     for shape in args.shapes.split(","):
         b, n, d, batched = cpu_bench.parse_shape(shape)
         p, q = cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[args.dtype])
-        row = {name: peak_mb(fn, p, q, CPU_ONLY if name == "ours" else ()) for name, fn in cpu_bench.IMPLS.items()}
-        cuda = f"{peak_of(lambda: cuda_kl(p, q)):19.2f}" if handles(p, q) else f"{'-':>19}"
-        print(f"{cpu_bench.shape_name(b, n, d, batched):>14} {row['ours']:19.1f} {cuda} {row['strong']:9.1f} "
-              f"{row['fast']:9.1f}", flush=True)
+        pure = {name: peak_of(lambda: cpu_bench.call(cpu_bench.IMPLS[name], p, q, True)) for name in ("strong", "fast")}
+        ours = peak_of(gpu_kl(p, q))
+        aten = aten_composition(emu, p, q, peak_of)
+        name = cpu_bench.shape_name(b, n, d, batched)
+        print(f"{name:>14} {ours:14.2f} {'-' if aten is None else f'{aten:.2f}':>17} {pure['strong']:9.2f} "
+              f"{pure['fast']:9.2f}", flush=True)
+        if args.launches:
+            for column, counted in (("ours on a GPU", calls(gpu_kl(p, q), emu)),
+                                    ("ATen composition", aten_composition(emu, p, q, lambda run: calls(run, emu)))):
+                if counted is not None:
+                    kernels, aten_calls = counted
+                    print(f"{'':>14} {column}: {sum(kernels.values())} kernel launches {dict(kernels)}, "
+                          f"{sum(aten_calls.values())} ATen calls {dict(aten_calls)}", flush=True)
     return 0
 
 

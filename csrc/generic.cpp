@@ -17,8 +17,9 @@
 // made in chunks of rows no larger than the system, never beside it (FitResult). So for n_p = n_q
 // the peak is the pairs' N^2 / 2 doubles, and with a given bandwidth the system's N^2 / 4. Samples
 // with many dimensions are read in chunks of columns converted to float64 (kChunkBytes), never as a
-// float64 copy. python_tests/test_generic_path.py bounds the peaks; bench/generic_memory.py measures
-// them against the pure sides.
+// float64 copy. python_tests/test_generic_path.py bounds the peaks of the CPU build,
+// python_tests/test_cuda_emulation.py those of the GPU build (through the CUDA emulation), and
+// bench/generic_memory.py measures the GPU build's against the pure sides.
 #include "kivi.h"
 
 #include <ATen/record_function.h>
@@ -33,12 +34,25 @@ Tensor stack_points(const Tensor& denom, const Tensor& numer) { return at::cat({
 
 namespace {
 
+// Where a tensor's values may be read back to raise an error (the CPU), and where the cuda:: kernels
+// apply (CUDA tensors). The CUDA emulation's build of this file (KIVI_FAST_CUDA_EMULATION: the
+// emulation library, csrc/cuda_emulation/) takes every tensor for a CUDA one, so that
+// python_tests/test_cuda_emulation.py runs this file's GPU composition on CPU tensors: the cuda::
+// kernels between the ATen calls, and NaN where the CPU raises.
+#ifdef KIVI_FAST_CUDA_EMULATION
+bool reads_back(const Tensor&) { return false; }
+[[maybe_unused]] bool on_cuda(const Tensor&) { return true; }
+#else
+bool reads_back(const Tensor& t) { return t.is_cpu(); }
+[[maybe_unused]] bool on_cuda(const Tensor& t) { return t.is_cuda(); }
+#endif
+
 // sq_norms: [B, N] of the stacked points [denom; numer]
 void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
   // A NaN/Inf coordinate makes the squared norm of its row NaN/Inf, so the norms (computed anyway
   // for the distances) tell which input is bad without another pass over the samples. Off the CPU
   // the NaN/Inf flows on instead (fit() turns the whole element's coefficients to NaN).
-  if (!sq_norms.is_cpu()) return;
+  if (!reads_back(sq_norms)) return;
   auto ok = at::isfinite(sq_norms);
   TORCH_CHECK_VALUE(ok.narrow(1, 0, n_den).all().item<bool>(), names.denom, kNotFiniteMessage);
   TORCH_CHECK_VALUE(ok.narrow(1, n_den, sq_norms.size(1) - n_den).all().item<bool>(), names.numer,
@@ -48,12 +62,12 @@ void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
 // [B] median distance from the squared distances of the pairs ([B, P]), checked > 0 on the CPU (NaN
 // elsewhere); numpy's convention for an even count (the mean of the two middle distances).
 Tensor median_of_pairs(const Tensor& pairs) {
-  // named for the profiler: bench/generic_memory.py sets the CPU's selection buffers apart
+  // named for the profiler: test_generic_path.py sets the CPU's selection buffers apart
   RECORD_FUNCTION("kivi_fast::median_of_pairs", c10::ArrayRef<const c10::IValue>{});
   const int64_t p = pairs.size(1), k = (p + 1) / 2;  // k: 1-based rank of the lower middle
 #ifdef KIVI_FAST_WITH_CUDA
   // Many pairs on a GPU: a radix selection in place (no copy of the pairs, no sort).
-  if (pairs.is_cuda() && p >= (int64_t{1} << 16)) return cuda::median_of_pairs(pairs);
+  if (on_cuda(pairs) && p >= (int64_t{1} << 16)) return cuda::median_of_pairs(pairs);
 #endif
   Tensor lo, hi;
   if (!pairs.device().is_cpu() && p >= (int64_t{1} << 16)) {
@@ -73,7 +87,9 @@ Tensor median_of_pairs(const Tensor& pairs) {
     }
   }
   auto sigma = (lo.clamp_min(0).sqrt() + hi.clamp_min(0).sqrt()) * 0.5;
-  if (!sigma.is_cpu()) return at::where(sigma > 0, sigma, NAN);
+  // NaN for a zero median, and for non-finite pairs, whose median the selection may still find finite
+  // (as cuda/median.cu and kl.cu give)
+  if (!reads_back(sigma)) return at::where(sigma.gt(0).logical_and_(pairs.isfinite().all(1)), sigma, NAN);
   TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(), kZeroMedianMessage);
   return sigma;
 }
@@ -117,22 +133,31 @@ int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
 // The squared distances of the stacked points [denom; numer] ([B, N, d]) and their kernel values, any
 // block of them on demand, so that a fit holds only the blocks it is using. Samples with few
 // dimensions (within one chunk of columns) keep their float64 copy and squared norms, and a block is
-// one GEMM onto the norms, or on CUDA its kernel values one launch from the samples (differences,
-// cuda::kernel_block); samples with many dimensions (few points: an MNIST layer) are read once, in
-// chunks of columns, into the N x N Gram matrix (small beside the samples), and a block is read from
-// it.
+// one GEMM onto the norms; on CUDA a block's kernel values are one launch from the samples as they
+// are (differences, cuda::kernel_block), and only the norms are kept (they mark non-finite rows).
+// Samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
+// the N x N Gram matrix (small beside the samples), and a block is read from it.
 class StackedDistances {
  public:
   StackedDistances(const Tensor& denom, const Tensor& numer) : denom_(denom), numer_(numer) {
+#ifdef KIVI_FAST_WITH_CUDA
+    // (read once: a switch flipped during the call would leave pairs() and the blocks without a source)
+    kernels_ = on_cuda(denom) && cuda::use_generic_kernels();
+    if (kernels_) {  // contiguous once, not at each kernel's launch
+      denom_ = denom.contiguous();
+      numer_ = numer.contiguous();
+    }
+#endif
     const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
     N = n_den + n_num;
     const int64_t width = chunk_columns(B * N);
     if (d <= width) {
-      points_ = stack_points(denom, numer).to(at::kDouble);
-      norms_ = points_.square().sum(-1);
-#ifdef KIVI_FAST_WITH_CUDA
-      fused_ = denom.is_cuda() && cuda::use_generic_kernels();  // cuda::kernel_block reads the points
-#endif
+      auto points = stack_points(denom, numer).to(at::kDouble);
+      norms_ = points.square().sum(-1);
+      // cuda::kernel_block reads the samples as they are: no copy kept (at (5000, 64) float32 it would
+      // add 5 MB to the pairs' 400)
+      fused_ = kernels_;
+      if (!fused_) points_ = std::move(points);
       return;
     }
     auto buf = at::empty({B, N, width}, denom.options().dtype(at::kDouble));
@@ -165,7 +190,7 @@ class StackedDistances {
   Tensor kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale) const {
 #ifdef KIVI_FAST_WITH_CUDA
     if (fused_) {
-      return cuda::kernel_block(points_, points_.narrow(1, 0, 0), r0, rows, c0, cols, scale.view({-1}), 1.0, 0.0);
+      return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}), 1.0, 0.0);
     }
 #endif
     return block(r0, rows, c0, cols).div_(scale).exp_();
@@ -174,7 +199,7 @@ class StackedDistances {
   // [B, n, n]: the fit's system K_dd / n + lam I over the first n points (the denominator's).
   Tensor system(int64_t n, const Tensor& scale, double lam) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused_) return cuda::kernel_block(points_, points_.narrow(1, 0, 0), 0, n, 0, n, scale.view({-1}), n, lam);
+    if (fused_) return cuda::kernel_block(denom_, numer_, 0, n, 0, n, scale.view({-1}), n, lam);
 #endif
     auto out = kernel(0, n, 0, n, scale).div_(static_cast<double>(n));
     out.diagonal(0, 1, 2).add_(lam);
@@ -189,11 +214,11 @@ class StackedDistances {
   // rounded key.
   Tensor pairs() const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (denom_.is_cuda() && cuda::use_generic_kernels()) return cuda::pair_sqdist(denom_, numer_);  // no chunks
+    if (kernels_) return cuda::pair_sqdist(denom_, numer_);  // no chunks
 #endif
     const int64_t B = norms_.size(0);
     auto out = at::empty({B, N * (N - 1) / 2}, norms_.options());
-    // named for the profiler: the chunks, which a GPU does without (bench/generic_memory.py)
+    // named for the profiler: the chunks, which the GPU build does without (test_generic_path.py)
     RECORD_FUNCTION("kivi_fast::pack_pairs", c10::ArrayRef<const c10::IValue>{});
     const int64_t step = chunk_rows(B, N, 0);
     for (int64_t r0 = 0, at_pair = 0; r0 < N - 1; r0 += step) {
@@ -216,10 +241,10 @@ class StackedDistances {
   int64_t N;
 
  private:
-  const Tensor& denom_;
-  const Tensor& numer_;
-  bool fused_ = false;  // few dimensions on CUDA: the kernel values from the samples
-  Tensor points_;       // few dimensions: [B, N, d] float64
+  Tensor denom_, numer_;
+  bool kernels_ = false;  // on CUDA with cuda::use_generic_kernels(): the pairs from the samples
+  bool fused_ = false;    // and, with few dimensions, the kernel values too
+  Tensor points_;       // few dimensions, not fused: [B, N, d] float64
   Tensor gram_;         // many dimensions: [B, N, N]
   Tensor norms_;
 };
@@ -246,7 +271,7 @@ std::pair<Tensor, Tensor> solve_system(const StackedDistances& dist, int64_t n_d
   auto chol = system.mT();
   auto info = at::empty({B}, system.options().dtype(at::kInt));
   at::linalg_cholesky_ex_out(chol, info, chol);
-  if (chol.is_cpu()) {
+  if (reads_back(chol)) {
     TORCH_CHECK_VALUE((info == 0).all().item<bool>(), kNotPositiveDefiniteMessage, " (lam = ", lam, ")");
   }
   // two triangular solves rather than cholesky_solve, whose CUDA version may read its status back
@@ -270,19 +295,22 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
                       Names names) {
   check_finite_rows(dist.norms(), n_den, names);
   auto s = sigma.has_value() ? *sigma : median_of_pairs(dist.pairs());
-  if (sigma.has_value() && !s.is_cpu()) s = at::where(s.gt(0).logical_and(s.isfinite()), s, NAN);  // see above
+  if (sigma.has_value() && !reads_back(s)) {  // NaN where median_of_pairs would give it, and for a bandwidth <= 0
+    auto ok = s.gt(0).logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
+    s = at::where(ok, s, NAN);
+  }
   const int64_t budget = 8 * dist.norms().size(0) * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});
   auto [x, info] = solve_system(dist, n_den, scale, lam, budget);
   const double beta = 1.0 / (lam * static_cast<double>(dist.N - n_den));
 #ifdef KIVI_FAST_WITH_CUDA
-  if (x.is_cuda() && cuda::use_generic_kernels()) {
+  if (on_cuda(x) && cuda::use_generic_kernels()) {
     return {{cuda::fit_coef(x, info, dist.norms(), beta), s}, scale, budget};  // one launch
   }
 #endif
   // off the CPU: NaN for an element whose system failed or whose samples are not finite (check_finite_rows)
   auto alpha = -x.squeeze(-1);
-  if (!alpha.is_cpu()) {
+  if (!reads_back(alpha)) {
     alpha = at::where((info == 0).unsqueeze(-1).logical_and(at::isfinite(dist.norms()).all(1, true)), alpha, NAN);
   }
   auto betas = at::full({alpha.size(0), dist.N - n_den}, beta, alpha.options());
@@ -382,7 +410,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
 #ifdef KIVI_FAST_WITH_CUDA
   // One launch for the 13 below where the state is small (a block an element scales it; the host bounds
   // such calls, as (1000, 32)'s), ATen's launches, over the whole GPU, for larger ones.
-  if (out.is_cuda() && cuda::use_generic_kernels() && n_q > 0 && n_q * state.size(2) <= (int64_t{1} << 17)) {
+  if (on_cuda(out) && cuda::use_generic_kernels() && n_q > 0 && n_q * state.size(2) <= (int64_t{1} << 17)) {
     auto [kl, clipped] = cuda::kl_finish(out, grad_state ? std::optional<Tensor>(state) : std::nullopt, f.sigma,
                                          clip, reverse);
     return {kl, state, f.sigma, clipped};

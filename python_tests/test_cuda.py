@@ -345,7 +345,8 @@ def test_the_generic_paths_cuda_kernels_equal_its_aten_composition(shape):
             assert_close_rel(got, want.cpu(), 1e-9)
 
 
-@pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (100, 700), (300, 3)])  # CUDA (small, wide, tiles), generic
+# CUDA (small, wide, tiles), generic (ATen's median of fewer than 2^16 pairs, median.cu's)
+@pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (100, 700), (160, 20), (300, 3)])
 def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
     """On the CPU these are errors; on a GPU reading them would stall every call, so they give NaN:
     a NaN in q_z, every distance 0 (a zero median), an Inf in prior_z (with an explicit bandwidth too,

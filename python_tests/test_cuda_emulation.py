@@ -17,8 +17,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kivi_fast
-from kivi_fast import _backend, reference
+from kivi_fast import _cuda_emulation, reference
 
+from conftest import implementation
 from test_cuda import CUDA_KERNEL_SHAPES, WEIGHT_STATE_SHAPES, seeded_samples
 from test_generic_path import peak_bytes
 
@@ -32,11 +33,9 @@ def emulation():
     global EMU
     if kivi_fast.backend() != "cpp":
         pytest.fail("the compiled ops are not built (pip install --no-build-isolation -e .)")
-    path = _backend._library_path("_kivi_fast_cuda_emulation")
-    if path is None:
+    EMU = _cuda_emulation.load()
+    if EMU is None:
         pytest.fail("the CUDA emulation library is not built (CMake option KIVI_FAST_CUDA_EMULATION, default ON)")
-    torch.ops.load_library(path)
-    EMU = torch.ops.kivi_fast_cuda_emulation
     # the kernels' outputs start as NaN (at::empty filled), as shared memory starts poisoned: an output
     # the kernels forget to write cannot pass for a zero a previous test left in reused memory
     deterministic, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
@@ -79,10 +78,9 @@ def cotangent(batch):
 
 def emulated_kl(p, q, reverse, sigma=None, lam=1e-3, clip=1e-8):
     """The kl op's outputs (KL, grad state, bandwidth, clipped fraction) and the gradient of sum_b g_b KL_b
-    w.r.t. q, from the emulated CUDA kernels. The KL in q's dtype, as the op returns it (csrc/ops.cpp)."""
-    kl, *rest = EMU.kl(p, q, lam, clip, sigma, reverse, True)
-    out = (kl.to(q.dtype), *rest)
-    return out, EMU.kl_grad(cotangent(p.shape[0]), out[1], q, p, reverse)
+    w.r.t. q, as CUDA tensors take them (kl.cu's kernels, or the generic path's GPU composition where
+    they do not apply), emulated."""
+    return _cuda_emulation.kl(p, q, reverse, cotangent(p.shape[0]), sigma, lam, clip)
 
 
 def cpu_kl(p, q, reverse, sigma=None, lam=1e-3, clip=1e-8):
@@ -356,22 +354,43 @@ def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessor
     assert_equals_cpu_kernels(p, q, False)
 
 
-@pytest.mark.parametrize("n,d", [(20, 3), (10, 3000), (70, 200)])  # fused small, pair_sqdist, pair_tile
-def test_bad_values_give_nan_for_their_batch_element(n, d):
+# What reads a tensor's value back to the host: ATen's _local_scalar_dense (behind item() and bool()), and
+# the ops whose output size is a value
+HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
+              "aten::_unique2", "aten::unique_consecutive"}
+
+
+def host_reads(fn) -> tuple[list, object]:
+    """The ops of HOST_READS that fn() runs, by the profiler (on a GPU each stalls the stream and breaks
+    CUDA-graph capture; there test_cuda.py sets torch's sync debug mode instead), and fn()'s result."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return [e.name for e in prof.events() if e.name in HOST_READS], out
+
+
+# kl.cu's fused small, pair_sqdist and pair_tile paths; the generic path's ATen median and median.cu
+@pytest.mark.parametrize("n,d", [(20, 3), (10, 3000), (70, 200), (160, 20), (200, 40)])
+def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d):
     """As test_cuda.py's test on a GPU: a NaN in q_z, every distance 0 (a zero median), an Inf in
     prior_z (with an explicit bandwidth too, where no median is taken), a bandwidth that is not
-    positive; the other elements equal the CPU kernels'."""
+    positive; the other elements equal the CPU kernels'. Nothing is read back to the host, where the
+    generic path's CPU build reads its checks' results (which shows the profiler sees such reads)."""
     p, q = seeded_samples(5, n, n, d, torch.float64, n + d, 1.0, 0.0)
     q[1, 3, 1] = float("nan")
     p[2], q[2] = 0.0, 0.0
     p[3, 2, 0] = float("inf")
     bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0], dtype=torch.float64) * d ** 0.5
-    (value, _, sigma, _), _ = emulated_kl(p, q, False)
-    (given, _, _, _), _ = emulated_kl(p, q, False, sigma=bandwidth)
+    reads, ((value, _, sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False))
+    given_reads, ((given, _, given_sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False, sigma=bandwidth))
+    assert reads == given_reads == []
     assert value[[0, 4]].isfinite().all() and value[[1, 2, 3]].isnan().all() and sigma[[1, 2, 3]].isnan().all()
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
+    assert given_sigma[[0, 2]].isfinite().all() and given_sigma[[1, 3, 4]].isnan().all(), given_sigma
     good = [0, 4]
-    assert_close_rel(value[good], cpu_kl(p[good], q[good], False)[0][0], 1e-9)
+    with implementation("generic"):
+        cpu_reads, cpu = host_reads(lambda: cpu_kl(p[good], q[good], False))
+    assert cpu_reads
+    assert_close_rel(value[good], cpu[0][0], 1e-9)
 
 
 @pytest.mark.parametrize("b,n,d", [(4, 100, 8), (1, 100, 700), (2, 10, 3000)],
@@ -388,6 +407,111 @@ def test_a_gpu_holds_the_grad_state_the_pairs_and_the_gradient_and_nothing_more(
     grad = b * n * d * 4
     peak = peak_bytes(lambda: emulated_kl(p, q, True))
     assert state + max(pairs, grad) <= peak <= state + max(pairs, grad) + 8192, (peak, state, pairs, grad)
+
+
+# Shapes kl.cu's forward leaves to the generic path (csrc/generic.cpp), each through other branches of
+# its GPU composition: (the median's pairs: ATen's selection below 2^16, else cuda/median.cu; the kernel
+# values: kernel_block from the samples, or the Gram's chunks of columns for many dimensions; the
+# forward's end: kl_finish up to 2^17 state values, else ATen; the backward: kl.cu's where it handles
+# the state, else the generic one)
+GENERIC_GPU_SHAPES = [
+    (2, 150, 160, 30),    # 51,040 pairs; kernel_block; projection state; kl_finish; kl.cu's backward
+    (1, 300, 290, 3),     # 173,755 pairs: median.cu
+    (1, 260, 260, 520),   # weight state of 135,200 values: ATen's end, the generic backward
+    (1, 150, 150, 2000),  # the Gram in chunks of columns; kl.cu's weight-state backward
+]
+
+
+def generic_gpu_launches(b, n_p, n_q, d, reverse) -> list[str]:
+    """The kernels the generic path launches for this shape on a GPU, by the rules above."""
+    N, n_den = n_p + n_q, n_q if reverse else n_p
+    width = d + 1 if d + 1 < N else N
+    fused = d <= max(256, (4 << 20) // (8 * b * N))  # generic.cpp: chunk_columns(B N)
+    P = N * (N - 1) // 2
+    median = (["digit_histogram_kernel"] * 6 + ["second_middle_kernel"] * (P % 2 == 0)) * (P >= 2**16)
+
+    def chunks(rows, cols):  # generic.cpp's chunk_rows: within the system's bytes, or 4 MB where larger
+        step = max(1, -(-max(4 << 20, 8 * b * n_den * n_den) // (8 * b * cols)))
+        return -(-rows // step)
+    block = ["kernel_block_kernel<scalar_t>"] * fused
+    rhs, system, evaluation = block * chunks(n_den, N - n_den), block, block * chunks(n_q, N)
+    end = ["kl_finish_kernel"] * (n_q * width <= 2**17)
+    kernels_backward = EMU.handles_kl_grad(N, n_q, d, b)
+    backward = ["grad_from_projection_kernel<scalar_t>" if width == d + 1 else "grad_from_weights_kernel<scalar_t>"]
+    return (["pair_tile_kernel<scalar_t>"] + median + rhs + system + ["fit_coef_kernel"] + evaluation + end
+            + backward * kernels_backward)
+
+
+@pytest.mark.parametrize("shape", GENERIC_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_the_generic_path_on_a_gpu_equals_the_cpu_kernels(shape, dtype, reverse):
+    """The generic path as CUDA tensors run it (csrc/generic.cpp built for a GPU: its CUDA kernels
+    between the ATen calls), from the forward to the gradient, against the CPU kernels; and the
+    kernels it launches, which say which branches ran."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, dtype, sum(shape) + reverse, 1.2, 0.3)
+    assert not EMU.handles_kl(n_p + n_q, d, b)
+    launches()
+    assert_equals_cpu_kernels(p, q, reverse)
+    assert [launch[0] for launch in launches()] == generic_gpu_launches(b, n_p, n_q, d, reverse)
+
+
+@pytest.mark.parametrize("shape", [GENERIC_GPU_SHAPES[0], GENERIC_GPU_SHAPES[2]], ids=lambda s: "x".join(map(str, s)))
+def test_the_generic_path_on_a_gpu_without_a_gradient_to_come_gives_the_same_kl(shape):
+    """No grad state (kivi_fast.kl's forward): kl_finish without one, also where the state would have
+    been too large for it (135,200 weights: ATen's end)."""
+    p, q = seeded_samples(*shape, torch.float64, 7, 1.2, 0.3)
+    with_state, without = (EMU.generic_kl(p, q, 1e-3, 1e-8, None, True, g) for g in (True, False))
+    assert without[1].shape[-1] == 0
+    assert_close_rel(without[0], with_state[0], 1e-12)
+    assert torch.equal(without[2], with_state[2]) and torch.equal(without[3], with_state[3])
+
+
+def test_the_generic_fit_on_a_gpu_equals_the_cpu_kernels():
+    """DensityRatio's fit and the median bandwidth as CUDA tensors run them (generic.cpp built for a
+    GPU; median.cu for these 173,755 pairs), with the median and with a given bandwidth."""
+    p, q = seeded_samples(1, 300, 290, 3, torch.float64, 5, 1.2, 0.3)
+    sigma = torch.tensor([1.7], dtype=torch.float64)
+    for bandwidth in (None, sigma):
+        coef, used = EMU.generic_fit(p, q, 1e-3, bandwidth)  # [alpha (q's points), beta (p's)]
+        cpu_alpha, cpu_used = torch.ops.kivi_fast.fit(p, q, 1e-3, bandwidth)
+        assert_close_rel(coef[:, :290], cpu_alpha, 1e-9)
+        assert torch.equal(coef[:, 290:], torch.full((1, 300), 1 / (1e-3 * 300), dtype=torch.float64))
+        assert_close_rel(used, cpu_used, 1e-14)
+    assert_close_rel(EMU.generic_median_bandwidth(q), reference.median_bandwidth(q[0]).reshape(1), 1e-14)
+
+
+@pytest.mark.parametrize("shape", GENERIC_GPU_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_the_generic_path_on_a_gpu_without_its_kernels_equals_the_cpu_kernels(shape):
+    """set_generic_kernels(False), the benches' A/B: ATen's composition of the same steps on a GPU (the
+    median still cuda/median.cu's where the pairs are many)."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, sum(shape), 1.2, 0.3)
+    old = EMU.set_generic_kernels(False)
+    try:
+        launches()
+        assert_equals_cpu_kernels(p, q, True)
+        names = {launch[0] for launch in launches()}
+    finally:
+        EMU.set_generic_kernels(old)
+    assert not names & {"pair_tile_kernel<scalar_t>", "kernel_block_kernel<scalar_t>", "fit_coef_kernel",
+                        "kl_finish_kernel"}, names
+
+
+def test_the_generic_path_on_a_gpu_holds_the_pairs_and_no_copy_of_the_samples():
+    """The generic path's peak on a GPU, from the emulation's allocations (generic.cpp's and the
+    kernels' host code, the same calls as on a GPU): the pairs' squared distances (packed, float64;
+    above ~550 points a side they outweigh the evaluation's chunk of kernel rows) and vectors. The
+    kernels read the float32 samples as they are: a float64 copy (N d doubles) would add more than the
+    bound's slack."""
+    n, d = 600, 16
+    p, q = seeded_samples(1, n, n, d, torch.float32, n + d, 1.2, 0.3)
+    N = 2 * n
+    pairs = N * (N - 1) // 2 * 8
+    slack = N * d * 4  # half the copy: the norms, the median's and the solve's vectors fit in it
+    peak = peak_bytes(lambda: emulated_kl(p, q, True))
+    assert pairs <= peak <= pairs + slack, (peak, pairs, slack)
 
 
 def packed_pairs(x, y=None):

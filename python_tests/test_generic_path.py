@@ -36,7 +36,7 @@ def generic():
 
 # What the CPU allocates inside these ops and a GPU does not: the pairs' packing in chunks (a GPU makes
 # them in one kernel, cuda::pair_sqdist) and the median's selection buffers (cuda/median.cu reads the
-# pairs in place). bench/generic_memory.py leaves them out too.
+# pairs in place). test_cuda_emulation.py bounds the GPU build's peak itself.
 CPU_ONLY = ("kivi_fast::pack_pairs", "kivi_fast::median_of_pairs")
 
 

@@ -21,6 +21,13 @@ namespace {
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch) { return cuda::handles_kl(n_total, d, batch, 0); }
 
+// generic::fit (csrc/generic.cpp, built here for a GPU): its coefficients and bandwidth.
+std::tuple<at::Tensor, at::Tensor> generic_fit(const at::Tensor& numer, const at::Tensor& denom, double lam,
+                                               const std::optional<at::Tensor>& sigma) {
+  Fit f = generic::fit(numer, denom, lam, sigma, {"numer", "denom"});
+  return {f.coef, f.sigma};
+}
+
 // The emulated device: multiprocessors, shared memory a block may opt in to, shared memory per
 // multiprocessor, reserved per block; and the seed of the threads' order.
 void configure(int64_t multiprocessors, int64_t shared_per_block_optin, int64_t shared_per_multiprocessor,
@@ -68,6 +75,15 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("kl_finish(Tensor r_src, Tensor? state, Tensor sigma, float clip, bool reverse) -> (Tensor, Tensor)",
         &cuda::kl_finish);
   m.def("median_of_pairs(Tensor pairs) -> Tensor", &cuda::median_of_pairs);
+  // the generic path as CUDA tensors take it (csrc/generic.cpp): the shapes the kernels above leave it
+  m.def("generic_kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse,"
+        " bool grad_state) -> (Tensor, Tensor, Tensor, Tensor)",
+        &generic::kl);
+  m.def("generic_kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor",
+        &generic::kl_grad);
+  m.def("generic_fit(Tensor numer, Tensor denom, float lam, Tensor? sigma) -> (Tensor, Tensor)", &generic_fit);
+  m.def("generic_median_bandwidth(Tensor x) -> Tensor", &generic::median_bandwidth);
+  m.def("set_generic_kernels(bool flag) -> bool", &cuda::set_generic_kernels);
   m.def("handles_kl(int n_total, int d, int batch) -> bool", &handles_kl);
   m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);

@@ -1,0 +1,40 @@
+"""The CPU emulation of the CUDA kernels (csrc/cuda_emulation/, built beside the ops as the library
+``_kivi_fast_cuda_emulation``, ops ``torch.ops.kivi_fast_cuda_emulation``): what a machine without a GPU
+can run of the CUDA path, for python_tests/test_cuda_emulation.py and bench/generic_memory.py. Not part
+of the API.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _backend
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The emulation's ops, or None where the build left it out (CMake's KIVI_FAST_CUDA_EMULATION=OFF)."""
+    path = _backend._library_path("_kivi_fast_cuda_emulation")
+    if path is None:
+        return None
+    torch.ops.load_library(path)
+    return torch.ops.kivi_fast_cuda_emulation
+
+
+def kl(p, q, reverse, grad_kl, sigma=None, lam=1e-3, clip=1e-8):
+    """The kl op's outputs (KL in q's dtype, grad state, bandwidth, clipped fraction) and its backward,
+    the gradient of sum_b grad_kl[b] KL_b w.r.t. q, on CPU tensors ([B, n, d]) as CUDA tensors of these
+    shapes take them: as csrc/ops.cpp picks, csrc/cuda/kl.cu's kernels where they handle the shape, else
+    the generic path (csrc/generic.cpp) with its CUDA kernels; the backward likewise."""
+    emu = load()
+    if emu is None:
+        raise RuntimeError("kivi_fast was built without its CUDA emulation (KIVI_FAST_CUDA_EMULATION=OFF)")
+    b, n_q, d = q.shape
+    n = p.shape[1] + n_q
+    forward = emu.kl if emu.handles_kl(n, d, b) else emu.generic_kl
+    value, *rest = forward(p, q, lam, clip, sigma, reverse, True)
+    out = (value.to(q.dtype), *rest)
+    backward = emu.kl_grad if emu.handles_kl_grad(n, n_q, d, b) else emu.generic_kl_grad
+    return out, backward(grad_kl, out[1], q, p, reverse)
