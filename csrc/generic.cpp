@@ -134,12 +134,14 @@ int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
 // block of them on demand, so that a fit holds only the blocks it is using. Samples with few
 // dimensions (within one chunk of columns) keep their float64 copy and squared norms, and a block is
 // one GEMM onto the norms; on CUDA a block's kernel values are one launch from the samples as they
-// are (differences, cuda::kernel_block), and only the norms are kept (they mark non-finite rows).
+// are (differences, cuda::kernel_block), and the norms, which then only mark non-finite rows, are
+// computed where asked for (a given bandwidth's check; with the median, its NaN marks such rows).
 // Samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
 // the N x N Gram matrix (small beside the samples), and a block is read from it.
 class StackedDistances {
  public:
-  StackedDistances(const Tensor& denom, const Tensor& numer) : denom_(denom), numer_(numer) {
+  StackedDistances(const Tensor& denom, const Tensor& numer)
+      : B(denom.size(0)), N(denom.size(1) + numer.size(1)), denom_(denom), numer_(numer) {
 #ifdef KIVI_FAST_WITH_CUDA
     // (read once: a switch flipped during the call would leave pairs() and the blocks without a source)
     kernels_ = on_cuda(denom) && cuda::use_generic_kernels();
@@ -148,16 +150,15 @@ class StackedDistances {
       numer_ = numer.contiguous();
     }
 #endif
-    const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
-    N = n_den + n_num;
+    const int64_t d = denom.size(2);
     const int64_t width = chunk_columns(B * N);
     if (d <= width) {
-      auto points = stack_points(denom, numer).to(at::kDouble);
-      norms_ = points.square().sum(-1);
       // cuda::kernel_block reads the samples as they are: no copy kept (at (5000, 64) float32 it would
       // add 5 MB to the pairs' 400)
       fused_ = kernels_;
-      if (!fused_) points_ = std::move(points);
+      if (fused_) return;
+      points_ = stack_points(denom, numer).to(at::kDouble);
+      norms_ = points_.square().sum(-1);
       return;
     }
     auto buf = at::empty({B, N, width}, denom.options().dtype(at::kDouble));
@@ -216,8 +217,7 @@ class StackedDistances {
 #ifdef KIVI_FAST_WITH_CUDA
     if (kernels_) return cuda::pair_sqdist(denom_, numer_);  // no chunks
 #endif
-    const int64_t B = norms_.size(0);
-    auto out = at::empty({B, N * (N - 1) / 2}, norms_.options());
+    auto out = at::empty({B, N * (N - 1) / 2}, norms().options());
     // named for the profiler: the chunks, which the GPU build does without (test_generic_path.py)
     RECORD_FUNCTION("kivi_fast::pack_pairs", c10::ArrayRef<const c10::IValue>{});
     const int64_t step = chunk_rows(B, N, 0);
@@ -236,9 +236,14 @@ class StackedDistances {
   // the stacked points in float64 ([B, N, d]): the copy kept, or a new one
   Tensor points() const { return points_.defined() ? points_ : stack_points(denom_, numer_).to(at::kDouble); }
   // [B, N]: NaN/Inf for a row with a NaN/Inf coordinate
-  const Tensor& norms() const { return norms_; }
+  const Tensor& norms() const {
+    if (!norms_.defined()) norms_ = stack_points(denom_, numer_).to(at::kDouble).square().sum(-1);  // (fused)
+    return norms_;
+  }
+  // whether the value checks read their results back to raise errors (the CPU), or give NaN
+  bool checks_read_back() const { return reads_back(denom_); }
 
-  int64_t N;
+  int64_t B, N;
 
  private:
   Tensor denom_, numer_;
@@ -246,7 +251,7 @@ class StackedDistances {
   bool fused_ = false;    // and, with few dimensions, the kernel values too
   Tensor points_;       // few dimensions, not fused: [B, N, d] float64
   Tensor gram_;         // many dimensions: [B, N, N]
-  Tensor norms_;
+  mutable Tensor norms_;  // (made on demand when fused)
 };
 
 // The fit's system K_dd / n_den + lam I solved for its right side K_dn 1 / (lam n_den n_num): x
@@ -293,19 +298,19 @@ struct FitResult {
 
 FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, const std::optional<Tensor>& sigma,
                       Names names) {
-  check_finite_rows(dist.norms(), n_den, names);
+  if (dist.checks_read_back()) check_finite_rows(dist.norms(), n_den, names);
   auto s = sigma.has_value() ? *sigma : median_of_pairs(dist.pairs());
   if (sigma.has_value() && !reads_back(s)) {  // NaN where median_of_pairs would give it, and for a bandwidth <= 0
     auto ok = s.gt(0).logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
     s = at::where(ok, s, NAN);
   }
-  const int64_t budget = 8 * dist.norms().size(0) * n_den * n_den;
+  const int64_t budget = 8 * dist.B * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});
   auto [x, info] = solve_system(dist, n_den, scale, lam, budget);
   const double beta = 1.0 / (lam * static_cast<double>(dist.N - n_den));
 #ifdef KIVI_FAST_WITH_CUDA
   if (on_cuda(x) && cuda::use_generic_kernels()) {
-    return {{cuda::fit_coef(x, info, dist.norms(), beta), s}, scale, budget};  // one launch
+    return {{cuda::fit_coef(x, info, s, dist.N, beta), s}, scale, budget};  // one launch
   }
 #endif
   // off the CPU: NaN for an element whose system failed or whose samples are not finite (check_finite_rows)
@@ -366,7 +371,7 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
 Tensor median_bandwidth(const Tensor& x) {
   const auto none = x.new_empty({x.size(0), 0, x.size(2)});
   const StackedDistances dist(x, none);
-  check_finite_rows(dist.norms(), x.size(1), {"x", "x"});
+  if (dist.checks_read_back()) check_finite_rows(dist.norms(), x.size(1), {"x", "x"});
   return median_of_pairs(dist.pairs());
 }
 

@@ -162,9 +162,9 @@ Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
 Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                     const Tensor& scale, double divisor, double diagonal);
 // The generic fit's coefficients [B, N] = [-x, beta 1] from its solve's x [B, n_den, 1], NaN for alpha
-// where info [B] (Cholesky's, int32) is not 0 or the stacked points' squared norms [B, N] are not
-// finite. cuda/kl.cu.
-Tensor fit_coef(const Tensor& x, const Tensor& info, const Tensor& norms, double beta);
+// where info [B] (Cholesky's, int32) is not 0 or the bandwidth sigma [B] is NaN (the generic path
+// makes it NaN for non-finite samples). cuda/kl.cu.
+Tensor fit_coef(const Tensor& x, const Tensor& info, const Tensor& sigma, int64_t N, double beta);
 // The end of the generic kl forward in one launch: from the ratios r_j, the last column of r_src
 // ([B, n_q, w] float64, contiguous), (KL [B], clipped fraction [B]) as generic::kl defines them, and
 // the rows of state ([B, n_q, *] float64, contiguous, optional; it may be r_src) scaled in place by

@@ -576,18 +576,16 @@ def test_kernel_block_equals_the_kernel_of_cdist(n_den, n_num, d, block, dtype):
 
 def test_fit_coef_assembles_the_coefficients():
     """cuda::fit_coef: [-x, beta 1] per batch element, NaN for alpha (not beta) where Cholesky failed or
-    a squared norm is NaN/Inf; more points than threads."""
+    the bandwidth is NaN (non-finite samples); more points than threads."""
     B, n_den, N = 4, 300, 700
     x = torch.randn(B, n_den, 1, dtype=torch.float64)
     info = torch.tensor([0, 3, 0, 0], dtype=torch.int32)
-    norms = torch.rand(B, N, dtype=torch.float64)
-    norms[2, 650] = float("inf")
-    norms[3, 10] = float("nan")
+    sigma = torch.tensor([1.5, 1.5, float("nan"), 2.0], dtype=torch.float64)
     with emulated_device(multiprocessors=4):
-        coef = EMU.fit_coef(x, info, norms, 0.125)
+        coef = EMU.fit_coef(x, info, sigma, N, 0.125)
     assert coef.shape == (B, N)
-    assert torch.equal(coef[0, :n_den], -x[0, :, 0]) and (coef[:, n_den:] == 0.125).all()
-    assert coef[1:, :n_den].isnan().all()
+    assert torch.equal(coef[[0, 3], :n_den], -x[[0, 3], :, 0]) and (coef[:, n_den:] == 0.125).all()
+    assert coef[1:3, :n_den].isnan().all()
 
 
 @pytest.mark.parametrize("reverse", [True, False])

@@ -703,17 +703,13 @@ __global__ void __launch_bounds__(kTileThreads)
 
 // The generic fit's coefficients (cuda::fit_coef), one block a batch element: coef = [-x, beta 1]
 // ([B, N]) from the solve's x ([B, n_den, 1]), with NaN for alpha where Cholesky failed (info != 0) or
-// a sample is not finite (a squared norm in norms [B, N] is NaN/Inf).
+// the bandwidth is NaN (the generic path's mark of non-finite samples).
 constexpr int kCoefThreads = 256;
 __global__ void __launch_bounds__(kCoefThreads)
-    fit_coef_kernel(const double* __restrict__ x_all, const int* __restrict__ info,
-                    const double* __restrict__ norms_all, int64_t n_den, int64_t N, double beta,
-                    double* __restrict__ coef_all) {
+    fit_coef_kernel(const double* __restrict__ x_all, const int* __restrict__ info, const double* __restrict__ sigma,
+                    int64_t n_den, int64_t N, double beta, double* __restrict__ coef_all) {
   const int64_t b = blockIdx.x;
-  const double* norms = norms_all + b * N;
-  int bad = info[b] != 0;
-  for (int64_t c = threadIdx.x; c < N; c += kCoefThreads) bad |= key_of(norms[c]) >= kNotFiniteKey;  // (norms >= 0)
-  bad = __syncthreads_or(bad);
+  const bool bad = info[b] != 0 || isnan(sigma[b]);
   const double* x = x_all + b * n_den;
   double* coef = coef_all + b * N;
   for (int64_t c = threadIdx.x; c < N; c += kCoefThreads) coef[c] = c >= n_den ? beta : bad ? NAN : -x[c];
@@ -1103,19 +1099,19 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
   return out;
 }
 
-Tensor fit_coef(const Tensor& x_in, const Tensor& info_in, const Tensor& norms_in, double beta) {
+Tensor fit_coef(const Tensor& x_in, const Tensor& info_in, const Tensor& sigma_in, int64_t N, double beta) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const Tensor x = x_in.contiguous(), info = info_in.contiguous(), norms = norms_in.contiguous();
-  const int64_t B = x.size(0), n_den = x.size(1), N = norms.size(1);
+  const Tensor x = x_in.contiguous(), info = info_in.contiguous(), sigma = sigma_in.contiguous();
+  const int64_t B = x.size(0), n_den = x.size(1);
   TORCH_CHECK(x.scalar_type() == at::kDouble && x.numel() == B * n_den && info.scalar_type() == at::kInt &&
-                  info.numel() == B && norms.scalar_type() == at::kDouble && norms.size(0) == B && N >= n_den,
-              "kivi_fast: fit_coef expects x [B, n_den, 1] float64, info [B] int32, norms [B, N] float64");
+                  info.numel() == B && sigma.scalar_type() == at::kDouble && sigma.numel() == B && N >= n_den,
+              "kivi_fast: fit_coef expects x [B, n_den, 1] float64, info [B] int32, sigma [B] float64, N >= n_den");
   auto coef = at::empty({B, N}, x.options());
   if (coef.numel() == 0) return coef;
   TORCH_CHECK(B <= std::numeric_limits<int>::max(), "kivi_fast: fit_coef takes at most 2^31 - 1 batch elements");
   const auto stream = c10::cuda::getCurrentCUDAStream(x.get_device());
   fit_coef_kernel<<<static_cast<unsigned>(B), kCoefThreads, 0, stream>>>(
-      x.data_ptr<double>(), info.data_ptr<int>(), norms.data_ptr<double>(), n_den, N, beta, coef.data_ptr<double>());
+      x.data_ptr<double>(), info.data_ptr<int>(), sigma.data_ptr<double>(), n_den, N, beta, coef.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return coef;
 }

@@ -71,7 +71,7 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("kernel_block(Tensor denom, Tensor numer, int r0, int rows, int c0, int cols, Tensor scale, float divisor,"
         " float diagonal) -> Tensor",
         &cuda::kernel_block);
-  m.def("fit_coef(Tensor x, Tensor info, Tensor norms, float beta) -> Tensor", &cuda::fit_coef);
+  m.def("fit_coef(Tensor x, Tensor info, Tensor sigma, int N, float beta) -> Tensor", &cuda::fit_coef);
   m.def("kl_finish(Tensor r_src, Tensor? state, Tensor sigma, float clip, bool reverse) -> (Tensor, Tensor)",
         &cuda::kl_finish);
   m.def("median_of_pairs(Tensor pairs) -> Tensor", &cuda::median_of_pairs);
