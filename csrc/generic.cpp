@@ -135,7 +135,7 @@ int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
 // dimensions (within one chunk of columns) keep their float64 copy and squared norms, and a block is
 // one GEMM onto the norms; on CUDA a block's kernel values are one launch from the samples as they
 // are (differences, cuda::kernel_block), and the norms, which then only mark non-finite rows, are
-// computed where asked for (a given bandwidth's check; with the median, its NaN marks such rows).
+// computed where asked for (a given bandwidth's check; the median's NaN marks non-finite distances).
 // Samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
 // the N x N Gram matrix (small beside the samples), and a block is read from it.
 class StackedDistances {
@@ -217,7 +217,7 @@ class StackedDistances {
 #ifdef KIVI_FAST_WITH_CUDA
     if (kernels_) return cuda::pair_sqdist(denom_, numer_);  // no chunks
 #endif
-    auto out = at::empty({B, N * (N - 1) / 2}, norms().options());
+    auto out = at::empty({B, N * (N - 1) / 2}, norms_.options());  // (made in the constructor here)
     // named for the profiler: the chunks, which the GPU build does without (test_generic_path.py)
     RECORD_FUNCTION("kivi_fast::pack_pairs", c10::ArrayRef<const c10::IValue>{});
     const int64_t step = chunk_rows(B, N, 0);
@@ -300,7 +300,10 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
                       Names names) {
   if (dist.checks_read_back()) check_finite_rows(dist.norms(), n_den, names);
   auto s = sigma.has_value() ? *sigma : median_of_pairs(dist.pairs());
-  if (sigma.has_value() && !reads_back(s)) {  // NaN where median_of_pairs would give it, and for a bandwidth <= 0
+  // A given bandwidth: NaN where it is not positive and finite, and for non-finite samples, which the
+  // norms mark (also coordinates whose squares overflow, as the CPU's check; the median marks
+  // non-finite distances, as kl.cu)
+  if (sigma.has_value() && !reads_back(s)) {
     auto ok = s.gt(0).logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
     s = at::where(ok, s, NAN);
   }
