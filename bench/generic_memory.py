@@ -47,17 +47,13 @@ def gpu_kl(p, q):
     return lambda: _cuda_emulation.kl(p, q, True, grad_kl)
 
 
-def aten_composition(emu, p, q, measure):
+def aten_composition(p, q, measure):
     """measure(gpu_kl(p, q)) with the generic path's CUDA kernels switched off; None where kl.cu takes
     the forward."""
-    b, n, d = (q if q.dim() == 3 else q[None]).shape
-    if emu.handles_kl(n + p.shape[-2], d, b):
+    if _cuda_emulation.kl_cu_takes(*(t if t.dim() == 3 else t[None] for t in (p, q))):
         return None
-    old = emu.set_generic_kernels(False)
-    try:
+    with _cuda_emulation.switched("set_generic_kernels", False):
         return measure(gpu_kl(p, q))
-    finally:
-        emu.set_generic_kernels(old)
 
 
 # ATen ops that make views or empty tensors only: no work on the device
@@ -135,13 +131,13 @@ def main(argv=None) -> int:
         p, q = cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[args.dtype])
         pure = {name: peak_of(lambda: cpu_bench.call(cpu_bench.IMPLS[name], p, q, True)) for name in ("strong", "fast")}
         ours = peak_of(gpu_kl(p, q))
-        aten = aten_composition(emu, p, q, peak_of)
+        aten = aten_composition(p, q, peak_of)
         name = cpu_bench.shape_name(b, n, d, batched)
         print(f"{name:>14} {ours:14.2f} {'-' if aten is None else f'{aten:.2f}':>17} {pure['strong']:9.2f} "
               f"{pure['fast']:9.2f}", flush=True)
         if args.launches:
             for column, counted in (("ours on a GPU", calls(gpu_kl(p, q), emu)),
-                                    ("ATen composition", aten_composition(emu, p, q, lambda run: calls(run, emu)))):
+                                    ("ATen composition", aten_composition(p, q, lambda run: calls(run, emu)))):
                 if counted is not None:
                     kernels, aten_calls = counted
                     print(f"{'':>14} {column}: {sum(kernels.values())} kernel launches {dict(kernels)}, "

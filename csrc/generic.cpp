@@ -155,8 +155,7 @@ class StackedDistances {
     if (d <= width) {
       // cuda::kernel_block reads the samples as they are: no copy kept (at (5000, 64) float32 it would
       // add 5 MB to the pairs' 400)
-      fused_ = kernels_;
-      if (fused_) return;
+      if (kernels_) return;
       points_ = stack_points(denom, numer).to(at::kDouble);
       norms_ = points_.square().sum(-1);
       return;
@@ -190,7 +189,7 @@ class StackedDistances {
   // distances turned into kernel values in place.
   Tensor kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused_) {
+    if (fused()) {
       return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}), 1.0, 0.0);
     }
 #endif
@@ -200,7 +199,7 @@ class StackedDistances {
   // [B, n, n]: the fit's system K_dd / n + lam I over the first n points (the denominator's).
   Tensor system(int64_t n, const Tensor& scale, double lam) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused_) return cuda::kernel_block(denom_, numer_, 0, n, 0, n, scale.view({-1}), n, lam);
+    if (fused()) return cuda::kernel_block(denom_, numer_, 0, n, 0, n, scale.view({-1}), n, lam);
 #endif
     auto out = kernel(0, n, 0, n, scale).div_(static_cast<double>(n));
     out.diagonal(0, 1, 2).add_(lam);
@@ -248,10 +247,12 @@ class StackedDistances {
  private:
   Tensor denom_, numer_;
   bool kernels_ = false;  // on CUDA with cuda::use_generic_kernels(): the pairs from the samples
-  bool fused_ = false;    // and, with few dimensions, the kernel values too
   Tensor points_;       // few dimensions, not fused: [B, N, d] float64
   Tensor gram_;         // many dimensions: [B, N, N]
   mutable Tensor norms_;  // (made on demand when fused)
+
+  // few dimensions with the kernels: the kernel values from the samples too (no Gram of many dimensions)
+  bool fused() const { return kernels_ && !gram_.defined(); }
 };
 
 // The fit's system K_dd / n_den + lam I solved for its right side K_dn 1 / (lam n_den n_num): x

@@ -223,11 +223,8 @@ def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
         two = emulated_kl(p, q, False)
         ((two_grid, two_bytes),) = [(g, s) for name, g, _, s in launches() if name == "forward"]
         assert two_grid == (4, 1, 1)  # two blocks on each of 2 multiprocessors take the 5 elements in turn
-        old = EMU.set_two_blocks_per_sm(False)
-        try:
+        with _cuda_emulation.switched("set_two_blocks_per_sm", False):
             one = emulated_kl(p, q, False)
-        finally:
-            EMU.set_two_blocks_per_sm(old)
         (one_bytes,) = [s for name, _, _, s in launches() if name == "forward"]
     half = H100["shared_per_multiprocessor"] // 2 - H100["reserved_shared_per_block"]
     assert two_bytes < half < one_bytes, (two_bytes, one_bytes)
@@ -247,17 +244,14 @@ def test_blocks_take_the_batch_in_turn_through_their_workspace_slots(reverse):
     p, q = seeded_samples(5, 100, 100, 8, torch.float64, 4 + reverse, 1.2, 0.3)
     p[2] *= 3.0  # elements unlike each other: another scale, a zero median (NaN) in between
     p[3], q[3] = 0.0, 0.0
-    old = EMU.set_two_blocks_per_sm(False)
-    try:
-        results = []
+    results = []
+    with _cuda_emulation.switched("set_two_blocks_per_sm", False):
         for multiprocessors, blocks in ((1, 1), (132, 5)):
             with emulated_device(multiprocessors=multiprocessors, shared_per_block_optin=60000):
                 launches()
                 results.append(emulated_kl(p, q, reverse))
                 (grid,) = [g for name, g, _, _ in launches() if name == "forward"]
                 assert grid == (blocks, 1, 1)
-    finally:
-        EMU.set_two_blocks_per_sm(old)
     (one_slot, one_slot_g), (own, own_g) = results
     for a, e in zip(one_slot, own):
         assert torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num())
@@ -276,11 +270,8 @@ def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
     global memory; the back substitution in registers up to 128 rows, row by row above."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + 7, 1.2, 0.3)
-    old = EMU.set_paired_elimination(paired)
-    try:
+    with _cuda_emulation.switched("set_paired_elimination", paired):
         assert_equals_cpu_kernels(p, q, reverse)
-    finally:
-        EMU.set_paired_elimination(old)
 
 
 @pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],
@@ -305,8 +296,7 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     two = torch.zeros(2, 2, 4, dtype=torch.float64)
     two[0, 1] = 100.0  # far apart: k ~ 0, a positive definite 2 x 2 system
     sigma = torch.ones(2, dtype=torch.float64)
-    old = EMU.set_paired_elimination(paired)
-    try:
+    with _cuda_emulation.switched("set_paired_elimination", paired):
         first = EMU.kl(p, q, -0.5, 1e-8, None, False, True)[0]
         second = EMU.kl(two, q[:2, :5], -0.45, 1e-8, sigma, False, True)[0]
         # n = 3 and 4 points 100 apart, lam = -0.9/n (every pivot 0.1/n > 0): finite; with the third
@@ -319,8 +309,6 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
             control.append(EMU.kl(x, q[:1, :5] + 1000.0, -0.9 / n, 1e-8, sigma[:1], False, True)[0])
             x[0, 2] = x[0, 0]
             later.append(EMU.kl(x, q[:1, :5] + 1000.0, -0.9 / n, 1e-8, sigma[:1], False, True)[0])
-    finally:
-        EMU.set_paired_elimination(old)
     assert first.isnan().all()
     assert second[0].isfinite() and second[1].isnan(), second
     assert all(c.isfinite().all() for c in control) and all(t.isnan().all() for t in later), (control, later)
@@ -488,13 +476,10 @@ def test_the_generic_path_on_a_gpu_without_its_kernels_equals_the_cpu_kernels(sh
     median still cuda/median.cu's where the pairs are many)."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, sum(shape), 1.2, 0.3)
-    old = EMU.set_generic_kernels(False)
-    try:
+    with _cuda_emulation.switched("set_generic_kernels", False):
         launches()
         assert_equals_cpu_kernels(p, q, True)
         names = {launch[0] for launch in launches()}
-    finally:
-        EMU.set_generic_kernels(old)
     assert not names & {"pair_tile_kernel<scalar_t>", "kernel_block_kernel<scalar_t>", "fit_coef_kernel",
                         "kl_finish_kernel"}, names
 
