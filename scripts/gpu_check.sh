@@ -1,49 +1,111 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU and never runs
-# this): builds kivi_fast with its CUDA kernels into that environment, then runs the CUDA tests, the
-# kernels under compute-sanitizer (where installed: memcheck, and racecheck on kernels that stage
-# tiles in shared memory), bench/gpu.py, then the pure sides and ours under torch.compile with CUDA
-# graphs on the shapes where they can pay (bench/gpu.py --compiled: minutes of compiling; the
-# baselines the ratios need, before what only explains them), bench/train_steps.py, and last the
-# profiles of where the GPU time goes with the kernels' A/B switches: ours on six shapes (bench/gpu.py
-# --profile), the training steps replayed from CUDA graphs (bench/train_steps.py --profile).
-# Everything it prints also goes to OUT_DIR/gpu_check.log; the benches' JSON go to OUT_DIR.
-#   bash scripts/gpu_check.sh [OUT_DIR]            (default: runs/gpu_check)
-#   PHASES=tests,bench bash scripts/gpu_check.sh   (a subset of build,tests,sanitizer,bench,compiled,steps,profile)
-#   CUDA_ARCH=90 bash scripts/gpu_check.sh         (default: the GPUs of this machine)
-# All of it should take ~11 minutes on an H200 (estimated; the compiled phase ~5): where one command
-# may run 10 minutes at most, run PHASES=build,tests,sanitizer,bench, then PHASES=compiled,steps,profile
-# on the same machine. The benches write their JSON after each row: a run cut off keeps what it timed.
+# this): builds kivi_fast with its CUDA kernels into that environment, then runs its phases in this
+# order, the ones that decide the most first, so that a lease cut short keeps them:
+#   build     the extension with csrc/cuda/
+#   tests     the CUDA tests (python_tests/test_cuda.py and the sides' and backend's GPU tests)
+#   bench     bench/gpu.py, float32: ours against the pure sides eager (cuda_results.json)
+#   profile   where the GPU time goes: kernels by GPU time, the host's share of a call, the forward
+#             kernel's stage clocks and the kernels' A/B switches (bench/gpu.py --profile), then the
+#             graphed training steps' kernels (bench/train_steps.py --profile)
+#   steps     bench/train_steps.py: the VAE and MNIST steps, eager and graphed (train_steps.json)
+#   compiled  the pure sides and ours under torch.compile with CUDA graphs on the shapes where that can
+#             pay (bench/gpu.py --compiled: minutes of compiling; cuda_compiled.json)
+#   sanitizer compute-sanitizer memcheck over every kernel path, racecheck on the kernels that stage
+#             tiles in shared memory (where compute-sanitizer is installed)
+#   bench64   bench/gpu.py, float64 (cuda_results64.json)
+# Everything it prints also goes to OUT_DIR/gpu_check.log, the benches' JSON to OUT_DIR (written after
+# each row: a phase cut off keeps what it timed), and one line a phase (name, result, seconds) to
+# OUT_DIR/phases.tsv.
+#   bash scripts/gpu_check.sh [OUT_DIR]              (default: runs/gpu_check)
+#   PHASES=tests,bench bash scripts/gpu_check.sh     (a subset, run in the order above)
+#   BUDGET_S=540 bash scripts/gpu_check.sh OUT_DIR   (stop within 540 s: below)
+#   CUDA_ARCH=90 bash scripts/gpu_check.sh           (default: the GPUs of this machine)
+# BUDGET_S: each command runs under `timeout` for what is left of the budget, and a phase is not
+# started with less left than it needs at the least (MIN_S below); those skipped or cut off are named
+# at the end with the command that runs them. On an H200 the last lease's build, tests and benches took ~3 minutes;
+# the compiled phase is estimated at ~5. A lease of 15 minutes of device time, one command at most 10:
+# BUDGET_S=540 with timeout_s 570, then the phases it names in a second call if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
-PHASES="${PHASES:-build,tests,sanitizer,bench,compiled,steps,profile}"
-has() { [[ ",$PHASES," == *",$1,"* ]]; }
+ORDER=(build tests bench profile steps compiled sanitizer bench64)
+declare -A MIN_S=([build]=60 [tests]=60 [bench]=60 [profile]=60 [steps]=45 [compiled]=120 [sanitizer]=60
+                  [bench64]=30)
+if [ -n "${MIN_S_ALL:-}" ]; then for p in "${ORDER[@]}"; do MIN_S[$p]=$MIN_S_ALL; done; fi  # (its test's)
+PHASES="${PHASES:-$(IFS=,; echo "${ORDER[*]}")}"
+for p in ${PHASES//,/ }; do
+  [[ -v MIN_S[$p] ]] || { echo "gpu_check: unknown phase '$p' in PHASES (known: ${ORDER[*]})"; exit 2; }
+done
+budget="${BUDGET_S:-0}"  # 0: no limit
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check: BUDGET_S must be a whole number of seconds, got '$budget'"; exit 2; }
+start=$(date +%s)
+left() { if [ "$budget" -gt 0 ]; then echo $(( budget - ($(date +%s) - start) )); else echo 86400; fi; }
+# a command under what is left of the budget (and at most $1 s): exit status 124 when cut off
+capped() {
+  local cap=$1 l
+  shift
+  l=$(left)
+  (( l < cap )) && cap=$l
+  (( cap < 1 )) && return 124
+  timeout -k 10 "$cap" "$@"
+}
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 date
 nvidia-smi -L || { echo "gpu_check: no NVIDIA GPU visible"; exit 2; }
 python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda); sys.exit(not torch.cuda.is_available())" \
   || { echo "gpu_check: python3's torch sees no CUDA device"; exit 2; }
-status=0
-failed=()
-fail() { status=1; failed+=("$1"); }  # a phase's step failed: say which at the end
-if has build; then
-  arch=()
-  [ -n "${CUDA_ARCH:-}" ] && arch=(-Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH")
-  t0=$(date +%s)
-  if ! python3 -m pip install --no-build-isolation --no-deps -e . "${arch[@]}" > "$out/build.log" 2>&1; then
-    tail -40 "$out/build.log"; echo "gpu_check: the build failed ($out/build.log)"; exit 1
+
+failed=()  # phase:step of each failure
+step() {  # step NAME CAP_S COMMAND...: a phase's command; a failure or a cut-off is named at the end
+  local name=$1 rc
+  shift
+  capped "$@"
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then failed+=("$name (cut off by BUDGET_S)"); cut_off=1
+  elif [ "$rc" -ne 0 ]; then failed+=("$name")
   fi
-  echo "built in $(( $(date +%s) - t0 )) s"
-fi
-if has tests; then
-  python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py python_tests/test_bench_sides.py || fail tests
-fi
-if has sanitizer && command -v compute-sanitizer > /dev/null; then
+  return "$rc"
+}
+
+phase_build() {
+  local arch=()
+  [ -n "${CUDA_ARCH:-}" ] && arch=(-Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH")
+  if ! step build 900 python3 -m pip install --no-build-isolation --no-deps -e . "${arch[@]}" > "$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"; echo "gpu_check: the build failed ($out/build.log)"; return 1
+  fi
+}
+phase_tests() {
+  step tests 600 python3 -m pytest -q -ra python_tests/test_cuda.py python_tests/test_backend.py \
+    python_tests/test_bench_sides.py
+}
+phase_bench() {
+  step bench 600 python3 bench/gpu.py --dtypes float32 \
+    --shapes 128x100x8,1024x100x8,100x8,10x314000,100x50000,100x700,1000x32,2000x32,5000x64 \
+    --json "$out/cuda_results.json"
+}
+phase_profile() {
+  step profile 600 python3 bench/gpu.py --profile --dtypes float32 \
+    --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64
+  step steps-profile 300 python3 bench/train_steps.py --profile
+}
+phase_steps() {
+  step steps 600 python3 bench/train_steps.py --json "$out/train_steps.json"
+}
+phase_compiled() {
+  # the shapes of the 10x target and the host-bound one: launches are what compiling and CUDA graphs
+  # save, so the strongest pure sides there are compiled with reduce-overhead; ours the same way beside
+  # them, like for like; forward + backward only, the targets' pass: each shape costs three compiles,
+  # tens of seconds each with Triton
+  step compiled 900 python3 bench/gpu.py --compiled --compile-mode reduce-overhead --dtypes float32 \
+    --passes fwd+bwd --shapes 128x100x8,1024x100x8,1000x32 --json "$out/cuda_compiled.json"
+}
+phase_sanitizer() {
+  if ! command -v compute-sanitizer > /dev/null; then echo "gpu_check: no compute-sanitizer here"; return 0; fi
   # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses
-  timeout 180 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || fail memcheck
+  step memcheck 180 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY'
 import torch, kivi_fast
 for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
                        (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8),
@@ -58,7 +120,7 @@ print("compute-sanitizer: kernels ran")
 PY
   # shared-memory races in the kernels that stage tiles (the tiled distances, the forward, the backward,
   # the median of many pairs)
-  timeout 180 compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY' || fail racecheck
+  step racecheck 180 compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY'
 import torch, kivi_fast
 for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 300, 250, 3)]:
     p = torch.randn(b, n_p, d, device="cuda")
@@ -67,27 +129,39 @@ for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 3
 torch.cuda.synchronize()
 print("compute-sanitizer racecheck: kernels ran")
 PY
-fi
-if has bench; then
-  python3 bench/gpu.py --dtypes float32 --shapes 128x100x8,1024x100x8,100x8,10x314000,100x50000,100x700,1000x32,2000x32,5000x64 \
-    --json "$out/cuda_results.json" || fail bench
-  python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 --json "$out/cuda_results64.json" || fail bench64
-fi
-if has compiled; then
-  # (the shapes of the 10x target and the host-bound one: launches are what compiling and CUDA graphs
-  # save, so the strongest pure sides there are compiled with reduce-overhead; ours the same way beside
-  # them, like for like; forward + backward only, the targets' pass: each shape costs three compiles,
-  # tens of seconds each with Triton)
-  python3 bench/gpu.py --compiled --compile-mode reduce-overhead --dtypes float32 --passes fwd+bwd \
-    --shapes 128x100x8,1024x100x8,1000x32 --json "$out/cuda_compiled.json" || fail compiled
-fi
-if has steps; then
-  python3 bench/train_steps.py --json "$out/train_steps.json" || fail steps
-fi
-if has profile; then
-  python3 bench/gpu.py --profile --dtypes float32 --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64 || fail profile
-  python3 bench/train_steps.py --profile || fail steps-profile
-fi
+}
+phase_bench64() {
+  step bench64 300 python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 \
+    --json "$out/cuda_results64.json"
+}
+
+rest=()  # the phases skipped or cut off for time, in order
+: > "$out/phases.tsv"
+for p in "${ORDER[@]}"; do
+  [[ ",$PHASES," == *",$p,"* ]] || continue
+  if (( $(left) < MIN_S[$p] )); then
+    rest+=("$p")
+    echo "gpu_check: $p skipped: $(left) s left of BUDGET_S=$budget, it needs ~${MIN_S[$p]}"
+    printf '%s\tskipped\t0\n' "$p" >> "$out/phases.tsv"
+    continue
+  fi
+  echo "gpu_check: $p ($(left) s left)"
+  t0=$(date +%s)
+  n_failed=${#failed[@]}
+  cut_off=0
+  "phase_$p"
+  rc=$?
+  result=ok
+  (( ${#failed[@]} > n_failed )) && result=failed
+  (( cut_off )) && { result="cut off"; rest+=("$p"); }
+  printf '%s\t%s\t%s\n' "$p" "$result" "$(( $(date +%s) - t0 ))" >> "$out/phases.tsv"
+  if [ "$p" = build ] && [ "$rc" -ne 0 ]; then exit 1; fi
+done
 date
-if [ "$status" -eq 0 ]; then echo "gpu_check: all phases passed ($PHASES)"; else echo "gpu_check: failed: ${failed[*]}"; fi
-exit $status
+echo "gpu_check: seconds by phase:"; sed 's/^/  /' "$out/phases.tsv"
+if [ ${#rest[@]} -gt 0 ]; then
+  echo "gpu_check: not run or cut off for time: ${rest[*]}; the rest: PHASES=$(IFS=,; echo "${rest[*]}") bash scripts/gpu_check.sh OUT_DIR"
+fi
+if [ ${#failed[@]} -eq 0 ]; then echo "gpu_check: the phases run passed ($PHASES)"; exit 0; fi
+echo "gpu_check: failed: ${failed[*]}"
+exit 1
