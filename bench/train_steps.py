@@ -30,10 +30,14 @@ from kivi_fast.experiments.training import timed
 from kivi_fast.nn.classification import ClassificationBNN
 from kivi_fast.nn.vae import build_vae
 
+# The paper's sizes (python_tests/test_gpu_benches.py shrinks them to run the script through on the CPU).
+VAE_BATCH, VAE_SAMPLES = 128, 100  # images a step; n_q = n_p posterior and prior samples an image
+MNIST_BATCH, MNIST_HIDDEN = 100, 400
+
 
 def paper_vae(method: str, device):
     """The paper's VAE (n_q = n_p = 100 samples, lam 1e-3) for ``method``, on device."""
-    return build_vae(method, n_q=100, n_p=100, lam=1e-3, clip=1e-8, contrast="diagonal").to(device)
+    return build_vae(method, n_q=VAE_SAMPLES, n_p=VAE_SAMPLES, lam=1e-3, clip=1e-8, contrast="diagonal").to(device)
 
 
 def median_replayed(run, inputs: dict, device, repeats: int) -> float:
@@ -47,7 +51,7 @@ def median_replayed(run, inputs: dict, device, repeats: int) -> float:
 def vae_profile(method: str, device, repeats: int) -> dict:
     torch.manual_seed(0)
     model = paper_vae(method, device)
-    x = (torch.rand(128, 784, device=device) < 0.3).float()
+    x = (torch.rand(VAE_BATCH, 784, device=device) < 0.3).float()
     g = torch.Generator(device=device).manual_seed(1)
     vae_exp.step_profile(model, x, g, repeats=3)  # warm-up: cuBLAS handles, the caching allocator
     return vae_exp.step_profile(model, x, g, repeats=repeats)
@@ -76,8 +80,8 @@ def graphed_vae_kl(method: str, device, repeats: int) -> float:
     torch.manual_seed(0)
     model = paper_vae(method, device)
     g = torch.Generator(device=device).manual_seed(1)
-    inputs = {"z": torch.randn(128, model.n_q, model.encoder.z_dim, device=device, generator=g),
-              "prior": torch.randn(128, model.n_p, model.encoder.z_dim, device=device, generator=g)}
+    inputs = {"z": torch.randn(VAE_BATCH, model.n_q, model.encoder.z_dim, device=device, generator=g),
+              "prior": torch.randn(VAE_BATCH, model.n_p, model.encoder.z_dim, device=device, generator=g)}
 
     def kl_part(inp):
         z = inp["z"].detach().requires_grad_()
@@ -118,16 +122,23 @@ def vae_step(method: str, device):
     def setup(cuda_graph: bool):
         model = paper_vae(method, device)
         g = torch.Generator(device=device).manual_seed(1)
-        inputs = {"x": (torch.rand(128, 784, device=device) < 0.3).float(), **model.draws(128, g, device)}
+        inputs = {"x": (torch.rand(VAE_BATCH, 784, device=device) < 0.3).float(), **model.draws(VAE_BATCH, g, device)}
         return vae_exp.make_train_step(model, trainer_adam(model.parameters(), 1e-3, device, cuda_graph)), inputs
     return setup
+
+
+def mnist_bnn(device) -> ClassificationBNN:
+    """The paper's MNIST BNN (two hidden layers of MNIST_HIDDEN, KIVI per layer, 10 prior samples)."""
+    return ClassificationBNN((784, MNIST_HIDDEN, MNIST_HIDDEN, 10), "kivi", lam=1e-3, clip=1e-8,
+                             n_prior=10).to(device)
 
 
 def mnist_step(device):
     """The MNIST trainer's step (L = 400, 10 samples) and its inputs, for full_steps."""
     def setup(cuda_graph: bool):
-        model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
-        inputs = {"x": torch.rand(100, 784, device=device), "y": torch.randint(0, 10, (100,), device=device)}
+        model = mnist_bnn(device)
+        inputs = {"x": torch.rand(MNIST_BATCH, 784, device=device),
+                  "y": torch.randint(0, 10, (MNIST_BATCH,), device=device)}
         optimizer = trainer_adam(model.parameters(), 1e-3, device, cuda_graph)
         return mnist_exp.make_train_step(model, optimizer, 60000, 10), inputs
     return setup
@@ -135,9 +146,9 @@ def mnist_step(device):
 
 def mnist_profile(device, repeats: int) -> dict:
     torch.manual_seed(0)
-    model = ClassificationBNN((784, 400, 400, 10), "kivi", lam=1e-3, clip=1e-8, n_prior=10).to(device)
-    x = torch.rand(100, 784, device=device)
-    y = torch.randint(0, 10, (100,), device=device)
+    model = mnist_bnn(device)
+    x = torch.rand(MNIST_BATCH, 784, device=device)
+    y = torch.randint(0, 10, (MNIST_BATCH,), device=device)
     mnist_exp.step_profile(model, x, y, 60000, 10, repeats=3)
     return mnist_exp.step_profile(model, x, y, 60000, 10, repeats=repeats)
 
@@ -151,7 +162,7 @@ def main(argv=None) -> int:
     info = gpu_bench.device_info("bench/train_steps.py")
     if info is None:
         return 2
-    device = torch.device("cuda")
+    device = torch.device(gpu_bench.DEVICE)
     if args.profile:
         for name, setup in {"vae kivi-ac": vae_step("kivi-ac", device), "mnist L=400": mnist_step(device)}.items():
             print(f"{name}: three replays of the step captured in a CUDA graph\n{graph_profile(setup, device)}",
