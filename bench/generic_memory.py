@@ -35,6 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import run as cpu_bench  # bench/run.py: inputs, the sides, the call
+from alloc_peak import peak_bytes
 
 from kivi_fast import _cuda_emulation
 
@@ -95,17 +96,7 @@ def calls(run, emu) -> tuple[collections.Counter, collections.Counter]:
 def peak_of(run) -> float:
     """Peak MB allocated by run() (after a warm-up call: lazy state, the pure sides' cached indices)."""
     run()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    memory = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    if not memory:
-        raise RuntimeError("the profiler recorded no allocations")
-    now = top = 0
-    for e in memory:
-        now += e.nbytes()
-        top = max(top, now)
-    return top / 2**20
+    return peak_bytes(run) / 2**20
 
 
 def main(argv=None) -> int:

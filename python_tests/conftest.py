@@ -5,7 +5,9 @@ device-generic kernels (what CUDA tensors run, forced on CPU here) and the pure-
 """
 
 import contextlib
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,20 @@ settings.register_profile(
     "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def bench_module(name: str):
+    """bench/<name>.py, loaded by its path as module bench_<name> (bench/ on sys.path would let its
+    scripts shadow other modules; registered, since dynamo finds a traced function's globals by its
+    module's name)."""
+    key = "bench_" + name
+    if key not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", name + ".py")
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 def has_ops() -> bool:

@@ -1,30 +1,16 @@
 """bench/pure_torch.py's two pure-PyTorch sides, the baselines every speed ratio is against: eager and
 under torch.compile (bench/run.py and bench/gpu.py --compiled), against kivi_fast.reference."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
 from kivi_fast import reference
 
-from conftest import no_host_sync
+from conftest import bench_module, no_host_sync
 from test_ops_vs_reference import value_and_grad
 
 
-def _load_pure_torch():
-    """bench/pure_torch.py by its path (bench/ on sys.path would let its scripts shadow other modules)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "pure_torch.py")
-    spec = importlib.util.spec_from_file_location("bench_pure_torch", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dynamo finds a traced function's globals by its module's name)
-    spec.loader.exec_module(module)
-    return module
-
-
-pure_torch = _load_pure_torch()
+pure_torch = bench_module("pure_torch")
 
 LAM = 1e-3
 

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 import kivi_fast
 from kivi_fast import _cuda_emulation, reference
 
-from conftest import implementation
+from conftest import bench_module, implementation
 from test_cuda import CUDA_KERNEL_SHAPES, WEIGHT_STATE_SHAPES, seeded_samples
-from test_generic_path import peak_bytes
+
+peak_bytes = bench_module("alloc_peak").peak_bytes
 
 H100 = dict(multiprocessors=132, shared_per_block_optin=232448, shared_per_multiprocessor=233472,
             reserved_shared_per_block=1024)

@@ -16,12 +16,11 @@ test_ops_vs_reference.py, whose ``compiled`` fixture runs the generic kernels to
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import kivi_fast
 from kivi_fast import reference
 
-from conftest import implementation
+from conftest import bench_module, implementation
 from test_ops_vs_reference import assert_kl_equals_reference, make_samples
 
 MiB = 2**20
@@ -38,23 +37,7 @@ def generic():
 # them in one kernel, cuda::pair_sqdist) and the median's selection buffers (cuda/median.cu reads the
 # pairs in place). test_cuda_emulation.py bounds the GPU build's peak itself.
 CPU_ONLY = ("kivi_fast::pack_pairs", "kivi_fast::median_of_pairs")
-
-
-def peak_bytes(fn, skip=()) -> int:
-    """The peak of the bytes allocated less those freed while fn runs (on the CPU), leaving out what
-    ops named in ``skip`` allocate (and free) inside themselves."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = prof.profiler.kineto_results.events()
-    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in skip]
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    now = top = 0
-    for e in memory:
-        if any(a <= e.start_ns() <= b for a, b in spans):
-            continue
-        now += e.nbytes()
-        top = max(top, now)
-    return top
+peak_bytes = bench_module("alloc_peak").peak_bytes
 
 
 def forward_backward(p, q, **kw):
