@@ -7,8 +7,8 @@ generator, float32, Adam at a constant learning rate, the library's defaults:
 A training loop is chaotic: results that differ in the last bit (another CPU's BLAS, another torch)
 end on another trajectory. So the test trains eight generators at once (one batched estimator call a
 step: batch elements are independent, so these are eight runs) and asserts a rate, not one seed. The
-study (16 seeds, AMD EPYC): adaptive_contrast_kl 16 of 16 on target, kl 15 of 16 (the other at mean
-error 0.208 against the target's 0.2), the paper's kernel_kl 0 of 16.
+study (16 seeds, AMD EPYC; results/diagnostics/client_loop/table.md): adaptive_contrast_kl and kl 16 of
+16 on target (kl's worst mean error 0.181 against the target's 0.2), the paper's kernel_kl 0 of 16.
 """
 
 import statistics

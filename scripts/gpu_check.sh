@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU and never runs
-# this): builds kivi_fast with its CUDA kernels into that environment, then runs its phases in this
-# order, the ones that decide the most first, so that a lease cut short keeps them:
+# The GPU checks, on a machine whose python3 has a CUDA build of torch (CI has no GPU: there
+# python_tests/test_gpu_check.py runs this script's control flow with stand-ins for the GPU's tools):
+# builds kivi_fast with its CUDA kernels into that environment, then runs its phases in this order,
+# the ones that decide the most first, so that a lease cut short keeps them:
 #   build     the extension with csrc/cuda/
 #   tests     the CUDA tests (python_tests/test_cuda.py and the sides' and backend's GPU tests)
 #   bench     bench/gpu.py, float32: ours against the pure sides eager (cuda_results.json)

@@ -32,6 +32,7 @@ two disjoint halves of the HMC samples, which is the noise floor), ``training.js
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -362,7 +363,7 @@ def run(args) -> int:
               f"{r['mmd2']:>11.5f}")
     if args.kivi_seeds > 1:
         errs = sorted(r["cov_rel_error"] for r in over_seeds)
-        print(f"KIVI over {args.kivi_seeds} seeds: rel cov err median {errs[len(errs) // 2]:.3f}, "
+        print(f"KIVI over {args.kivi_seeds} seeds: rel cov err median {statistics.median(errs):.3f}, "
               f"range {errs[0]:.3f}-{errs[-1]:.3f}")
     print(f"final ELBO: VI {vi_history[-1]['elbo']:.2f}, KIVI {kivi_history[-1]['elbo']:.2f}; "
           f"times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
