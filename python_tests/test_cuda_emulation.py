@@ -66,6 +66,19 @@ def emulated_device(seed: int = 0, **changes):
         device()
 
 
+ELIMINATIONS = ("two-columns", "one-column", "registers")
+
+
+@contextlib.contextmanager
+def elimination(mode: str):
+    """The forward kernel's elimination: two columns a step (the default), one (set_paired_elimination
+    off), or one with the triangle in registers (set_register_elimination on: up to 128 rows, in the
+    one-block variant; elsewhere the default)."""
+    with _cuda_emulation.switched("set_paired_elimination", mode != "one-column"), \
+            _cuda_emulation.switched("set_register_elimination", mode == "registers"):
+        yield
+
+
 def launches() -> list:
     """(kernel, grid, threads, dynamic shared bytes) of each launch since the last call."""
     names, flat = EMU.take_launches()
@@ -275,6 +288,51 @@ def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
         assert_equals_cpu_kernels(p, q, reverse)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape,reverse", [((2, 100, 100, 8), False), ((1, 37, 40, 8), False), ((1, 3, 4, 3), False),
+                                           ((2, 2, 5, 3), False), ((1, 128, 30, 8), False), ((3, 100, 100, 8), True),
+                                           ((2, 60, 100, 30), True), ((1, 129, 30, 8), False)],
+                         ids=["100", "37-odd", "3-odd", "2", "128", "100-reverse", "100-d30", "129"])
+def test_the_register_elimination_is_the_one_column_one_bit_for_bit(shape, reverse, dtype):
+    """solve_spd_in_registers does solve_spd's one-column elimination's operations in the same order,
+    each thread's entries held in registers: the same bits, up to 128 rows; these differ from the
+    default two columns a step in their last bits (so the switch is seen to act). Above 128 rows the
+    switch leaves the default. And both equal the CPU kernels."""
+    b, n_p, n_q, d = shape
+    n = n_q if reverse else n_p
+    p, q = seeded_samples(b, n_p, n_q, d, dtype, n_p + 7, 1.2, 0.3)
+    runs = {}
+    for mode in ELIMINATIONS:
+        with elimination(mode):
+            runs[mode] = emulated_kl(p, q, reverse)
+
+    def same(a, e):
+        return all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip((*a[0], a[1]), (*e[0], e[1])))
+    if n <= 128:
+        assert same(runs["registers"], runs["one-column"])
+        assert n <= 2 or not same(runs["registers"], runs["two-columns"])
+    else:
+        assert same(runs["registers"], runs["two-columns"])
+    with elimination("registers"):
+        assert_equals_cpu_kernels(p, q, reverse)
+
+
+def test_the_register_elimination_is_left_to_the_one_block_variant():
+    """Batches of more than one wave take the two-blocks-per-SM variant, whose 64 registers cannot hold
+    the triangle: there the switch leaves the default elimination; with that variant off it acts."""
+    p, q = seeded_samples(5, 100, 100, 8, torch.float64, 11, 1.2, 0.3)
+    with emulated_device(multiprocessors=2):
+        default = emulated_kl(p, q, False)
+        with elimination("registers"):
+            registers = emulated_kl(p, q, False)
+            with _cuda_emulation.switched("set_two_blocks_per_sm", False):
+                one_block = emulated_kl(p, q, False)
+        with elimination("one-column"), _cuda_emulation.switched("set_two_blocks_per_sm", False):
+            one_column = emulated_kl(p, q, False)
+    for a, e in ((registers, default), (one_block, one_column)):
+        assert all(torch.equal(x, y) for x, y in zip((*a[0], a[1]), (*e[0], e[1])))
+
+
 @pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],
                          ids=["fused", "pair-sqdist", "pair-tile"])
 def test_a_given_bandwidth_equals_the_cpu_kernels(shape):
@@ -286,8 +344,8 @@ def test_a_given_bandwidth_equals_the_cpu_kernels(shape):
     assert torch.equal(emulated_kl(p, q, False, sigma)[0][2], sigma)
 
 
-@pytest.mark.parametrize("paired", [True, False], ids=["two-columns", "one-column"])
-def test_a_system_that_is_not_positive_definite_gives_nan(paired):
+@pytest.mark.parametrize("mode", ELIMINATIONS)
+def test_a_system_that_is_not_positive_definite_gives_nan(mode):
     """A pivot <= 0 gives NaN for its batch element (the CPU raises), here from a negative lam (direct
     calls: the op refuses lam <= 0 before the kernels see it): the first pivot's, K/n - I/2 for 30
     points; the second's, two denominator points, lam = -0.45: the first pivot is 0.05 either way, the
@@ -297,7 +355,7 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     two = torch.zeros(2, 2, 4, dtype=torch.float64)
     two[0, 1] = 100.0  # far apart: k ~ 0, a positive definite 2 x 2 system
     sigma = torch.ones(2, dtype=torch.float64)
-    with _cuda_emulation.switched("set_paired_elimination", paired):
+    with elimination(mode):
         first = EMU.kl(p, q, -0.5, 1e-8, None, False, True)[0]
         second = EMU.kl(two, q[:2, :5], -0.45, 1e-8, sigma, False, True)[0]
         # n = 3 and 4 points 100 apart, lam = -0.9/n (every pivot 0.1/n > 0): finite; with the third
@@ -315,11 +373,15 @@ def test_a_system_that_is_not_positive_definite_gives_nan(paired):
     assert all(c.isfinite().all() for c in control) and all(t.isnan().all() for t in later), (control, later)
 
 
-@pytest.mark.parametrize("shape,multiprocessors", [((2, 100, 100, 8), 132), ((1, 10, 10, 3000), 132),
-                                                   ((1, 20, 20, 1200), 1), ((1, 70, 60, 1000), 132),
-                                                   ((1, 70, 60, 1000), 1)],
-                         ids=["fused", "pair-sqdist", "pair-sqdist-chunks", "pair-tile", "pair-tile-slabs"])
-def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessors):
+@pytest.mark.parametrize("shape,multiprocessors,mode", [((2, 100, 100, 8), 132, "two-columns"),
+                                                        ((2, 100, 100, 8), 132, "registers"),
+                                                        ((1, 10, 10, 3000), 132, "two-columns"),
+                                                        ((1, 20, 20, 1200), 1, "two-columns"),
+                                                        ((1, 70, 60, 1000), 132, "two-columns"),
+                                                        ((1, 70, 60, 1000), 1, "two-columns")],
+                         ids=["fused", "fused-registers", "pair-sqdist", "pair-sqdist-chunks", "pair-tile",
+                              "pair-tile-slabs"])
+def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessors, mode):
     """Each seed runs the threads between barriers, and the blocks, in another order: a read of shared
     memory before the barrier that orders it after its write would give other bits (or the poison's
     NaN). The fused path's results are the same bits; the wide paths add the blocks' partial distances
@@ -330,7 +392,7 @@ def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessor
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 5, 1.2, 0.3)
     runs = []
     for seed in (1, 2, 3):
-        with emulated_device(seed=seed, multiprocessors=multiprocessors):
+        with emulated_device(seed=seed, multiprocessors=multiprocessors), elimination(mode):
             runs.append(emulated_kl(p, q, False))
     (first, first_g) = runs[0]
     assert all(t.isfinite().all() for t in (*first, first_g))
@@ -340,7 +402,8 @@ def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessor
         else:
             for a, e in zip((*out, g), (*first, first_g)):
                 assert_close_rel(a, e, 1e-12)
-    assert_equals_cpu_kernels(p, q, False)
+    with elimination(mode):
+        assert_equals_cpu_kernels(p, q, False)
 
 
 # What reads a tensor's value back to the host: ATen's _local_scalar_dense (behind item() and bool()), and
