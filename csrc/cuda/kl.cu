@@ -375,9 +375,9 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
 // update it, while the others still read row k), the right-hand side's x_k and the pivot's reciprocal
 // (taken once, by the owner of the diagonal entry) beside it. The forward kernel's one-block-per-SM
 // variant only (17 entries a thread), in an instance of its own (kl_forward_kernel<T, 1, true>), so that
-// the other instances' code stays as it was (ptxas for sm_90: that instance takes 128 registers, its 72
-// bytes of spills the slots' positions hoisted out of the batch loop, stored once a block and loaded
-// once an element; the steps spill nothing). rows: 2 (n + 2) doubles of shared memory.
+// the other instances' code stays as it was (ptxas for sm_90: that instance takes 128 registers and
+// spills only the slots' positions, hoisted out of the batch loop: stored once a block and loaded once
+// an element; the steps spill nothing). rows: 2 (n + 2) doubles of shared memory.
 constexpr int kRegisterEliminationRows = 128;
 constexpr int kOwnedEntries =
     (kRegisterEliminationRows * (kRegisterEliminationRows + 1) / 2 + kThreads - 1) / kThreads;
@@ -412,7 +412,7 @@ __device__ void solve_spd_in_registers(double* S, double* x, int n, int* not_pd,
   double xr = tid < n ? x[tid] : 0.0;  // thread i holds the right-hand side's x_i
   if (tid == 0) rows[n] = xr;
   __syncthreads();
-  for (int k = 0; k < n; ++k) {
+  for (int k = 0; k + 1 < n; ++k) {  // (the last column's pivot was checked in the step before)
     // row k: [S_kk .. S_k,n-1 at their columns, x_k, 1 / S_kk]
     const double* row = rows + (k & 1) * (n + 2);
     double* next = rows + ((k + 1) & 1) * (n + 2);
@@ -542,8 +542,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     if (tid == 0) not_pd = 0;
     __syncthreads();
     stage_clock(a, b, 3);
-    if constexpr (kInRegisters) {  // (each ends with a barrier)
-      solve_spd_in_registers(S, coef, n, &not_pd, &scratch[0][0]);  // (n <= kRegisterEliminationRows: kl())
+    if constexpr (kInRegisters) {  // (each ends with a barrier; kl() takes this instance for small n only)
+      if (n <= kRegisterEliminationRows) {
+        solve_spd_in_registers(S, coef, n, &not_pd, &scratch[0][0]);
+      } else {
+        solve_spd<true>(S, coef, n, &not_pd, a.paired_elimination);
+      }
     } else {
       solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);
     }
