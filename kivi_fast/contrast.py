@@ -106,6 +106,12 @@ def whiten(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Ten
     return torch.linalg.solve_triangular(chol, (x - mean).transpose(-1, -2), upper=False).transpose(-1, -2)
 
 
+def check_std(std: torch.Tensor, name: str) -> None:
+    """A zero standard deviation raises on the CPU (elsewhere it gives NaN: see whitening)."""
+    if std.is_cpu and bool((std == 0).any()):
+        raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
+
+
 def resolve_contrast(contrast: str, n: int, d: int) -> str:
     """The contrast that ``contrast`` names for n samples in d dimensions: "auto" is "full" when n > d."""
     if contrast not in CONTRASTS:
@@ -113,6 +119,36 @@ def resolve_contrast(contrast: str, n: int, d: int) -> str:
     if contrast == "auto":
         return "full" if n > d else "diagonal"
     return contrast
+
+
+class _DiagonalContrast(torch.autograd.Function):
+    """The diagonal contrast of samples x [..., n, d] in one autograd node: (z, E_x[log r(x)] + d (1 + log
+    2 pi) / 2) = ((x - m) / s, -sum_d log s_d) with r = N(m, diag(s^2)) the maximum-likelihood fit. Its
+    whitened samples' mean square is exactly 1 in each dimension, so E_x[log r] needs no pass over them.
+    The gradient in closed form (batch normalization's, with -z / (n s) from the log-determinant): 14
+    device ops a forward and backward, where autograd through the composition takes more than twice as
+    many; at the VAE's shapes such small ops are most of the KL's (python_tests/test_kl_contrast.py
+    counts them)."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        std, mean = torch.std_mean(x, -2, correction=0, keepdim=True)
+        check_std(std, name)
+        z = (x - mean) / std
+        ctx.save_for_backward(z, std)
+        return z, -std.log().sum((-2, -1))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_z, grad_neg_log_det):
+        z, std = ctx.saved_tensors
+        n = z.shape[-2]
+        # d/dx_k of sum_j g_j z_j = (g_k - mean_j g_j - z_k mean_j g_j z_j) / s; of -sum log s: -z_k / (n s)
+        scale = torch.zeros_like(std) if grad_neg_log_det is None else grad_neg_log_det[..., None, None] / n
+        if grad_z is None:
+            return -z * scale / std, None
+        scale = scale + (grad_z * z).mean(-2, keepdim=True)
+        return torch.addcmul(grad_z - grad_z.mean(-2, keepdim=True), z, scale, value=-1.0) / std, None
 
 
 class GaussianFit:
@@ -123,10 +159,9 @@ class GaussianFit:
         self.diagonal = contrast == "diagonal"
         self.n, self.d = x.shape[-2], x.shape[-1]
         if self.diagonal:
-            self.mean = x.mean(-2, keepdim=True)
-            self.std = x.std(-2, correction=0, keepdim=True)  # divides by n: the maximum-likelihood fit
-            if self.std.is_cpu and bool((self.std == 0).any()):  # elsewhere: NaN (see whitening)
-                raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
+            # correction 0 divides by n: the maximum-likelihood fit
+            self.std, self.mean = torch.std_mean(x, -2, correction=0, keepdim=True)
+            check_std(self.std, name)
         else:
             self.mean, self.chol, _ = whitening(x, shrink, name)
         self.shrunk = not self.diagonal and shrinks(shrink, self.n, self.d)
@@ -169,13 +204,23 @@ def _log_det_bias(n: int, d: int, diagonal: bool) -> float:
 
 def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "auto"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(z_hat, log r(q_z)): the samples mapped by the whitening of the Gaussian r fitted to them, and
-    r's log-density at them ([..., n]), its log-determinant corrected for the plug-in bias
-    (:meth:`GaussianFit.log_det_bias`), so that its mean estimates E_q[log r] without that bias. Both
-    keep their gradient w.r.t. q_z. ``shrink``: see :func:`whitening` (full contrast only)."""
-    fit = GaussianFit(q_z, resolve_contrast(contrast, q_z.shape[-2], q_z.shape[-1]), shrink)
-    z_hat = fit.whiten(q_z)
-    return z_hat, standard_normal_log_prob(z_hat) - fit.log_det_scale() + fit.log_det_bias()
+    """(z_hat, E_q[log r]): the samples mapped by the whitening of the Gaussian r fitted to them, and the
+    mean of r's log-density at them ([...]), its log-determinant corrected for the plug-in bias
+    (:meth:`GaussianFit.log_det_bias`), so that it estimates E_q[log r] without that bias. Both keep
+    their gradient w.r.t. q_z. ``shrink``: see :func:`whitening` (full contrast only). The fit is by
+    maximum likelihood, so the whitened samples' mean square is exactly d, unless the covariance was
+    shrunk: then it is summed."""
+    n, d = q_z.shape[-2], q_z.shape[-1]
+    contrast = resolve_contrast(contrast, n, d)
+    if contrast == "diagonal":
+        z_hat, neg_log_det = _DiagonalContrast.apply(q_z, "q_z")
+        mean_square, bias = float(d), _log_det_bias(n, d, True)
+    else:
+        fit = GaussianFit(q_z, contrast, shrink)
+        z_hat, neg_log_det = fit.whiten(q_z), -fit.log_det_scale()[..., 0]
+        mean_square = z_hat.pow(2).sum(-1).mean(-1) if fit.shrunk else float(d)
+        bias = fit.log_det_bias()
+    return z_hat, -0.5 * mean_square - 0.5 * d * math.log(2 * math.pi) + neg_log_det + bias
 
 
 def reference_draws(shape, contrast: str, device, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -217,7 +262,7 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     quad = fit_p.precision_factor() * q_in_p.pow(2).sum(-1) - d / fit_p.n
     log_r_p = -0.5 * quad - 0.5 * d * math.log(2 * math.pi) - fit_p.log_det_scale() + fit_p.log_det_bias()
     prior_rest = density_ratio(lam, bandwidth).fit(fit_p.whiten(p64), eps).log_ratio(q_in_p, clip)
-    return (kernel_q + (log_r_q - log_r_p - prior_rest).mean(-1)).to(dtype)
+    return (kernel_q + log_r_q - (log_r_p + prior_rest).mean(-1)).to(dtype)
 
 
 def adaptive_contrast_kl(
@@ -253,7 +298,7 @@ def adaptive_contrast_kl(
         raise ValueError(f"n_prior must be an integer >= 2 (the number of N(0, I) samples), got {n_prior!r}")
     # float64 throughout, as the kernel fit; the N(0, I) draws do not depend on q_z's dtype
     q64 = q_z.double()
-    z_hat, log_contrast = gaussian_contrast(q64, contrast)
+    z_hat, log_contrast = gaussian_contrast(q64, contrast)  # E_q[log r]
 
     resolved = resolve_contrast(contrast, n, q_z.shape[-1])
     if reference_z is None:
@@ -268,9 +313,9 @@ def adaptive_contrast_kl(
     kl_whitened = kl_fn(eps, z_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
 
     log_p = standard_normal_log_prob(q64) if log_prior is None else log_prior(q_z)
-    if log_p.shape != log_contrast.shape:
+    if log_p.shape != q_z.shape[:-1]:
         raise ValueError(
-            f"log_prior must map samples of shape {tuple(q_z.shape)} to shape {tuple(log_contrast.shape)}, "
+            f"log_prior must map samples of shape {tuple(q_z.shape)} to shape {tuple(q_z.shape[:-1])}, "
             f"got {tuple(log_p.shape)}"
         )
-    return (kl_whitened + (log_contrast - log_p.double()).mean(-1)).to(q_z.dtype)
+    return (kl_whitened + log_contrast - log_p.double().mean(-1)).to(q_z.dtype)

@@ -123,3 +123,76 @@ def test_float32_inputs_give_float64_results_within_1e_3():
         ac32 = kivi_fast.adaptive_contrast_kl(q.float(), generator=gen(1))
         assert ac32.dtype == torch.float32
         torch.testing.assert_close(ac32.double(), ac64, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(20, 4), (3, 20, 4), (2, 5, 7)])
+def test_the_diagonal_contrast_node_equals_autograd_through_its_composition(shape):
+    """contrast._DiagonalContrast (whitening and -log det in one node, the gradient in closed form)
+    against autograd through the same composition, and against finite differences (gradcheck): with a
+    cotangent on both outputs and on each alone."""
+    from kivi_fast.contrast import _DiagonalContrast
+
+    x = (torch.randn(*shape, generator=gen(3), **f64) * torch.linspace(0.5, 2.0, shape[-1], **f64) + 1.0)
+    g_z = torch.randn(*shape, generator=gen(4), **f64)
+    g_r = torch.randn(shape[:-2], generator=gen(5), **f64)
+
+    def composed(x):
+        std, mean = x.std(-2, correction=0, keepdim=True), x.mean(-2, keepdim=True)
+        return (x - mean) / std, -std.log().sum((-2, -1))
+
+    for use_z, use_r in ((True, True), (True, False), (False, True)):
+        grads = []
+        for fn in (lambda x: _DiagonalContrast.apply(x, "x"), composed):
+            xx = x.clone().requires_grad_()
+            z, r = fn(xx)
+            loss = (z * g_z).sum() * use_z + (r * g_r).sum() * use_r
+            grads.append((z.detach(), r.detach(), torch.autograd.grad(loss, xx)[0]))
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: _DiagonalContrast.apply(x, "x"), x.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("contrast,shrink,n", [("diagonal", "auto", 30), ("diagonal", "auto", 3), ("full", "auto", 30),
+                                               ("full", "always", 30), ("full", "auto", 4)])
+def test_gaussian_contrast_gives_the_mean_log_density_of_its_fit(contrast, shrink, n):
+    """gaussian_contrast's E_q[log r] (the whitened samples' mean square taken as d where the fit is the
+    maximum-likelihood one, summed where the covariance was shrunk: shrink="always", or n <= d) against
+    the mean of N(0, I)'s log-density at the whitened samples less the log-determinant, plus the bias
+    correction, from GaussianFit."""
+    from kivi_fast.contrast import GaussianFit, gaussian_contrast, standard_normal_log_prob
+
+    q = torch.randn(2, n, 5, generator=gen(7), **f64) @ torch.randn(5, 5, generator=gen(8), **f64) + 0.5
+    z_hat, mean_log_r = gaussian_contrast(q, contrast, shrink)
+    fit = GaussianFit(q, contrast, shrink)
+    want = (standard_normal_log_prob(fit.whiten(q)) - fit.log_det_scale()).mean(-1) + fit.log_det_bias()
+    assert mean_log_r.shape == (2,)
+    torch.testing.assert_close(z_hat, fit.whiten(q), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mean_log_r, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_kivi_ac_kl_of_a_vae_batch_takes_few_device_ops():
+    """adaptive_contrast_kl at the VAE's shapes (128 x 100 samples in 8 dimensions, the diagonal contrast
+    with the caller's N(0, I) draws), forward and backward: the ops that run on the device (the CPU's
+    value checks and views left out). On a GPU each is a launch, and the KL's are most of a VAE step's
+    small ops (bench/README.md, "GPU")."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    host_or_view = ("detach", "expand", "unsqueeze", "view", "select.int", "as_strided", "_local_scalar_dense",
+                    "any.default", "eq.Scalar", "max.default")
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(h in str(func) for h in host_or_view):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    z = torch.randn(128, 100, 8, generator=gen(1), requires_grad=True)
+    prior = torch.randn(128, 100, 8, generator=gen(2))
+    kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=prior).mean().backward()
+    count = Count()
+    with count:
+        kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=prior).mean().backward()
+    assert "kivi_fast.kl.default" in count.ops and "kivi_fast.kl_grad.default" in count.ops
+    assert len(count.ops) <= 50, count.ops  # 44 with torch 2.13; autograd through the composition: 69

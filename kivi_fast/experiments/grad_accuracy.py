@@ -303,7 +303,7 @@ def full_contrast_kl(q_z: torch.Tensor, prior_eps: torch.Tensor, lam: float, *, 
     eps_hat = GaussianFit(prior_eps, "full", shrink).whiten(prior_eps)  # as contrast.reference_draws
     sigma = bandwidth(rule, eps_hat, z_hat, factor)
     kernel_part = kivi_fast.kernel_kl(eps_hat, z_hat, lam, clip=clip, bandwidth=sigma)
-    return kernel_part + (log_r - standard_normal_log_prob(q_z)).mean(-1)
+    return kernel_part + log_r - standard_normal_log_prob(q_z).mean(-1)
 
 
 def whitened_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, rule: str = "median",
