@@ -1,6 +1,7 @@
 """A/B of two builds of the C++ ops in one process (bench/build_renamed.sh makes them).
 
     python bench/ab.py /tmp/kfA.so /tmp/kfB.so 128x100x8 [--seconds 8] [--pass fwd]
+    python bench/ab.py /tmp/kfA.so /tmp/kfB.so 128x100x8 --op ratio   # the ratio op instead
 
 run.py compares ours with pure PyTorch; this compares two versions of ours, for a change to csrc/.
 Separate processes, or runs minutes apart, differ by tens of percent on this VM (its speed drifts);
@@ -8,6 +9,9 @@ here the two builds are called alternately, A B then B A, on the same inputs, an
 median over the pairs of the ratio A time / B time (> 1: B is faster) with its interquartile range.
 The pass is the kl op's forward keeping the gradient state (fwd) or that plus torch.autograd.grad
 (fwd+bwd, the default), float32, 1 thread (--threads), the inputs of bench/run.py's shapes (n_p = n_q = n).
+--op ratio: the ratio op instead (DensityRatio's evaluation, kivi_fast.kl's second kernel term), at q
+against the ratio fitted to p and q (2n points; coefficients and bandwidth made up: the op's time does
+not depend on them), forward or forward + backward (its weighted_grad).
 """
 import argparse
 import os
@@ -30,6 +34,7 @@ def main():
     ap.add_argument("--pass", dest="which", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--op", choices=["kl", "ratio"], default="kl")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = []
@@ -43,7 +48,15 @@ def main():
     p, q = make_inputs(b, n, d, True, getattr(torch, args.dtype))
     q.requires_grad_()
 
+    alpha = torch.randn(b, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sigma = torch.full((b,), d ** 0.5, dtype=torch.float64)
+
     def call(ns):
+        if args.op == "ratio":
+            op = getattr(torch.ops, ns).ratio
+            if args.which == "fwd":
+                return lambda: op(q.detach(), p, q.detach(), alpha, 0.5, sigma)[0]
+            return lambda: torch.autograd.grad(op(q, p, q.detach(), alpha, 0.5, sigma)[0].sum(), q)[0]
         op = getattr(torch.ops, ns).kl
         if args.which == "fwd":
             return lambda: op(p, q.detach(), 1e-3, 1e-8, None, True, True)[0]
@@ -67,7 +80,7 @@ def main():
             tb.append(b_)
             ratio.append(a / b_)
     q1, _, q3 = statistics.quantiles(ratio, n=4)
-    print(f"{args.shape} {args.dtype} {args.which} {args.threads} thr: A {statistics.median(ta) * 1e6:.0f} us, "
+    print(f"{args.op} {args.shape} {args.dtype} {args.which} {args.threads} thr: A {statistics.median(ta) * 1e6:.0f} us, "
           f"B {statistics.median(tb) * 1e6:.0f} us, A/B {statistics.median(ratio):.3f} "
           f"(IQR {q1:.3f}-{q3:.3f}, {len(ratio)} pairs); max |A - B| of the result {diff:.2g}")
 

@@ -133,6 +133,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
+// The ratio op (cpu/ratio.cpp): r [B, m] in z's dtype and the weights [B, m, N] float64 of a ratio with
+// coefficients coef [B, N] (float64, over [denom; numer]) and bandwidth sigma [B] (float64) at z.
+std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Tensor& denom, const Tensor& coef,
+                                 const Tensor& sigma);
 }  // namespace cpu
 
 // The CUDA kernels (cuda/kl.cu, built when torch is a CUDA build; KIVI_FAST_WITH_CUDA): the kl op and

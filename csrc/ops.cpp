@@ -159,10 +159,14 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
                                     double beta, const Tensor& sigma) {
   check_pair("ratio", "numer", numer, "denom", denom);
   check_pair("ratio", "z", z, "denom", denom);
-  auto pts = stack_points(denom, numer);
-  auto s = sigma.to(at::kDouble);
-  auto kernel = at::exp(sqdist_op<kCpu>(z, pts) / (s * s * -2.0).view({-1, 1, 1}));
-  auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta, kernel.options())}, 1);
+  const int64_t batch = z.size(0);
+  TORCH_CHECK_VALUE(sigma.numel() == batch || sigma.numel() == 1, "kivi_fast::ratio: sigma must hold one bandwidth ",
+                    "per batch element (", batch, ") or one for all, got shape ", sigma.sizes());
+  auto s = sigma.to(at::kDouble).reshape({-1}).expand({batch}).contiguous();
+  auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta,
+                                                       alpha.options().dtype(at::kDouble))}, 1);
+  if (use_cpu<kCpu>()) return cpu::ratio(z.contiguous(), numer.contiguous(), denom.contiguous(), coef, s);
+  auto kernel = at::exp(sqdist_op<kCpu>(z, stack_points(denom, numer)) / (s * s * -2.0).view({-1, 1, 1}));
   auto [r, weights] = evaluate(kernel, coef, s);
   return {r.to(z.scalar_type()), weights};
 }

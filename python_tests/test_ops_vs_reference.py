@@ -211,6 +211,40 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
         assert_close_rel(z.grad, z_ref.grad, 1e-5 if dtype == torch.float32 else 1e-7)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("d,dtype", [(1, torch.float64), (8, torch.float32), (9, torch.float64), (20, torch.float32)])
+def test_the_cpu_ratio_kernel_equals_the_generic_composition(threads, d, dtype):
+    """csrc/cpu/ratio.cpp against the ATen composition it replaces on the CPU (still the other devices'
+    path): rows of several batch elements split over the threads, d on both sides of the distance
+    kernel's passes of 8 coordinates, float32 points, a bandwidth per element and one for all."""
+    assert kivi_fast.backend() == "cpp"  # the library loaded
+    g = torch.Generator().manual_seed(d)
+    z, numer, denom = (torch.randn(5, n, d, generator=g, dtype=torch.float64).to(dtype) for n in (37, 21, 30))
+    alpha = torch.randn(5, 30, generator=g, dtype=torch.float64)
+    for sigma in (torch.linspace(0.5, 2.0, 5, dtype=torch.float64) * d ** 0.5, torch.tensor([1.3 * d ** 0.5])):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            r, w = torch.ops.kivi_fast.ratio(z, numer, denom, alpha, 0.7, sigma)
+        finally:
+            torch.set_num_threads(old)
+        with implementation("generic"):
+            r_g, w_g = torch.ops.kivi_fast.ratio(z, numer, denom, alpha, 0.7, sigma)
+        assert r.dtype == dtype and w.dtype == torch.float64 and w.shape == (5, 37, 51)
+        assert_close_rel(r, r_g, 1e-12 if dtype == torch.float64 else 1e-6)
+        assert_close_rel(w, w_g, 1e-12)
+
+
+def test_the_ratio_op_refuses_a_bandwidth_that_is_not_positive_or_of_the_wrong_size():
+    assert kivi_fast.backend() == "cpp"
+    z = torch.randn(2, 5, 3, dtype=torch.float64)
+    alpha = torch.ones(2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="sigma must be positive and finite"):
+        torch.ops.kivi_fast.ratio(z, z, z[:, :4], alpha, 0.5, torch.tensor([1.0, -1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="sigma must hold one bandwidth per batch element"):
+        torch.ops.kivi_fast.ratio(z, z, z[:, :4], alpha, 0.5, torch.ones(3, dtype=torch.float64))
+
+
 # The ratio's gradient at many evaluation points of their own (per-row scales, unlike the kl op's one
 # scale per element; z's term kept apart from the folded weights, csrc/cpu/grad.cpp, tiled_weighted_grad):
 # above kMaxOutRows points the backward's tiles run in chunks of 15 rows, over column blocks (1408

@@ -134,6 +134,25 @@ def test_an_undefined_output_gradient_gives_no_gradient(compiled):
     assert grad is None
 
 
+def test_the_ratios_backward_makes_no_gradient_for_its_weights(compiled):
+    """The ratio op's second output, the weights [B, m, N] float64 that its backward reads, never gets a
+    gradient: the backward makes none (no zeros of that size; at kivi_fast.kl's 128 x (100, 8) they were
+    its backward's largest cost), and an undefined gradient of the ratio gives no gradient for z."""
+    from conftest import bench_module
+
+    p, q = torch.randn(4, 60, 3, dtype=torch.float64), torch.randn(4, 50, 3, dtype=torch.float64)
+    z = torch.randn(4, 70, 3, dtype=torch.float64, requires_grad=True)
+    fitted = kivi_fast.DensityRatio().fit(p, q)
+    weights_bytes = 4 * 70 * (60 + 50) * 8
+    r = fitted.log_ratio(z).sum()
+    peak = bench_module("alloc_peak").peak_bytes(lambda: torch.autograd.grad(r, z, retain_graph=True))
+    if compiled == "cpu":  # (the generic backward's ATen calls make products of the weights' size)
+        assert peak < weights_bytes / 2, (peak, weights_bytes)
+    blocked = torch._C._functions.UndefinedGrad()(fitted.ratio(z))
+    (grad,) = torch.autograd.grad(blocked.sum(), z, allow_unused=True, materialize_grads=False)
+    assert grad is None
+
+
 def test_prior_samples_get_no_gradient(impl):
     p = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
     q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
