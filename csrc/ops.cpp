@@ -160,8 +160,12 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
   check_pair("ratio", "numer", numer, "denom", denom);
   check_pair("ratio", "z", z, "denom", denom);
   const int64_t batch = z.size(0);
-  TORCH_CHECK_VALUE(sigma.numel() == batch || sigma.numel() == 1, "kivi_fast::ratio: sigma must hold one bandwidth ",
-                    "per batch element (", batch, ") or one for all, got shape ", sigma.sizes());
+  TORCH_CHECK_VALUE(alpha.dim() == 2 && alpha.size(0) == batch && alpha.size(1) == denom.size(1),
+                    "kivi_fast::ratio: alpha must have shape [B, n_denom] = [", batch, ", ", denom.size(1),
+                    "], got ", alpha.sizes());
+  TORCH_CHECK_VALUE(sigma.dim() <= 1 && (sigma.numel() == batch || sigma.numel() == 1),
+                    "kivi_fast::ratio: sigma must hold one bandwidth per batch element (", batch,
+                    ") or one for all, got shape ", sigma.sizes());
   auto s = sigma.to(at::kDouble).reshape({-1}).expand({batch}).contiguous();
   auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta,
                                                        alpha.options().dtype(at::kDouble))}, 1);

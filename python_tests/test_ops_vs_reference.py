@@ -212,16 +212,19 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("d,dtype", [(1, torch.float64), (8, torch.float32), (9, torch.float64), (20, torch.float32)])
+@pytest.mark.parametrize("d,dtype", [(1, torch.float64), (8, torch.float32), (9, torch.float64), (20, torch.float32),
+                                     (25000, torch.float32)])
 def test_the_cpu_ratio_kernel_equals_the_generic_composition(threads, d, dtype):
     """csrc/cpu/ratio.cpp against the ATen composition it replaces on the CPU (still the other devices'
     path): rows of several batch elements split over the threads, d on both sides of the distance
-    kernel's passes of 8 coordinates, float32 points, a bandwidth per element and one for all."""
+    kernel's passes of 8 coordinates (and past the points' cache bound: distances from the Gram),
+    float32 points, a bandwidth per element and one for all."""
     assert kivi_fast.backend() == "cpp"  # the library loaded
     g = torch.Generator().manual_seed(d)
-    z, numer, denom = (torch.randn(5, n, d, generator=g, dtype=torch.float64).to(dtype) for n in (37, 21, 30))
-    alpha = torch.randn(5, 30, generator=g, dtype=torch.float64)
-    for sigma in (torch.linspace(0.5, 2.0, 5, dtype=torch.float64) * d ** 0.5, torch.tensor([1.3 * d ** 0.5])):
+    b = 5 if d < 1000 else 2
+    z, numer, denom = (torch.randn(b, n, d, generator=g, dtype=torch.float64).to(dtype) for n in (37, 21, 30))
+    alpha = torch.randn(b, 30, generator=g, dtype=torch.float64)
+    for sigma in (torch.linspace(0.5, 2.0, b, dtype=torch.float64) * d ** 0.5, torch.tensor([1.3 * d ** 0.5])):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -230,19 +233,33 @@ def test_the_cpu_ratio_kernel_equals_the_generic_composition(threads, d, dtype):
             torch.set_num_threads(old)
         with implementation("generic"):
             r_g, w_g = torch.ops.kivi_fast.ratio(z, numer, denom, alpha, 0.7, sigma)
-        assert r.dtype == dtype and w.dtype == torch.float64 and w.shape == (5, 37, 51)
+        assert r.dtype == dtype and w.dtype == torch.float64 and w.shape == (b, 37, 51)
         assert_close_rel(r, r_g, 1e-12 if dtype == torch.float64 else 1e-6)
-        assert_close_rel(w, w_g, 1e-12)
+        assert_close_rel(w, w_g, 1e-12 if d < 1000 else 1e-9)  # (the Gram's distances: its rounding)
 
 
-def test_the_ratio_op_refuses_a_bandwidth_that_is_not_positive_or_of_the_wrong_size():
+@pytest.mark.parametrize("d", [3, 25000], ids=["differences", "gram"])
+def test_the_ratio_op_refuses_bad_arguments_and_values(d):
+    """A direct call of the ratio op (DensityRatio's arguments are checked before): a bandwidth that is
+    not positive or of the wrong size, coefficients of the wrong shape (an error, never a read past the
+    end of a buffer), and on the CPU samples with NaN, Inf or values too large to square, named."""
     assert kivi_fast.backend() == "cpp"
-    z = torch.randn(2, 5, 3, dtype=torch.float64)
-    alpha = torch.ones(2, 4, dtype=torch.float64)
+    z = torch.randn(2, 5, d, dtype=torch.float64)
+    alpha, sigma = torch.ones(2, 4, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
     with pytest.raises(ValueError, match="sigma must be positive and finite"):
         torch.ops.kivi_fast.ratio(z, z, z[:, :4], alpha, 0.5, torch.tensor([1.0, -1.0], dtype=torch.float64))
     with pytest.raises(ValueError, match="sigma must hold one bandwidth per batch element"):
         torch.ops.kivi_fast.ratio(z, z, z[:, :4], alpha, 0.5, torch.ones(3, dtype=torch.float64))
+    for bad_alpha in (torch.ones(1, 4, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"alpha must have shape \[B, n_denom\]"):
+            torch.ops.kivi_fast.ratio(z, z, z[:, :4], bad_alpha, 0.5, sigma)
+    for value in (float("nan"), float("inf"), 1e200):
+        bad = z.clone()
+        bad[1, 2, 0] = value
+        with pytest.raises(ValueError, match="contains NaN or Inf"):
+            torch.ops.kivi_fast.ratio(bad, z, z[:, :4], alpha, 0.5, sigma)
+        with pytest.raises(ValueError, match="contains NaN or Inf"):
+            kivi_fast.DensityRatio().fit(z[0], z[1]).log_ratio(bad[1])
 
 
 # The ratio's gradient at many evaluation points of their own (per-row scales, unlike the kl op's one
