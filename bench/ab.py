@@ -11,7 +11,8 @@ The pass is the kl op's forward keeping the gradient state (fwd) or that plus to
 (fwd+bwd, the default), float32, 1 thread (--threads), the inputs of bench/run.py's shapes (n_p = n_q = n).
 --op ratio: the ratio op instead (DensityRatio's evaluation, kivi_fast.kl's second kernel term), at q
 against the ratio fitted to p and q (2n points; coefficients and bandwidth made up: the op's time does
-not depend on them), forward or forward + backward (its weighted_grad).
+not depend on them), forward without a gradient to come (grad_state=False where the build's op takes
+it) or forward + backward (its weighted_grad).
 """
 import argparse
 import os
@@ -54,8 +55,9 @@ def main():
     def call(ns):
         if args.op == "ratio":
             op = getattr(torch.ops, ns).ratio
-            if args.which == "fwd":
-                return lambda: op(q.detach(), p, q.detach(), alpha, 0.5, sigma)[0]
+            if args.which == "fwd":  # no gradient to come: no grad state, where the build's op can skip it
+                no_state = (False,) if len(op.default._schema.arguments) == 7 else ()
+                return lambda: op(q.detach(), p, q.detach(), alpha, 0.5, sigma, *no_state)[0]
             return lambda: torch.autograd.grad(op(q, p, q.detach(), alpha, 0.5, sigma)[0].sum(), q)[0]
         op = getattr(torch.ops, ns).kl
         if args.which == "fwd":

@@ -1,9 +1,9 @@
 // The autograd formulas of the kl and ratio ops (the paper's Eq. 8): the fitted ratio (coefficients,
 // centres, bandwidth) is held fixed and the gradient flows through the evaluation points only, so
 //   d/dz_j f(z_j) = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j),
-// with the float64 weights W that the forward already computed: the ratio op returns W (its backward
-// is the weighted_grad op), the kl op W or its projection on the points (the kl_grad op; see
-// kl_state_width in kivi.h).
+// from the float64 weights W that the forward already computed, or their projection on the points
+// (the grad state; grad_state_width in kivi.h): the ratio op's backward is the weighted_grad op, the
+// kl op's the kl_grad op.
 //
 // They are registered in C++ under the Autograd key rather than from Python: a training step then
 // never enters the interpreter for this op's forward or backward, which at small shapes (a VAE
@@ -23,7 +23,7 @@ using torch::autograd::variable_list;
 using KlSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, double,
                                                                 const std::optional<Tensor>&, bool, bool);
 using RatioSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                   double, const Tensor&);
+                                                   double, const Tensor&, bool);
 using WeightedGradSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using KlGradSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 
@@ -33,10 +33,10 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
 }
 
 // Through the dispatcher, so CPU and other devices each get their own kernel.
-Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
                      const Tensor& denom) {
   static const auto op = op_handle<WeightedGradSignature>("kivi_fast::weighted_grad");
-  return op.call(row_scale, weights, z, numer, denom);
+  return op.call(row_scale, state, z, numer, denom);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
@@ -79,13 +79,12 @@ class RatioFunction : public torch::autograd::Function<RatioFunction> {
                                const Tensor& alpha, double beta, const Tensor& sigma) {
     static const auto op = op_handle<RatioSignature>("kivi_fast::ratio");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [r, weights] = op.call(z, numer, denom, alpha, beta, sigma);
-    ctx->save_for_backward({weights, z, numer, denom});
-    ctx->mark_non_differentiable({weights});
-    // the weights never get a gradient: no [B, m, N] float64 of zeros made for them at every backward
-    // (at kivi_fast.kl's 128 x (100, 8) it was the backward's largest cost)
+    auto [r, state] = op.call(z, numer, denom, alpha, beta, sigma, /*grad_state=*/true);
+    ctx->save_for_backward({state, z, numer, denom});
+    ctx->mark_non_differentiable({state});
+    // the state never gets a gradient: no float64 tensor of zeros made for it at every backward
     ctx->set_materialize_grads(false);
-    return {r, weights};
+    return {r, state};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -113,7 +112,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl_autograd(const Tensor& prior_z, co
 }
 
 std::tuple<Tensor, Tensor> ratio_autograd(const Tensor& z, const Tensor& numer, const Tensor& denom,
-                                          const Tensor& alpha, double beta, const Tensor& sigma) {
+                                          const Tensor& alpha, double beta, const Tensor& sigma, bool grad_state) {
+  if (!at::GradMode::is_enabled() || !z.requires_grad()) {  // as kl_autograd
+    static const auto op = op_handle<RatioSignature>("kivi_fast::ratio");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return op.call(z, numer, denom, alpha, beta, sigma, grad_state);
+  }
   auto out = RatioFunction::apply(z, numer, denom, alpha, beta, sigma);
   return {out[0], out[1]};
 }

@@ -391,7 +391,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
   const StackedDistances dist(roles.denom, roles.numer);
   const int64_t N = dist.N;
   const auto [f, scale, budget] = fit_stacked(dist, n_den, lam, sigma, roles.names);
-  const bool projection = kl_state_is_projection(N, d);
+  const bool projection = grad_state_is_projection(N, d);
   // The evaluation at q_z (the stacked rows [row0, row0 + n_q)), in chunks of rows of their kernel
   // values against all N points, each chunk one GEMM with coef_c: r_j = sum_c coef_c k(c, z_j); for a
   // projection state the same GEMM with [coef_c c, coef_c] gives [sum_c coef_c k(c, z_j) c, r_j], the
@@ -437,7 +437,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
   auto row_scale = kl_row_scale(grad_kl, q_z.size(1), reverse).view({-1, 1});
-  if (kl_state_is_projection(prior_z.size(1) + q_z.size(1), q_z.size(2))) {
+  if (grad_state_is_projection(prior_z.size(1) + q_z.size(1), q_z.size(2))) {
     return grad_from_projection(state, row_scale, q_z);
   }
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
@@ -447,10 +447,13 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
   return weighted_points(w, Tensor(), q_z, roles.denom, roles.numer);
 }
 
-Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
                      const Tensor& denom) {
+  if (grad_state_is_projection(denom.size(1) + numer.size(1), z.size(2))) {
+    return grad_from_projection(state, row_scale.to(at::kDouble), z);
+  }
   auto scale = row_scale.to(at::kDouble).unsqueeze(-1);  // [B, m, 1]
-  return weighted_points(weights * scale, weights.sum(-1, true).mul_(scale), z, denom, numer);
+  return weighted_points(state * scale, state.sum(-1, true).mul_(scale), z, denom, numer);
 }
 
 }  // namespace generic

@@ -55,14 +55,15 @@ inline KlRoles kl_roles(const Tensor& prior_z, const Tensor& q_z, bool reverse) 
   return {q_z, prior_z, {"q_z", "prior_z"}, prior_z.size(1)};
 }
 
-// What the kl op's forward keeps for its backward (the "grad state", float64 [B, n_q, width]). The
-// gradient of log r at q_z_j is sum_c W_jc (c - z_j), c over the N stacked points, with the weights
-// W_jc = coef_c k(c, z_j) / (sigma^2 r_j) (0 where r_j is clipped). With few dimensions (d + 1 < N)
-// the forward stores the projection [sum_c W_jc c, sum_c W_jc] (width d + 1) instead of W itself
-// (width N): smaller, and the backward is then one elementwise pass. Without a gradient to come
-// (grad_state = false: kivi_fast.kl's choice) the width is 0. The fake kernel in
-// kivi_fast/_ops.py follows the same rules.
-inline bool kl_state_is_projection(int64_t n_total, int64_t d) { return d + 1 < n_total; }
+// What the kl and ratio ops' forwards keep for their backward (the "grad state", float64 [B, m, width]
+// for m evaluation points z_j). The gradient at z_j is sum_c W_jc (c - z_j), c over the N stacked
+// points, with the weights W_jc = coef_c k(c, z_j) / sigma^2 (the ratio op: of r itself; the kl op: of
+// log r, so also divided by r_j, and 0 where r_j is clipped). With few dimensions (d + 1 < N) the
+// forward stores the projection [sum_c W_jc c, sum_c W_jc] (width d + 1) instead of W itself (width
+// N): smaller, and the backward is then one elementwise pass. Without a gradient to
+// come (grad_state = false: the Python wrappers' choice then) its width is 0. The fake kernels in
+// kivi_fast/_ops.py follow the same rules.
+inline bool grad_state_is_projection(int64_t n_total, int64_t d) { return d + 1 < n_total; }
 // The backward's scale per batch element: KL = -+ (1/n_q) sum_j log r(z_j) (reverse: minus), so
 // d(sum_b grad_kl[b] KL_b) / d log r(z_j) = +- grad_kl[b] / n_q = grad_kl[b] kl_row_factor.
 inline double kl_row_factor(int64_t n_q, bool reverse) { return (reverse ? -1.0 : 1.0) / static_cast<double>(n_q); }
@@ -70,8 +71,8 @@ inline double kl_row_factor(int64_t n_q, bool reverse) { return (reverse ? -1.0 
 inline Tensor kl_row_scale(const Tensor& grad_kl, int64_t n_q, bool reverse) {
   return grad_kl.to(at::kDouble).reshape({-1}) * kl_row_factor(n_q, reverse);
 }
-inline int64_t kl_state_width(int64_t n_total, int64_t d) {
-  return kl_state_is_projection(n_total, d) ? d + 1 : n_total;
+inline int64_t grad_state_width(int64_t n_total, int64_t d) {
+  return grad_state_is_projection(n_total, d) ? d + 1 : n_total;
 }
 
 // A fitted ratio.
@@ -86,15 +87,16 @@ namespace generic {
 Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
 Tensor median_bandwidth(const Tensor& x);         // [B] float64
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
-// The kl op's forward: (KL [B], grad state [B, n_q, *] (see kl_state_width; width 0 unless
+// The kl op's forward: (KL [B], grad state [B, n_q, *] (see grad_state_width; width 0 unless
 // grad_state), sigma [B], clipped [B]), float64. clipped: the fraction of the n_q evaluation points
 // whose fitted ratio is <= clip (those the clip applies to, with zero gradient).
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 // The kl op's backward from its grad state: d(sum_b grad_kl[b] KL_b) / d q_z.
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
-// grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
-Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+// The ratio op's backward: grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked
+// [denom; numer], from its grad state (grad_state_width: W [B, m, N] or the projection [B, m, d + 1]).
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
 }  // namespace generic
 
@@ -120,7 +122,7 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
 //  - systems up to 256 x 256 are factored by our own Cholesky, larger ones by LAPACK's float32
 //    Cholesky refined in float64 to float64's backward error (cpu/solve.h);
 //  - with few dimensions (d + 1 < N) the forward leaves the backward the projection of its weights on
-//    the points (kl_state_width), so the backward is one elementwise pass; otherwise the backward
+//    the points (grad_state_width), so the backward is one elementwise pass; otherwise the backward
 //    reads the samples once more, block by block, and writes the gradient once (cpu/grad.cpp);
 //  - the kernels that vectorize are compiled per instruction set, picked at run time (cpu/isa.h).
 namespace cpu {
@@ -131,12 +133,18 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
+// The weights state's backward (cpu/grad.cpp): as generic::weighted_grad for W [B, m, N].
 Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
-// The ratio op (cpu/ratio.cpp): r [B, m] in z's dtype and the weights [B, m, N] float64 of a ratio with
-// coefficients coef [B, N] (float64, over [denom; numer]) and bandwidth sigma [B] (float64) at z.
+// The projection state's: grad_j = scale_j (P_j - S_j z_j) from the state rows [P_j, S_j] [B, m, d + 1],
+// with scale_j = row_scale[b * stride_b + j * stride_j] (the kl op: one scale an element, stride_j 0).
+Tensor projection_grad(const double* row_scale, int64_t stride_b, int64_t stride_j, const Tensor& state,
+                       const Tensor& z);
+// The ratio op (cpu/ratio.cpp): r [B, m] in z's dtype and the grad state (grad_state_width; width 0
+// unless grad_state) of a ratio with coefficients coef [B, N] (float64, over [denom; numer]) and
+// bandwidth sigma [B] (float64) at z.
 std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Tensor& denom, const Tensor& coef,
-                                 const Tensor& sigma);
+                                 const Tensor& sigma, bool grad_state);
 }  // namespace cpu
 
 // The CUDA kernels (cuda/kl.cu, built when torch is a CUDA build; KIVI_FAST_WITH_CUDA): the kl op and

@@ -145,18 +145,25 @@ std::tuple<Tensor, Tensor> fit_op(const Tensor& numer, const Tensor& denom, doub
   return {f.coef.narrow(1, 0, denom.size(1)).contiguous(), f.sigma};
 }
 
-// Evaluation of a fitted ratio from kernel values k(c, z_j) [B, m, N]: r_j = sum_c coef_c k(c, z_j),
-// and the float64 weights W_jc = coef_c k(c, z_j) / sigma^2 of its gradient (see weighted_grad).
-std::tuple<Tensor, Tensor> evaluate(const Tensor& kernel_zc, const Tensor& coef, const Tensor& sigma) {
+// Evaluation of a fitted ratio from kernel values k(c, z_j) [B, m, N] of the stacked points [B, N, d]:
+// r_j = sum_c coef_c k(c, z_j), and where grad_state the grad state (grad_state_width in kivi.h): the
+// float64 weights W_jc = coef_c k(c, z_j) / sigma^2, or with few dimensions their projection on the
+// points, [sum_c W_jc c, r_j / sigma^2].
+std::tuple<Tensor, Tensor> evaluate(const Tensor& kernel_zc, const Tensor& points, const Tensor& coef,
+                                    const Tensor& sigma, bool grad_state) {
   auto terms = kernel_zc * coef.unsqueeze(1);
   auto r = terms.sum(-1);
-  auto weights = terms.div_((sigma * sigma).view({-1, 1, 1}));
-  return {r, weights};
+  if (!grad_state) return {r, r.new_empty({r.size(0), r.size(1), 0})};
+  const auto var = (sigma * sigma).view({-1, 1, 1});
+  if (grad_state_is_projection(points.size(1), points.size(2))) {
+    return {r, at::cat({at::bmm(terms, points.to(at::kDouble)), r.unsqueeze(-1)}, 2).div_(var)};
+  }
+  return {r, terms.div_(var)};
 }
 
 template <bool kCpu>
 std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const Tensor& denom, const Tensor& alpha,
-                                    double beta, const Tensor& sigma) {
+                                    double beta, const Tensor& sigma, bool grad_state) {
   check_pair("ratio", "numer", numer, "denom", denom);
   check_pair("ratio", "z", z, "denom", denom);
   const int64_t batch = z.size(0);
@@ -169,10 +176,11 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
   auto s = sigma.to(at::kDouble).reshape({-1}).expand({batch}).contiguous();
   auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta,
                                                        alpha.options().dtype(at::kDouble))}, 1);
-  if (use_cpu<kCpu>()) return cpu::ratio(z.contiguous(), numer.contiguous(), denom.contiguous(), coef, s);
-  auto kernel = at::exp(sqdist_op<kCpu>(z, stack_points(denom, numer)) / (s * s * -2.0).view({-1, 1, 1}));
-  auto [r, weights] = evaluate(kernel, coef, s);
-  return {r.to(z.scalar_type()), weights};
+  if (use_cpu<kCpu>()) return cpu::ratio(z.contiguous(), numer.contiguous(), denom.contiguous(), coef, s, grad_state);
+  const auto points = stack_points(denom, numer);
+  auto kernel = at::exp(sqdist_op<kCpu>(z, points) / (s * s * -2.0).view({-1, 1, 1}));
+  auto [r, state] = evaluate(kernel, points, coef, s, grad_state);
+  return {r.to(z.scalar_type()), state};
 }
 
 // kl and kl_grad also take one unbatched pair ([n, d] samples, a [] estimate): kivi_fast.kl passes
@@ -208,16 +216,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const
 }
 
 template <bool kCpu>
-Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
                         const Tensor& denom) {
   check_pair("weighted_grad", "numer", numer, "denom", denom);
   check_pair("weighted_grad", "z", z, "denom", denom);
-  TORCH_CHECK_VALUE(weights.dim() == 3 && weights.size(0) == z.size(0) && weights.size(1) == z.size(1) &&
-                        weights.size(2) == numer.size(1) + denom.size(1) && weights.scalar_type() == at::kDouble,
-                    "kivi_fast::weighted_grad: weights must be float64 [", z.size(0), ", ", z.size(1), ", ",
-                    numer.size(1) + denom.size(1), "], got ", weights.scalar_type(), " ", weights.sizes());
-  return use_cpu<kCpu>() ? cpu::weighted_grad(row_scale, weights.contiguous(), z, numer, denom)
-                         : generic::weighted_grad(row_scale, weights, z, numer, denom);
+  const int64_t B = z.size(0), m = z.size(1), N = numer.size(1) + denom.size(1);
+  const int64_t width = grad_state_width(N, z.size(2));
+  TORCH_CHECK_VALUE(state.dim() == 3 && state.size(0) == B && state.size(1) == m && state.size(2) == width &&
+                        state.scalar_type() == at::kDouble,
+                    "kivi_fast::weighted_grad: state must be float64 [", B, ", ", m, ", ", width,
+                    "] (the ratio op's grad state), got ", state.scalar_type(), " ", state.sizes());
+  TORCH_CHECK_VALUE(row_scale.dim() == 2 && row_scale.size(0) == B && row_scale.size(1) == m,
+                    "kivi_fast::weighted_grad: row_scale must have shape [", B, ", ", m, "], got ", row_scale.sizes());
+  if (!use_cpu<kCpu>()) return generic::weighted_grad(row_scale, state, z, numer, denom);
+  if (grad_state_is_projection(N, z.size(2))) {
+    const auto scale = row_scale.to(at::kDouble).contiguous();
+    return cpu::projection_grad(scale.data_ptr<double>(), m, 1, state.contiguous(), z);
+  }
+  return cpu::weighted_grad(row_scale, state.contiguous(), z, numer, denom);
 }
 
 template <Backend kB>
@@ -226,7 +242,7 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
   check_pair("kl_grad", "prior_z", prior_z_in, "q_z", q_z_in, /*unbatched_ok=*/true);
   const bool single = q_z_in.dim() == 2;
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
-  const int64_t width = kl_state_width(prior_z.size(1) + q_z.size(1), q_z.size(2));
+  const int64_t width = grad_state_width(prior_z.size(1) + q_z.size(1), q_z.size(2));
   const auto expected = single ? std::vector<int64_t>{q_z.size(1), width}
                                : std::vector<int64_t>{q_z.size(0), q_z.size(1), width};
   TORCH_CHECK(state_in.sizes() == at::IntArrayRef(expected) && state_in.scalar_type() == at::kDouble,
@@ -269,7 +285,10 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("rbf_gram(Tensor x, Tensor y, Tensor sigma) -> Tensor");
   m.def("median_bandwidth(Tensor x) -> Tensor");
   m.def("fit(Tensor numer, Tensor denom, float lam, Tensor? sigma) -> (Tensor, Tensor)");
-  m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma) -> (Tensor, Tensor)");
+  // (r in z's dtype, the grad state that weighted_grad takes: float64, grad_state_width in kivi.h; as
+  // kl's, left empty without grad_state)
+  m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma, bool grad_state=True) "
+        "-> (Tensor, Tensor)");
   // grad_state: whether to return what the backward needs; kivi_fast.kl passes false when no gradient
   // can be asked for (no grad mode, or q_z not requiring grad), and a gradient always gets it.
   // Samples [B, n, d], or both [n, d]: outputs without the batch dimension. Returns (KL, grad state,
@@ -277,7 +296,7 @@ TORCH_LIBRARY(kivi_fast, m) {
   // bandwidth used, and the fraction of q_z's points whose fitted ratio was <= clip (see kivi.h).
   m.def("kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse, bool grad_state=True) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("weighted_grad(Tensor row_scale, Tensor weights, Tensor z, Tensor numer, Tensor denom) -> Tensor");
+  m.def("weighted_grad(Tensor row_scale, Tensor state, Tensor z, Tensor numer, Tensor denom) -> Tensor");
   m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor");
 }
 

@@ -81,7 +81,9 @@ class CompiledOps:
 
     @staticmethod
     def ratio(z, numer, denom, alpha, beta, sigma):
-        return torch.ops.kivi_fast.ratio(z, numer, denom, alpha, beta, sigma)[0]
+        # without a gradient to come the op leaves out the state the backward reads
+        grad_state = z.requires_grad and torch.is_grad_enabled()
+        return torch.ops.kivi_fast.ratio(z, numer, denom, alpha, beta, sigma, grad_state)[0]
 
     @staticmethod
     def median_bandwidth(x):

@@ -3,11 +3,13 @@
 The ops are declared in csrc/ops.cpp (their test switches apart, in ``torch.ops.kivi_fast_testing``:
 csrc/testing.cpp); their sample arguments are batched ([B, n, d]), except that ``kl`` and ``kl_grad``
 also take an unbatched pair ([n, d]) and then return no batch dimension. Internally they work in
-float64 (see csrc/kivi.h for why). What the backward needs is a float64 output of the forward:
-``ratio`` returns the weights W [B, m, N] (N = n_denom + n_numer) of its gradient; ``kl`` returns W,
-or with few dimensions (d + 1 < N) its projection [B, m, d + 1] on the points (``kl_state_width`` in
-csrc/kivi.h; the fake kernel below follows the same rule), as the second of its four outputs (the KL,
-that state, the bandwidth used, the fraction of q_z's points whose fitted ratio was clipped).
+float64 (see csrc/kivi.h for why). What the backward needs is a float64 output of the forward, the
+"grad state": the weights W [B, m, N] (N = n_denom + n_numer) of the gradient at the m evaluation
+points, or with few dimensions (d + 1 < N) their projection [B, m, d + 1] on the points
+(``grad_state_width`` in csrc/kivi.h; ``state_width`` below), or with ``grad_state=False`` (no
+gradient to come) nothing ([B, m, 0]). ``ratio`` returns it second (after r); ``kl`` as the second of
+its four outputs (the KL, that state, the bandwidth used, the fraction of q_z's points whose fitted
+ratio was clipped).
 
 The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``kl_grad`` and
 ``weighted_grad`` ops) are registered in C++ (csrc/autograd.cpp), so that a training step stays out
@@ -40,11 +42,16 @@ def _(numer, denom, lam, sigma):
     return numer.new_empty((b, denom.shape[1]), dtype=torch.float64), numer.new_empty((b,), dtype=torch.float64)
 
 
+def state_width(n: int, d: int) -> int:
+    """The grad state's last dimension for n stacked points in d dimensions (csrc/kivi.h)."""
+    return d + 1 if d + 1 < n else n
+
+
 @torch.library.register_fake("kivi_fast::ratio")
-def _(z, numer, denom, alpha, beta, sigma):
-    b, m = z.shape[0], z.shape[1]
-    n = numer.shape[1] + denom.shape[1]
-    return z.new_empty((b, m)), z.new_empty((b, m, n), dtype=torch.float64)
+def _(z, numer, denom, alpha, beta, sigma, grad_state=True):
+    b, m, d = z.shape
+    width = state_width(numer.shape[1] + denom.shape[1], d) if grad_state else 0
+    return z.new_empty((b, m)), z.new_empty((b, m, width), dtype=torch.float64)
 
 
 @torch.library.register_fake("kivi_fast::kl")
@@ -54,14 +61,14 @@ def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
                          f"got shapes {tuple(prior_z.shape)} and {tuple(q_z.shape)}")
     *batch, m, d = q_z.shape  # batch: [B], or [] for an unbatched pair
     n = prior_z.shape[-2] + m
-    width = 0 if not grad_state else d + 1 if d + 1 < n else n
+    width = state_width(n, d) if grad_state else 0
     # (KL, grad state, sigma, the fraction of q_z's points clipped)
     return (q_z.new_empty(batch), q_z.new_empty((*batch, m, width), dtype=torch.float64),
             q_z.new_empty(batch, dtype=torch.float64), q_z.new_empty(batch, dtype=torch.float64))
 
 
 @torch.library.register_fake("kivi_fast::weighted_grad")
-def _(row_scale, weights, z, numer, denom):
+def _(row_scale, state, z, numer, denom):
     return torch.empty_like(z)
 
 

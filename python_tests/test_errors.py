@@ -219,8 +219,10 @@ def test_ops_called_directly_check_their_samples():
         ops.kl(q, q, 1e-3, 1e-8, torch.ones(2, **f64), True)
     with pytest.raises(ValueError, match="fit: sigma must hold one bandwidth per batch element \\(1\\)"):
         ops.fit(q, q, 1e-3, torch.ones(3, **f64))
-    with pytest.raises(ValueError, match="weighted_grad: weights must be float64 \\[1, 3, 5\\]"):
+    with pytest.raises(ValueError, match="weighted_grad: state must be float64 \\[1, 3, 5\\]"):
         ops.weighted_grad(torch.ones(1, 3, **f64), torch.zeros(1, 3, 4, **f64), q, q[:, :2], q)
+    with pytest.raises(ValueError, match="weighted_grad: row_scale must have shape \\[1, 3\\]"):
+        ops.weighted_grad(torch.ones(1, 4, **f64), torch.zeros(1, 3, 5, **f64), q, q[:, :2], q)
     with pytest.raises(ValueError, match="median_bandwidth: x must hold at least 2 samples"):
         ops.median_bandwidth(torch.randn(1, 1, 3, **f64))
     with pytest.raises(ValueError, match="fit: numer must be a float32 or float64 \\[B, n, d\\] tensor"):

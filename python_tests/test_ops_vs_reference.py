@@ -212,30 +212,38 @@ def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype,
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("d,dtype", [(1, torch.float64), (8, torch.float32), (9, torch.float64), (20, torch.float32),
-                                     (25000, torch.float32)])
-def test_the_cpu_ratio_kernel_equals_the_generic_composition(threads, d, dtype):
+@pytest.mark.parametrize("d,dtype,n_numer", [(1, torch.float64, 21), (8, torch.float32, 21), (9, torch.float64, 21),
+                                             (20, torch.float32, 21), (60, torch.float32, 21),
+                                             (25000, torch.float32, 21), (1000, torch.float32, 1070)])
+def test_the_cpu_ratio_kernel_equals_the_generic_composition(threads, d, dtype, n_numer):
     """csrc/cpu/ratio.cpp against the ATen composition it replaces on the CPU (still the other devices'
     path): rows of several batch elements split over the threads, d on both sides of the distance
     kernel's passes of 8 coordinates (and past the points' cache bound: distances from the Gram),
-    float32 points, a bandwidth per element and one for all."""
+    float32 points, a bandwidth per element and one for all. Its grad state (csrc/kivi.h): the
+    projection on the points summed row by row (d <= 8) or by a GEMM (9, 20, and 1000 over the Gram's
+    distances), the weights where d + 1 >= N (60, 25000); without grad_state none, and the same r to
+    the last bit."""
     assert kivi_fast.backend() == "cpp"  # the library loaded
     g = torch.Generator().manual_seed(d)
     b = 5 if d < 1000 else 2
-    z, numer, denom = (torch.randn(b, n, d, generator=g, dtype=torch.float64).to(dtype) for n in (37, 21, 30))
+    z, numer, denom = (torch.randn(b, n, d, generator=g, dtype=torch.float64).to(dtype) for n in (37, n_numer, 30))
     alpha = torch.randn(b, 30, generator=g, dtype=torch.float64)
+    n = n_numer + 30
+    width = d + 1 if d + 1 < n else n
     for sigma in (torch.linspace(0.5, 2.0, b, dtype=torch.float64) * d ** 0.5, torch.tensor([1.3 * d ** 0.5])):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             r, w = torch.ops.kivi_fast.ratio(z, numer, denom, alpha, 0.7, sigma)
+            r_value, w_none = torch.ops.kivi_fast.ratio(z, numer, denom, alpha, 0.7, sigma, False)
         finally:
             torch.set_num_threads(old)
         with implementation("generic"):
             r_g, w_g = torch.ops.kivi_fast.ratio(z, numer, denom, alpha, 0.7, sigma)
-        assert r.dtype == dtype and w.dtype == torch.float64 and w.shape == (b, 37, 51)
+        assert r.dtype == dtype and w.dtype == torch.float64 and w.shape == (b, 37, width)
         assert_close_rel(r, r_g, 1e-12 if dtype == torch.float64 else 1e-6)
-        assert_close_rel(w, w_g, 1e-12 if d < 1000 else 1e-9)  # (the Gram's distances: its rounding)
+        assert_close_rel(w, w_g, 1e-12 if d * n < 10 ** 6 else 1e-9)  # (the Gram's distances: its rounding)
+        assert w_none.shape == (b, 37, 0) and torch.equal(r_value, r)
 
 
 @pytest.mark.parametrize("d", [3, 25000], ids=["differences", "gram"])
@@ -265,9 +273,11 @@ def test_the_ratio_op_refuses_bad_arguments_and_values(d):
 # The ratio's gradient at many evaluation points of their own (per-row scales, unlike the kl op's one
 # scale per element; z's term kept apart from the folded weights, csrc/cpu/grad.cpp, tiled_weighted_grad):
 # above kMaxOutRows points the backward's tiles run in chunks of 15 rows, over column blocks (1408
-# columns for 45 float32 rows), over two threads' columns (3000 >= 2 blocks) and over a batch.
+# columns for 45 float32 rows), over two threads' columns (3000 >= 2 blocks) and over a batch. With few
+# dimensions (d + 1 < N) from the projection state: summed row by row (d = 5), by a GEMM (d = 20).
 @pytest.mark.parametrize("n_p,n_q,n_z,d,batch,threads", [
-    (30, 35, 40, 300, None, 1), (20, 25, 33, 3000, None, 2), (6, 7, 20, 500, None, 1), (6, 7, 20, 500, 3, 2)])
+    (30, 35, 40, 300, None, 1), (20, 25, 33, 3000, None, 2), (6, 7, 20, 500, None, 1), (6, 7, 20, 500, 3, 2),
+    (30, 35, 40, 5, None, 1), (30, 35, 40, 20, 3, 2)])
 @pytest.mark.parametrize("tiles", [True, False])
 def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z, d, batch, threads, tiles):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=torch.float32, scale=1.0, shift=0.3, seed=n_z * d)

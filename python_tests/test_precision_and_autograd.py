@@ -292,7 +292,8 @@ def op_cases():
     _, qg = op_samples(requires_grad=True)
     sigma = torch.tensor([1.0, 1.5], dtype=torch.float64)
     alpha, sig = ops.fit(p, q, 1e-2, None)
-    _, weights = ops.ratio(q, p, q, alpha, 3.0, sig)
+    _, state_r = ops.ratio(q, p, q, alpha, 3.0, sig)  # d + 1 < N: the projection
+    _, weights = ops.ratio(q[:, :2], p[:, :2], q[:, :2], alpha[:, :2], 3.0, sig)  # N <= d + 1: the weights
     _, state, _, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)  # d + 1 < N: the projection of the weights
     _, state_w, _, _ = ops.kl(p[..., :2, :], q[..., :2, :], 1e-3, 1e-8, None, True)  # N <= d + 1: the weights
     g = torch.Generator().manual_seed(11)
@@ -307,10 +308,14 @@ def op_cases():
         ("fit", ops.fit.default, (p, q, 1e-2, None)),
         ("fit_sigma", ops.fit.default, (p, q, 1e-2, sigma)),
         ("ratio", ops.ratio.default, (qg, p, q, alpha, 3.0, sig)),
+        ("ratio_weights", ops.ratio.default, (qg[:, :2], p[:, :2], q[:, :2], alpha[:, :2], 3.0, sig)),
+        ("ratio_no_state", ops.ratio.default, (q, p, q, alpha, 3.0, sig, False)),
         ("kl", ops.kl.default, (p, qg, 1e-3, 1e-8, None, True)),
         ("kl_forward", ops.kl.default, (p, qg, 1e-3, 1e-8, sigma, False)),
         ("kl_no_state", ops.kl.default, (p, q, 1e-3, 1e-8, None, True, False)),
-        ("weighted_grad", ops.weighted_grad.default, (torch.ones(2, 7, dtype=torch.float64), weights, q, p, q)),
+        ("weighted_grad", ops.weighted_grad.default, (torch.ones(2, 7, dtype=torch.float64), state_r, q, p, q)),
+        ("weighted_grad_weights", ops.weighted_grad.default,
+         (torch.ones(2, 2, dtype=torch.float64), weights, q[:, :2], p[:, :2], q[:, :2])),
         ("kl_grad", ops.kl_grad.default, (torch.tensor([1.0, -2.0], dtype=torch.float64), state, q, p, True)),
         ("kl_grad_weights", ops.kl_grad.default,
          (torch.tensor([1.0, -2.0], dtype=torch.float64), state_w, q[..., :2, :], p[..., :2, :], True)),
@@ -327,7 +332,7 @@ def op_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(17))
+@pytest.mark.parametrize("case", range(20))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]
     torch.library.opcheck(op, args)

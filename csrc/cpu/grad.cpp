@@ -1,6 +1,7 @@
-// The backward of the ratio op, and of the kl op where its grad state holds the weights themselves:
-// grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), reading the samples once more, block by block,
-// and writing the gradient once.
+// The backward of the ratio and kl ops from their grad state (kivi.h, grad_state_width):
+// grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j). From the weights W themselves (weighted_grad),
+// reading the samples once more, block by block, and writing the gradient once; from their projection
+// (projection_grad), one elementwise pass.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -130,6 +131,28 @@ Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tenso
       scalar_t* out = grad.data_ptr<scalar_t>() + b * m * d + c0;
       for (int64_t j = 0; j < m; ++j) rows::axpby_out(gp + j * w, zp + j * w, sc[j], ws[j], out + j * d, w);
     });
+  });
+  return grad;
+}
+
+Tensor projection_grad(const double* row_scale, int64_t stride_b, int64_t stride_j, const Tensor& state,
+                       const Tensor& z_in) {
+  const auto z = z_in.contiguous();
+  const auto p = state.contiguous();
+  const int64_t batch = z.size(0), m = z.size(1), d = z.size(2);
+  auto grad = kept_outputs::empty_like(z);
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_projection_grad", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    const double* pp = p.data_ptr<double>();
+    scalar_t* gp = grad.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t row = b * m + j;
+        const double s = row_scale[b * stride_b + j * stride_j];
+        const double* pr = pp + row * (d + 1);
+        for (int64_t k = 0; k < d; ++k)
+          gp[row * d + k] = static_cast<scalar_t>(s * (pr[k] - pr[d] * static_cast<double>(zp[row * d + k])));
+      }
   });
   return grad;
 }

@@ -1,6 +1,6 @@
 // The kl op's CPU kernels. The forward fits the ratio per batch element (fit.h) and evaluates it at
 // q_z, whose kernel rows the fit already holds (q_z is one of the fitted sets); it returns the KL, the
-// grad state for the backward (kivi.h, kl_state_width), the bandwidth and the fraction of clipped
+// grad state for the backward (kivi.h, grad_state_width), the bandwidth and the fraction of clipped
 // points. With few dimensions (d + 1 < N) the grad state is the projection of the weights on the points,
 // so that the backward (kl_grad) is one elementwise pass; otherwise the weights themselves, and the
 // backward reads the samples once more (weighted_grad, grad.cpp).
@@ -49,10 +49,7 @@ void scaled_point_panels(const Stack& s, int64_t b, const double* coef, double* 
 
 }  // namespace
 
-// Up to this many dimensions the projection of the weights (see kl) is summed row by row, all d sums
-// in registers; above, a GEMM does it faster ((1000, 32): 45 against 63 ms forward+backward).
-constexpr int64_t kRowDotsMaxDim = 8;
-static_assert(kRowDotsMaxDim <= kMaxDirectDimTiles && kRowDotsMaxDim <= kMaxDirectDimGemm,
+static_assert(rows::kRowDotsMaxDim <= kMaxDirectDimTiles && rows::kRowDotsMaxDim <= kMaxDirectDimGemm,
               "the row dots read the transposed points that direct_sqdist leaves");
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
@@ -60,18 +57,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
   Stack s({roles.denom, roles.numer});
   const int64_t n = s.rows, n_den = roles.denom.size(1), m = q_z.size(1), d = s.d;
-  const bool projection = grad_state && kl_state_is_projection(n, d);
-  const int64_t width = grad_state ? kl_state_width(n, d) : 0;
+  const bool projection = grad_state && grad_state_is_projection(n, d);
+  const int64_t width = grad_state ? grad_state_width(n, d) : 0;
   auto kl_out = at::empty({s.batch}, at::kDouble);
   auto state = kept_outputs::empty({s.batch, m, width}, at::TensorOptions(at::kDouble));
   auto used = at::empty({s.batch}, at::kDouble);
   auto clipped_out = at::empty({s.batch}, at::kDouble);
-  const bool direct = d <= kRowDotsMaxDim;
+  const bool direct = d <= rows::kRowDotsMaxDim;
   // Where the projection takes gram_tiles' row tiles, r_j comes from the same pass over the kernel
   // rows (with grad_state or not, so that the value does not depend on it). Row-wise, it is a column
   // d of Y = coef in the row dots' pass (rows::dots_with_columns sums each column alike, with
   // grad_state or not; each kernel row is read once); elsewhere from rows::dot.
-  const bool tiled_rows = kl_state_is_projection(n, d) && !direct && gram_tiles::enabled();
+  const bool tiled_rows = grad_state_is_projection(n, d) && !direct && gram_tiles::enabled();
   // The row tiles read the kernel's lower part from its upper part above kPanelOrderMaxRows points,
   // where mirroring it would be a pass over memory ((2000, 32): 16 MB written, read again by the tiles).
   const bool tiles_read_upper = tiled_rows && n > gram_tiles::kPanelOrderMaxRows;
@@ -87,14 +84,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
     const double* kernel_rows = work.sq.get(n * n) + roles.row0 * n;
     double* out = state.data_ptr<double>() + b * m * width;
     // The projection: sum_c W_jc c = row_scale_j sum_c k(c, z_j) (coef_c c), so the kernel rows times
-    // the points scaled by their coefficients, Y = coef * X (no W needed). Up to kRowDotsMaxDim
+    // the points scaled by their coefficients, Y = coef * X (no W needed). Up to rows::kRowDotsMaxDim
     // dimensions Y is kept transposed ([d + 1, N] with coef in row d, from the points direct_sqdist left,
     // asked for at the size it asked for, so that Scratch::get hands them back as they are) for row-wise dot
     // products (d sums in registers). Above, Y goes in gram_tiles' panels for its register tiles
     // (forward+backward 1.04-1.11x faster than MKL's GEMM from (100, 16) to (2000, 32), float32, which
     // spends as much time copying its operands and in its edge cases as in its kernel); where the tiles
     // are off (AVX-512, no AVX2), [N, d] for one GEMM.
-    static_assert(kRowDotsMaxDim + 1 <= rows::kDotsColumnsPerPass, "the row dots and the ratio in one pass");
+    static_assert(rows::kRowDotsMaxDim + 1 <= rows::kDotsColumnsPerPass, "the row dots and the ratio in one pass");
     const bool tiles = projection && tiled_rows;
     double* const y = !projection ? nullptr
                       : tiles     ? work.points.get(gram_tiles::panels(d) * gram_tiles::kPanel * n)
@@ -189,7 +186,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse) {
   const int64_t batch = q_z.size(0), m = q_z.size(1), d = q_z.size(2);
-  if (!kl_state_is_projection(prior_z.size(1) + m, d)) {
+  if (!grad_state_is_projection(prior_z.size(1) + m, d)) {
     const KlRoles roles = kl_roles(prior_z, q_z, reverse);
     auto scale = kl_row_scale(grad_kl, m, reverse).contiguous();
     return weighted_grad(scale.unsqueeze(1).expand({batch, m}), state.contiguous(), q_z, roles.numer, roles.denom);
@@ -204,22 +201,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, co
     const auto acc = g.accessor<scalar_t, 1>();
     for (int64_t b = 0; b < batch; ++b) sp[b] = static_cast<double>(acc[b]) * factor;
   });
-  auto z = q_z.contiguous();
-  auto p = state.contiguous();
-  auto grad = kept_outputs::empty_like(z);
-  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_kl_grad", [&] {
-    const scalar_t* zp = z.data_ptr<scalar_t>();
-    const double* pp = p.data_ptr<double>();
-    scalar_t* gp = grad.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = 0; j < m; ++j) {
-        const int64_t row = b * m + j;
-        const double* pr = pp + row * (d + 1);
-        for (int64_t k = 0; k < d; ++k)
-          gp[row * d + k] = static_cast<scalar_t>(sp[b] * (pr[k] - pr[d] * static_cast<double>(zp[row * d + k])));
-      }
-  });
-  return grad;
+  return projection_grad(sp.data(), 1, 0, state, q_z);
 }
 
 }  // namespace cpu

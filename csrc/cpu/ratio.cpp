@@ -1,11 +1,14 @@
-// The ratio op's CPU kernel: a fitted ratio r(z) = sum_c coef_c k(c, z) at the points z [B, m, d], with
-// the float64 weights W_jc = coef_c k(c, z_j) / sigma^2 that its backward (weighted_grad) reads, for
-// the c over the stacked points [denom; numer]. Row by row (z_j): its squared distances to the N
-// points, their kernel values by the row kernels' exp, r_j and the row of weights, written once, into
-// the output. The ATen composition it replaces (still the other devices' path: ops.cpp) made the
-// (m + N)^2 distances of the stacked [z; points] for the m N it needed, then a pass each for the
-// division, the exponential, the coefficients, the sum and the weights: at 128 x 100 points against
-// 200 (kivi_fast.kl's default on a VAE batch) most of a kl call's time.
+// The ratio op's CPU kernel: a fitted ratio r(z) = sum_c coef_c k(c, z) at the points z [B, m, d], and
+// the grad state its backward reads (kivi.h, grad_state_width), for the c over the stacked points
+// [denom; numer]. Row by row (z_j): its squared distances to the N points, their kernel values by the
+// row kernels' exp, r_j, and, where a gradient is to come, the state's row: the weights
+// W_jc = coef_c k(c, z_j) / sigma^2, or with few dimensions their projection [sum_c W_jc c, sum_c W_jc],
+// summed from the kernel row while it is in cache up to rows::kRowDotsMaxDim dimensions (the row never
+// stored), by one GEMM an element above. The ATen composition it replaces (still the other devices' path: ops.cpp) made the (m + N)^2
+// distances of the stacked [z; points] for the m N it needed, then a pass each for the division, the
+// exponential, the coefficients, the sum and the weights. At 128 x 100 points against 200 in 8
+// dimensions (kivi_fast.kl's default on a VAE batch) the projection state is 0.8 MB where the weights
+// were 20 MB, and the backward one elementwise pass where it read them back.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -13,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu/blas.h"
 #include "cpu/buffers.h"
 #include "cpu/simd_rows.h"
 #include "kivi.h"
@@ -42,33 +46,46 @@ void check_finite_rows(const T* x, int64_t rows, int64_t d, const char* name) {
 }  // namespace
 
 std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Tensor& denom, const Tensor& coef,
-                                 const Tensor& sigma) {
+                                 const Tensor& sigma, bool grad_state) {
   const int64_t B = z.size(0), m = z.size(1), d = z.size(2), n_den = denom.size(1), N = n_den + numer.size(1);
   const double* s = sigma.data_ptr<double>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(s[b] > 0.0 && std::isfinite(s[b]), "kivi_fast::ratio: sigma must be positive and finite, got ",
                       s[b], " for batch element ", b);
   }
+  const bool projection = grad_state && grad_state_is_projection(N, d);
+  const bool weights = grad_state && !projection;
+  const bool row_dots = projection && d <= rows::kRowDotsMaxDim;  // else a GEMM an element
+  const int64_t width = grad_state ? grad_state_width(N, d) : 0;
   const bool direct = (N + 1) * d * static_cast<int64_t>(sizeof(double)) <= kDirectPointBytes;
-  Tensor weights;
+  // The kernel values k(c, z_j) [B, m, N], where they are kept: in the state (as the weights, in
+  // place), or for the projection's GEMM; elsewhere each row in a per-thread buffer (or the Gram's row).
+  Tensor state, kernel;
   if (direct) {
     AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio_check", [&] {
       check_finite_rows(z.data_ptr<scalar_t>(), B * m, d, "z");
       check_finite_rows(denom.data_ptr<scalar_t>(), B * n_den, d, "denom");
       check_finite_rows(numer.data_ptr<scalar_t>(), B * (N - n_den), d, "numer");
     });
-    weights = at::empty({B, m, N}, at::kDouble);
+    state = at::empty({B, m, width}, at::kDouble);
+    if (weights) kernel = state;
+    if (projection && !row_dots) kernel = at::empty({B, m, N}, at::kDouble);
   } else {
-    weights = sqdist(z, stack_points(denom, numer));  // (its own check of the samples' values)
+    kernel = sqdist(z, stack_points(denom, numer));  // (its own check of the samples' values)
+    state = weights ? kernel : at::empty({B, m, width}, at::kDouble);
   }
   auto r = at::empty({B, m}, at::kDouble);
   const double* c = coef.data_ptr<double>();
   double* r_out = r.data_ptr<double>();
-  double* w_out = weights.data_ptr<double>();
+  double* state_out = state.data_ptr<double>();
+  double* kernel_out = kernel.defined() ? kernel.data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio", [&] {
     const scalar_t* zp = z.data_ptr<scalar_t>();
     const scalar_t* dp = denom.data_ptr<scalar_t>();
     const scalar_t* np = numer.data_ptr<scalar_t>();
+    auto point = [&](int64_t b, int64_t i) {
+      return i < n_den ? dp + (b * n_den + i) * d : np + (b * (N - n_den) + i - n_den) * d;
+    };
     // rows (b, j) in chunks of at least ~4096 multiply-adds of distances a thread
     at::parallel_for(0, B * m, std::max<int64_t>(1, 4096 / std::max<int64_t>(N * (d + 1), 1)),
                      [&](int64_t begin, int64_t end) {
@@ -77,30 +94,60 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
       const int64_t ld = N + 1;
       double* pt = direct ? work.points.get(d * ld) : nullptr;
       double* row = direct ? work.sq.get(ld) : nullptr;
+      double* y = row_dots ? work.block.get(d * N) : nullptr;  // coef_c c by coordinate, [d, N]
       int64_t loaded = -1;
       for (int64_t idx = begin; idx < end; ++idx) {
         const int64_t b = idx / m;
-        double* w = w_out + idx * N;
-        if (direct) {
-          if (b != loaded) {
-            for (int64_t i = 0; i < N; ++i) {
-              const scalar_t* x = i < n_den ? dp + (b * n_den + i) * d : np + (b * (N - n_den) + i - n_den) * d;
-              for (int64_t k = 0; k < d; ++k) pt[k * ld + 1 + i] = static_cast<double>(x[k]);
-            }
-            loaded = b;
-          }
-          for (int64_t k = 0; k < d; ++k) pt[k * ld] = static_cast<double>(zp[idx * d + k]);
-          rows::sqdist_from_point(pt, ld, d, 0, 1, row);
-          std::copy_n(row + 1, N, w);
-        }
-        rows::scaled_exp(w, -0.5 / (s[b] * s[b]), N);  // the kernel values
         const double* cb = c + b * N;
-        r_out[idx] = rows::dot(cb, w, N);
-        rows::mul_scale(cb, w, 1.0 / (s[b] * s[b]), w, N);
+        if (b != loaded) {
+          if (direct) {
+            for (int64_t i = 0; i < N; ++i)
+              for (int64_t k = 0; k < d; ++k) pt[k * ld + 1 + i] = static_cast<double>(point(b, i)[k]);
+          }
+          if (row_dots) {
+            for (int64_t i = 0; i < N; ++i)
+              for (int64_t k = 0; k < d; ++k) y[k * N + i] = cb[i] * static_cast<double>(point(b, i)[k]);
+          }
+          loaded = b;
+        }
+        double* k = kernel_out ? kernel_out + idx * N : row + 1;
+        if (direct) {
+          for (int64_t t = 0; t < d; ++t) pt[t * ld] = static_cast<double>(zp[idx * d + t]);
+          rows::sqdist_from_point(pt, ld, d, 0, 1, row);
+          if (k != row + 1) std::copy_n(row + 1, N, k);
+        }
+        const double inv_var = 1.0 / (s[b] * s[b]);
+        rows::scaled_exp(k, -0.5 * inv_var, N);  // the kernel values
+        // r_j by the same sum whatever the state, so that its bits do not depend on grad_state
+        r_out[idx] = rows::dot(cb, k, N);
+        if (weights) {
+          rows::mul_scale(cb, k, inv_var, k, N);
+        } else if (row_dots) {
+          double* p = state_out + idx * width;
+          rows::dots_with_columns(k, y, N, d, p);
+          rows::scale(p, inv_var, d);
+          p[d] = r_out[idx] * inv_var;
+        }
       }
     });
+    if (projection && !row_dots) {
+      // sum_c k(c, z_j) coef_c c = K_b Y_b, Y_b = coef * X ([N, d]), into the state's rows
+      double* y = thread_work().block.get(N * d);
+      for (int64_t b = 0; b < B; ++b) {
+        const double* cb = c + b * N;
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t k = 0; k < d; ++k) y[i * d + k] = cb[i] * static_cast<double>(point(b, i)[k]);
+        double* p = state_out + b * m * width;
+        gemm(false, false, m, d, N, kernel_out + b * m * N, N, y, d, false, p, width);
+        const double inv_var = 1.0 / (s[b] * s[b]);
+        for (int64_t j = 0; j < m; ++j) {
+          rows::scale(p + j * width, inv_var, d);
+          p[j * width + d] = r_out[b * m + j] * inv_var;
+        }
+      }
+    }
   });
-  return {r.to(z.scalar_type()), weights};
+  return {r.to(z.scalar_type()), state};
 }
 
 }  // namespace cpu

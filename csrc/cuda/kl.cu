@@ -186,7 +186,7 @@ struct KlArgs {
   double lam, clip;
   bool reverse;
   int state_width;          // 0 (no grad state), d + 1 (projection) or N (weights)
-  bool projection;          // kl_state_is_projection (the widths d + 1 and N may coincide)
+  bool projection;          // grad_state_is_projection (the widths d + 1 and N may coincide)
   bool compute_dist;        // distances computed here from the points staged in shared memory, or given
   int ldx;                  // the staged points' row stride (odd: lanes reading one coordinate of
                             // consecutive points hit distinct banks)
@@ -1015,7 +1015,7 @@ bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
   const bool small = n_total * d <= kSmallWork;
   // many dimensions: the distances by pair_sqdist_kernel or pair_tile_kernel (batch on the grid's y
   // or z), and the points are not staged in shared memory, which a projection state reads
-  if (!small && (n_total > kMaxWidePoints || batch > kMaxGridYZ || kl_state_is_projection(n_total, d))) return false;
+  if (!small && (n_total > kMaxWidePoints || batch > kMaxGridYZ || grad_state_is_projection(n_total, d))) return false;
   // the leanest layout (distances and system in global memory) must fit this device's blocks
   const int64_t least = forward_shared_doubles(n_total, 0, d, small, small ? (d | 1) : 0, false, false);
   return 8 * least + kStaticShared <= max_shared_bytes(device);
@@ -1042,8 +1042,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   a.lam = lam;
   a.clip = clip;
   a.reverse = reverse;
-  a.state_width = grad_state ? static_cast<int>(kl_state_width(N, d)) : 0;
-  a.projection = kl_state_is_projection(N, d);
+  a.state_width = grad_state ? static_cast<int>(grad_state_width(N, d)) : 0;
+  a.projection = grad_state_is_projection(N, d);
   a.compute_dist = N * d <= kSmallWork;
   a.ldx = a.compute_dist ? static_cast<int>(d | 1) : 0;
   a.clocks = stage_clocks_device.load() == device ? stage_clocks.load() : nullptr;
@@ -1243,7 +1243,7 @@ std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Te
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
   // the weight state's kernel: grid.z = batch (grid.y = row tiles: within limits below kMaxWeightWork)
-  return kl_state_is_projection(n_total, d) || (batch <= kMaxGridYZ && n_q * n_total <= kMaxWeightWork);
+  return grad_state_is_projection(n_total, d) || (batch <= kMaxGridYZ && n_q * n_total <= kMaxWeightWork);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
@@ -1256,7 +1256,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
   if (B == 0 || n_q == 0 || d == 0) return grad;
   const auto stream = c10::cuda::getCurrentCUDAStream(q_z.get_device());
   AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl_grad", [&] {
-    if (kl_state_is_projection(N, d)) {
+    if (grad_state_is_projection(N, d)) {
       const int64_t total = B * n_q * d;
       const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
       if (total > 0) {
