@@ -76,6 +76,11 @@ def test_density_ratio_and_primitives_on_cuda_equal_the_reference(pr):
     assert_close_rel(ours.alpha, ref.alpha, 1e-7)
     z = q[: min(5, len(q))]
     assert_close_rel(ours.ratio(z.to(CUDA)), ref.ratio(z), 1e-7)
+    # its gradient, from the ratio op's grad state (the projection where d + 1 < N, else the weights)
+    z_ours, z_ref = z.to(CUDA).requires_grad_(True), z.clone().requires_grad_(True)
+    ours.log_ratio(z_ours).sum().backward()
+    ref.log_ratio(z_ref).sum().backward()
+    assert_close_rel(z_ours.grad, z_ref.grad, 1e-7)
     assert_close_rel(kivi_fast.median_bandwidth(torch.cat([p, q]).to(CUDA)),
                      reference.median_bandwidth(torch.cat([p, q])), 1e-12)
     assert_close_rel(kivi_fast.rbf_gram(p.to(CUDA), q.to(CUDA), sigma=1.7), reference.rbf_gram(p, q, sigma=1.7), 1e-10)
@@ -412,9 +417,10 @@ def test_the_estimators_never_read_a_value_back_to_the_host(b, n, d):
                kivi_fast.kernel_kl(p, q, bandwidth=torch.full((b,), 2.0, device=CUDA)).sum(),
                kivi_fast.kl(p, q, generator=g).sum(), kivi_fast.adaptive_contrast_kl(q, generator=g).sum(),
                kivi_fast.adaptive_contrast_kl(q, contrast="diagonal", generator=g).sum()]  # the VAE's
-        torch.stack(out).sum().backward()
         ratio = kivi_fast.DensityRatio().fit(numer=p[0], denom=q[0].detach())
-        return ratio.log_ratio(q[0].detach()[:5])
+        out.append(ratio.log_ratio(q[0][:5]).sum())  # the ratio op's forward and backward
+        torch.stack(out).sum().backward()
+        return ratio.log_ratio(q[0].detach()[:5])  # without a gradient: no grad state
 
     calls()  # first calls create library handles, which may synchronize
     torch.cuda.synchronize()
