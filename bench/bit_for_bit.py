@@ -101,7 +101,8 @@ def main():
         print(f"saved {len(results)} cases to {args.path}")
         return 0
     saved = torch.load(args.path)
-    names = {4: ["kl", "state", "sigma", "grad"], 7: ["sqdist", "median", "alpha", "sigma", "ratio", "W", "grad"]}
+    names = {4: ["kl", "state", "sigma", "grad"],
+             7: ["sqdist", "median", "alpha", "sigma", "ratio", "ratio state", "grad"]}
     differ = [f"{key}: {name}" for key, outs in results.items() if key in saved
               for name, a, b in zip(names[len(outs)], outs, saved[key]) if not torch.equal(a, b)]
     missing = sorted(set(saved) ^ set(results))

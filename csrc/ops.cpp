@@ -285,8 +285,8 @@ TORCH_LIBRARY(kivi_fast, m) {
   m.def("rbf_gram(Tensor x, Tensor y, Tensor sigma) -> Tensor");
   m.def("median_bandwidth(Tensor x) -> Tensor");
   m.def("fit(Tensor numer, Tensor denom, float lam, Tensor? sigma) -> (Tensor, Tensor)");
-  // (r in z's dtype, the grad state that weighted_grad takes: float64, grad_state_width in kivi.h; as
-  // kl's, left empty without grad_state)
+  // (r in z's dtype, the grad state that weighted_grad takes: float64, grad_state_width in kivi.h). As
+  // kl's grad_state: without it the state is left empty, and a gradient always gets it.
   m.def("ratio(Tensor z, Tensor numer, Tensor denom, Tensor alpha, float beta, Tensor sigma, bool grad_state=True) "
         "-> (Tensor, Tensor)");
   // grad_state: whether to return what the backward needs; kivi_fast.kl passes false when no gradient
