@@ -601,7 +601,7 @@ def test_batch_stopped_by_its_time_limit_resumes_from_the_checkpoints(tmp_path, 
     from kivi_fast import cli
 
     # far more epochs than the time limit allows, so the split is always cut short
-    common = ["uci-batch", "yacht:kivi:4", "--out", str(tmp_path), "--checkpoint-seconds", "0.5", "--minutes", "0.2",
+    common = ["uci-batch", "yacht:kivi:4", "--out", str(tmp_path), "--checkpoint-seconds", "0.5", "--minutes", "0.12",
               "--uci-args", "--epochs 100000 --samples 10 --eval-every 100000"]
     folder = tmp_path / "yacht-kivi" / "split_04"
     stops = []
