@@ -131,21 +131,25 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
       }
     });
     if (projection && !row_dots) {
-      // sum_c k(c, z_j) coef_c c = K_b Y_b, Y_b = coef * X ([N, d]), into the state's rows
-      double* y = thread_work().block.get(N * d);
-      for (int64_t b = 0; b < B; ++b) {
-        const double* cb = c + b * N;
-        for (int64_t i = 0; i < N; ++i)
-          for (int64_t k = 0; k < d; ++k) y[i * d + k] = cb[i] * static_cast<double>(point(b, i)[k]);
-        double* p = state_out + b * m * width;
-        gemm(false, false, m, d, N, kernel_out + b * m * N, N, y, d, false, p, width);
-        const double inv_var = 1.0 / (s[b] * s[b]);
-        for (int64_t j = 0; j < m; ++j) {
-          rows::scale(p + j * width, inv_var, d);
-          p[j * width + d] = r_out[b * m + j] * inv_var;
+      // sum_c k(c, z_j) coef_c c = K_b Y_b, Y_b = coef * X ([N, d]), into the state's rows; over the
+      // batch in parallel (one element: BLAS's own threads)
+      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        Work& work = thread_work();
+        double* y = work.block.get(N * d);
+        for (int64_t b = b0; b < b1; ++b) {
+          const double* cb = c + b * N;
+          for (int64_t i = 0; i < N; ++i)
+            for (int64_t k = 0; k < d; ++k) y[i * d + k] = cb[i] * static_cast<double>(point(b, i)[k]);
+          double* p = state_out + b * m * width;
+          gemm(false, false, m, d, N, kernel_out + b * m * N, N, y, d, false, p, width);
+          const double inv_var = 1.0 / (s[b] * s[b]);
+          for (int64_t j = 0; j < m; ++j) {
+            rows::scale(p + j * width, inv_var, d);
+            p[j * width + d] = r_out[b * m + j] * inv_var;
+          }
         }
-      }
-      thread_work().trim();  // Y is N d doubles: on the Gram path, up to hundreds of MB
+        work.trim();  // Y is N d doubles: on the Gram path, up to hundreds of MB
+      });
     }
   });
   return {r.to(z.scalar_type()), state};
