@@ -112,6 +112,13 @@ def check_std(std: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
 
 
+def check_kl_contrast(contrast: str) -> str:
+    """``kivi_fast.kl``'s contrast argument, checked: one of CONTRASTS, or "none" (the paper's estimator)."""
+    if contrast != "none" and contrast not in CONTRASTS:
+        raise ValueError(f'contrast must be one of {", ".join(map(repr, (*CONTRASTS, "none")))}, got {contrast!r}')
+    return contrast
+
+
 def resolve_contrast(contrast: str, n: int, d: int) -> str:
     """The contrast that ``contrast`` names for n samples in d dimensions: "auto" is "full" when n > d."""
     if contrast not in CONTRASTS:

@@ -13,7 +13,7 @@ import torch
 
 from . import _validate
 from ._backend import impl
-from .contrast import DEFAULT_LAM, sample_contrast_kl
+from .contrast import DEFAULT_LAM, check_kl_contrast, sample_contrast_kl
 from .contrast import adaptive_contrast_kl as _adaptive_contrast_kl
 
 __all__ = ["kl", "kernel_kl", "DensityRatio", "rbf_gram", "median_bandwidth", "adaptive_contrast_kl",
@@ -120,7 +120,7 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
     beyond p's samples (kl-accuracy, n = 500: +0.85 nats for N(0, 4 I) in d = 8, whose KL is 6.5);
     :func:`adaptive_contrast_kl`, given p's density, has no such term.
     """
-    if contrast == "none":
+    if check_kl_contrast(contrast) == "none":
         return kernel_kl(prior_z, q_z, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
     lam, clip, _ = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     return sample_contrast_kl(prior_z, q_z, lam, contrast=contrast, clip=clip, bandwidth=bandwidth, reverse=reverse,

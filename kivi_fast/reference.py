@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate
-from .contrast import DEFAULT_LAM, sample_contrast_kl
+from .contrast import DEFAULT_LAM, check_kl_contrast, sample_contrast_kl
 from .contrast import adaptive_contrast_kl as _adaptive_contrast_kl
 
 __all__ = ["kl", "kernel_kl", "DensityRatio", "rbf_gram", "median_bandwidth", "adaptive_contrast_kl"]
@@ -154,7 +154,7 @@ def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, cl
 def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, contrast: str = "auto",
        clip: float = 1e-8, bandwidth="median", reverse: bool = True, generator=None) -> torch.Tensor:
     """KL(q || p) from samples, by default with a Gaussian contrast; see :func:`kivi_fast.kl`."""
-    if contrast == "none":
+    if check_kl_contrast(contrast) == "none":
         return kernel_kl(prior_z, q_z, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
     lam, clip, _ = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     return sample_contrast_kl(prior_z, q_z, lam, contrast=contrast, clip=clip, bandwidth=bandwidth, reverse=reverse,

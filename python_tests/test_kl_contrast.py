@@ -98,8 +98,9 @@ def test_invariant_to_a_shift_of_both_sample_sets(contrast):
 
 def test_bad_contrast_arguments_are_named():
     p, q = torch.randn(30, 2, **f64), torch.randn(30, 2, **f64)
-    with pytest.raises(ValueError, match="contrast must be one of"):
-        kivi_fast.kl(p, q, contrast="spherical")
+    for kl in (kivi_fast.kl, reference.kl):
+        with pytest.raises(ValueError, match="contrast must be one of 'auto', 'diagonal', 'full', 'none', got 'sph"):
+            kl(p, q, contrast="spherical")
     flat = torch.cat([p[:, :1], torch.ones(30, 1, **f64)], 1)  # no spread in one dimension: singular
     with pytest.raises(ValueError, match="prior_z's sample covariance is singular"):
         kivi_fast.kl(flat, q, contrast="full")
@@ -196,3 +197,24 @@ def test_the_kivi_ac_kl_of_a_vae_batch_takes_few_device_ops():
         kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=prior).mean().backward()
     assert "kivi_fast.kl.default" in count.ops and "kivi_fast.kl_grad.default" in count.ops
     assert len(count.ops) <= 50, count.ops  # 44 with torch 2.13; autograd through the composition: 69
+
+
+def test_the_q_equals_p_script_prints_each_estimators_mean(capsys):
+    """scripts/bias_at_q_equals_p.py (the README's values at q = p): one line a dimension with every
+    estimator's mean and standard error; bad arguments stop it with a usage error."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bias_at_q_equals_p.py"
+    spec = importlib.util.spec_from_file_location("bias_at_q_equals_p", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--n", "30", "--dims", "2,3", "--draws", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["d = 2", "d = 3"]
+    for name in ("kl", 'kl, contrast="diagonal"', "adaptive_contrast_kl", "kernel_kl (lam 1e-3)"):
+        assert all(f"; {name} " in "; " + line.split(": ", 1)[1] for line in lines[1:]), (name, lines)
+    for bad in (["--draws", "1"], ["--dims", "8,x"]):
+        with pytest.raises(SystemExit) as stop:
+            script.main(bad)
+        assert stop.value.code == 2

@@ -4,11 +4,11 @@
 // row kernels' exp, r_j, and, where a gradient is to come, the state's row: the weights
 // W_jc = coef_c k(c, z_j) / sigma^2, or with few dimensions their projection [sum_c W_jc c, sum_c W_jc],
 // summed from the kernel row while it is in cache up to rows::kRowDotsMaxDim dimensions (the row never
-// stored), by one GEMM an element above. The ATen composition it replaces (still the other devices'
-// path: ops.cpp) made the (m + N)^2 distances of the stacked [z; points] for the m N it needed, then a
-// pass each for the division, the exponential, the coefficients, the sum and the weights. At 128 x 100
-// points against 200 in 8 dimensions (kivi_fast.kl's default on a VAE batch) the projection state is
-// 0.92 MB where the weights were 20.5 MB, and the backward one elementwise pass where it read them back.
+// stored), by one GEMM an element above. Only the m N distances it needs are formed (an ATen
+// composition forms those of the stacked [z; points] and makes a pass each for the division, the
+// exponential, the coefficients, the sum and the state), and with few dimensions the state is small:
+// 0.92 MB at 128 x 100 points against 200 in 8 dimensions (kivi_fast.kl's default on a VAE batch),
+// where the weights would take 20.5 MB.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
