@@ -133,8 +133,8 @@ Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optiona
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tensor& q_z, double lam, double clip,
                                               const std::optional<Tensor>& sigma, bool reverse, bool grad_state);
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z, bool reverse);
-// The weights state's backward (cpu/grad.cpp): as generic::weighted_grad for W [B, m, N].
-Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+// The ratio op's backward (cpu/grad.cpp): as generic::weighted_grad, from either state.
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
                      const Tensor& denom);
 // The projection state's: grad_j = scale_j (P_j - S_j z_j) from the state rows [P_j, S_j] [B, m, d + 1],
 // with scale_j = row_scale[b * stride_b + j * stride_j] (the kl op: one scale an element, stride_j 0).

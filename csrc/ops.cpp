@@ -228,12 +228,8 @@ Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& state, const Tens
                     "] (the ratio op's grad state), got ", state.scalar_type(), " ", state.sizes());
   TORCH_CHECK_VALUE(row_scale.dim() == 2 && row_scale.size(0) == B && row_scale.size(1) == m,
                     "kivi_fast::weighted_grad: row_scale must have shape [", B, ", ", m, "], got ", row_scale.sizes());
-  if (!use_cpu<kCpu>()) return generic::weighted_grad(row_scale, state, z, numer, denom);
-  if (grad_state_is_projection(N, z.size(2))) {
-    const auto scale = row_scale.to(at::kDouble).contiguous();
-    return cpu::projection_grad(scale.data_ptr<double>(), m, 1, state.contiguous(), z);
-  }
-  return cpu::weighted_grad(row_scale, state.contiguous(), z, numer, denom);
+  return use_cpu<kCpu>() ? cpu::weighted_grad(row_scale, state.contiguous(), z, numer, denom)
+                         : generic::weighted_grad(row_scale, state, z, numer, denom);
 }
 
 template <Backend kB>

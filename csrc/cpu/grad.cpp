@@ -99,10 +99,15 @@ void tiled_weighted_grad(const Stack& s, int64_t n, int64_t z_row, const Tensor&
 
 }  // namespace
 
-Tensor weighted_grad(const Tensor& row_scale, const Tensor& weights, const Tensor& z, const Tensor& numer,
+Tensor weighted_grad(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
                      const Tensor& denom) {
   // grad_j = row_scale_j (sum_c W_jc c - (sum_c W_jc) z_j), c over the stacked [denom; numer].
   const int64_t n_den = denom.size(1), m = z.size(1);
+  if (grad_state_is_projection(n_den + numer.size(1), z.size(2))) {  // the state holds the sums themselves
+    const auto scale = row_scale.to(at::kDouble).contiguous();
+    return projection_grad(scale.data_ptr<double>(), m, 1, state, z);
+  }
+  const Tensor& weights = state;
   // z is usually one of the fitted sets (kl evaluates at q_z): then its rows are already stacked.
   auto same = [&](const Tensor& t) {
     return t.data_ptr() == z.data_ptr() && t.sizes() == z.sizes() && t.strides() == z.strides();

@@ -18,6 +18,7 @@
 
 #include "cpu/blas.h"
 #include "cpu/buffers.h"
+#include "cpu/loops.h"
 #include "cpu/simd_rows.h"
 #include "kivi.h"
 
@@ -133,13 +134,14 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
     if (projection && !row_dots) {
       // sum_c k(c, z_j) coef_c c = K_b Y_b, Y_b = coef * X ([N, d]), into the state's rows; over the
       // batch in parallel (one element: BLAS's own threads)
+      const Stack points({denom, numer});
       at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
         Work& work = thread_work();
         double* y = work.block.get(N * d);
         for (int64_t b = b0; b < b1; ++b) {
           const double* cb = c + b * N;
-          for (int64_t i = 0; i < N; ++i)
-            for (int64_t k = 0; k < d; ++k) y[i * d + k] = cb[i] * static_cast<double>(point(b, i)[k]);
+          points.load(b, 0, d, y);
+          for (int64_t i = 0; i < N; ++i) rows::scale(y + i * d, cb[i], d);
           double* p = state_out + b * m * width;
           gemm(false, false, m, d, N, kernel_out + b * m * N, N, y, d, false, p, width);
           const double inv_var = 1.0 / (s[b] * s[b]);
