@@ -56,7 +56,7 @@ def main():
         if args.op == "ratio":
             op = getattr(torch.ops, ns).ratio
             if args.which == "fwd":  # no gradient to come: no grad state, where the build's op can skip it
-                no_state = (False,) if len(op.default._schema.arguments) == 7 else ()
+                no_state = (False,) if any(a.name == "grad_state" for a in op.default._schema.arguments) else ()
                 return lambda: op(q.detach(), p, q.detach(), alpha, 0.5, sigma, *no_state)[0]
             return lambda: torch.autograd.grad(op(q, p, q.detach(), alpha, 0.5, sigma)[0].sum(), q)[0]
         op = getattr(torch.ops, ns).kl
