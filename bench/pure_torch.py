@@ -43,8 +43,11 @@ few reads a call, where a sort of all pairs, which reads none, moves every pair 
 ``torch.compile`` (bench/run.py and bench/gpu.py ``--compiled``) nothing does, so that a call is one
 graph: the distances are formed without ``out=`` into views of one buffer, the median gathers every
 pair at any size for one ``kthvalue`` (on a GPU above 2^17 pairs, one sort, with its copy and int64
-indices; the sampled bracket reads counts back; N (N - 1) / 2 more values held), and strong factors in
-float64 above 256 rows (its refinement loop reads residuals back).
+indices; the sampled bracket reads counts back; N (N - 1) / 2 more values held), strong factors in
+float64 above 256 rows (its refinement loop reads residuals back), and the steps run out of place
+(torch 2.11's dynamo got the backward's in-place ones wrong). Compiled on a GPU, where a CUDA graph may
+capture the call, both sides solve by Cholesky and two triangular solves, fast at every size (MAGMA's
+batched LU and Cholesky solves cannot be captured).
 """
 
 from __future__ import annotations
@@ -304,13 +307,30 @@ def _checked(x: torch.Tensor, info: torch.Tensor, message: str) -> torch.Tensor:
     return x
 
 
+def _in_cuda_graph(t: torch.Tensor) -> bool:
+    """Whether t's solve may be captured in a CUDA graph (compiled on a GPU: torch.compile's
+    reduce-overhead). There MAGMA's batched kernels behind torch.cholesky_solve and torch.linalg.solve_ex
+    allocate during the call, which a capture refuses (torch 2.11, an H200); the Cholesky factor and
+    cuBLAS's triangular solves are captured."""
+    return t.is_cuda and torch.compiler.is_compiling()
+
+
+def _cholesky_solve(b: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+    """chol chol^T x = b: two triangular solves where the call may be captured (_in_cuda_graph)."""
+    if _in_cuda_graph(chol):
+        y = torch.linalg.solve_triangular(chol, b, upper=False)
+        return torch.linalg.solve_triangular(chol.mT, y, upper=True)
+    return torch.cholesky_solve(b, chol)
+
+
 def _solve_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a x = b in a's dtype: LU up to 256 rows (batched small systems), Cholesky above."""
-    if a.shape[-1] <= _LU_ROWS:
+    """a x = b in a's dtype: LU up to 256 rows (batched small systems), Cholesky above, and Cholesky
+    at every size where the call may be captured in a CUDA graph (_in_cuda_graph)."""
+    if a.shape[-1] <= _LU_ROWS and not _in_cuda_graph(a):
         x, info = torch.linalg.solve_ex(a, b)
     else:
         chol, info = torch.linalg.cholesky_ex(a)
-        x = torch.cholesky_solve(b, chol)
+        x = _cholesky_solve(b, chol)
     return _checked(x, info, "K_qq / n_q + lam I could not be factored; increase lam")
 
 
@@ -330,7 +350,7 @@ def _solve_strong(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                     return x
                 x += torch.cholesky_solve(res.float(), chol32)
     chol, info = torch.linalg.cholesky_ex(a)
-    return _checked(torch.cholesky_solve(b, chol), info, "K_qq / n_q + lam I is not positive definite in float64; increase lam")
+    return _checked(_cholesky_solve(b, chol), info, "K_qq / n_q + lam I is not positive definite in float64; increase lam")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,7 +370,11 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
         sigma = torch.where(sigma == 0, torch.nan, sigma)
     elif bool((sigma == 0).any()):
         raise ValueError("the median pairwise distance is 0; the median bandwidth is undefined")
-    k = d2.mul_((-0.5 / sigma**2)[:, None, None]).exp_()             # [B, n_q, N], the kernel, in place
+    traced = torch.compiler.is_compiling()
+    if traced:  # out of place, as the backward (_KL.backward)
+        k = torch.exp(d2 * (-0.5 / sigma**2)[:, None, None])
+    else:
+        k = d2.mul_((-0.5 / sigma**2)[:, None, None]).exp_()         # [B, n_q, N], the kernel, in place
 
     # fit: alpha = -x, (K_qq + n_q lam I) x = K_qp 1 / (lam n_p) (the paper's system times n_q), lam
     # added in place on the diagonal of the kernel's q block (put back to k(q_j, q_j) = 1 after). At the
@@ -358,9 +382,13 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
     # and none of its cancellation of terms of size ~1/lam.
     k_qq = k[:, :, :n_q]
     b = k[:, :, n_q:].sum(-1, keepdim=True).div_(lam * n_p)          # [B, n_q, 1]
-    k_qq.diagonal(dim1=-2, dim2=-1).add_(n_q * lam)
-    x_fit = (_solve_strong if strong else _solve_fast)(k_qq, b)[..., 0]
-    k_qq.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    solve = _solve_strong if strong else _solve_fast
+    if traced:
+        x_fit = solve(k_qq + (n_q * lam) * torch.eye(n_q, dtype=dt, device=k.device), b)[..., 0]
+    else:
+        k_qq.diagonal(dim1=-2, dim2=-1).add_(n_q * lam)
+        x_fit = solve(k_qq, b)[..., 0]
+        k_qq.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     r = x_fit * (n_q * lam)                                           # [B, n_q]
     value = -torch.log(r.clamp_min(clip)).mean(-1)
     if not need_grad:
@@ -373,8 +401,12 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
     # 1e-3), on the samples as given.
     s = torch.where(r > clip, 1.0 / (n_q * sigma[:, None] ** 2 * r), 0.0)  # [B, n_q]
     w = torch.cat([-x_fit, x_fit.new_full((bsz, n_p), 1.0 / (lam * n_p))], 1)
-    weights = k.to(q.dtype).mul_(w.to(q.dtype)[:, None, :])
-    weights[:, :, :n_q].diagonal(dim1=-2, dim2=-1).sub_(r.to(q.dtype))
+    if traced:  # out of place, as the backward (_KL.backward)
+        weights = k.to(q.dtype) * w.to(q.dtype)[:, None, :]
+        weights = weights - torch.nn.functional.pad(torch.diag_embed(r.to(q.dtype)), (0, n_p))
+    else:
+        weights = k.to(q.dtype).mul_(w.to(q.dtype)[:, None, :])
+        weights[:, :, :n_q].diagonal(dim1=-2, dim2=-1).sub_(r.to(q.dtype))
     return value.to(q.dtype), (weights, s.to(q.dtype))
 
 
@@ -392,6 +424,12 @@ class _KL(torch.autograd.Function):
         weights, s, q, p = ctx.saved_tensors
         n_q, n = weights.shape[1:]
         scale = (-grad_out.to(s.dtype)[:, None] * s)[..., None]          # [B, n_q, 1]
+        if torch.compiler.is_compiling():
+            # Out of place: torch 2.11's dynamo traced the in-place baddbmm_ and mul_ below into a
+            # gradient of 0 (an H200 lease; eager, and torch 2.13 here, were right). Inductor plans the
+            # buffers itself.
+            return torch.baddbmm(torch.bmm(weights[:, :, :n_q], q), weights[:, :, n_q:], p) * scale, \
+                None, None, None, None, None
         if n <= q.shape[-1]:  # scale the smaller of the weights and the gradient
             weights = weights * scale
         grad = torch.bmm(weights[:, :, :n_q], q).baddbmm_(weights[:, :, n_q:], p)

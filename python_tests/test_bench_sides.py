@@ -1,6 +1,8 @@
 """bench/pure_torch.py's two pure-PyTorch sides, the baselines every speed ratio is against: eager and
 under torch.compile (bench/run.py and bench/gpu.py --compiled), against kivi_fast.reference."""
 
+import re
+
 import pytest
 import torch
 
@@ -83,6 +85,30 @@ def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dyn
             return gm.forward
         torch.compile(fn, backend=record, dynamic=False, fullgraph=True)(p, q)
         assert "torch.sort" in graphs[0] and "kthvalue" not in graphs[0]
+
+
+@pytest.mark.parametrize("shape", [(3, 12, 4), (300, 3)], ids=["batched", "above-256-rows"])
+def test_the_solves_a_cuda_graph_can_capture_equal_the_reference(shape, monkeypatch, fresh_dynamo):
+    """Compiled on a GPU (_in_cuda_graph), both sides factor by Cholesky and solve by two triangular
+    solves, fast at every size: forced here on the CPU, the values and gradients of both sides against
+    the reference, and the traced graph has no LU and no cholesky_solve."""
+    monkeypatch.setattr(pure_torch, "_in_cuda_graph", lambda t: True)
+    p, q = draw(shape, seed=5)
+    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
+    for side in pure_torch.SIDES:
+        fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
+        got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(gm.print_readable(print_output=False))
+            return gm.forward
+        torch.compile(fn, backend=record, dynamic=False, fullgraph=True)(p, q)
+        calls = re.findall(r"= (torch[\w.]+)\(", graphs[0])  # (the graph's comments quote the source)
+        assert "torch._C._linalg.linalg_solve_triangular" in calls, (side, sorted(set(calls)))
+        assert not any("solve_ex" in c or "cholesky_solve" in c for c in calls), (side, sorted(set(calls)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

