@@ -33,6 +33,21 @@ def test_sides_equal_the_reference_in_float64(side, shape):
     torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1 << 14], ids=["cpu-chunks", "256-columns"])
+@pytest.mark.parametrize("shape", [(2, 10, 9000), (40, 9000)], ids=["batched-full-gram", "two-grams"])
+def test_eager_tall_path_equals_the_reference(shape, chunk_bytes, monkeypatch):
+    """d >= 8192 eagerly: the Grams accumulated over chunks of d (the last one partial), up to 64 points
+    one X X^T, above them xq X^T and xp xp^T; both sides, float64."""
+    monkeypatch.setattr(pure_torch, "_CHUNK_BYTES", chunk_bytes)
+    p, q = draw(shape, seed=17)
+    p, q = p / 60, q / 60  # (distances of order 1 in 9000 dimensions)
+    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
+    for side in pure_torch.SIDES:
+        got, got_g = value_and_grad(lambda a, b: pure_torch.kl(a, b, LAM, side=side), p, q)
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
+
+
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
