@@ -186,3 +186,21 @@ def test_eager_sides_on_a_gpu_read_nothing_back_and_give_nan_for_a_bad_element(s
     assert torch.isnan(got[3]).item()
     torch.testing.assert_close(got[good].cpu(), want, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(got_g[good].cpu(), want_g, rtol=1e-7, atol=1e-10)
+
+
+def test_a_compiled_side_that_fails_on_a_later_call_is_left_out(capsys):
+    """bench/run.py's compiled_for (both benches' --compiled): with mode="reduce-overhead" the CUDA graph
+    is recorded on a later call than the first, and an op that a capture refuses fails there; the side is
+    left out of the cell, and said so, instead of ending the run."""
+    run = bench_module("run")
+    calls = []
+
+    def fails_on_its_second_call(p, q):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return (p * q).sum()
+    ok = run.compiled_for({"a_compiled": fails_on_its_second_call, "b_compiled": lambda p, q: (p * q).sum()},
+                          torch.ones(3), torch.ones(3), True)
+    assert sorted(ok) == ["b_compiled"]
+    assert "a_compiled left out: RuntimeError: CUDA error: operation not permitted" in capsys.readouterr().out
