@@ -165,21 +165,12 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     """Ours (forward + backward) with a testing switch on and off, timed alternately:
     set_two_blocks_per_sm (batches of more than one wave: two forward blocks per SM, or one),
     set_paired_elimination (the forward's elimination two columns a step, or one),
-    set_register_elimination (up to 128 rows: the elimination with the triangle in registers, or in
-    shared memory), set_generic_kernels (many points: the generic path's CUDA kernels, or ATen's
-    composition of the same steps)."""
+    set_generic_kernels (many points: the generic path's CUDA kernels, or ATen's composition of the
+    same steps)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
                    p, q, True, target_s)
     return f"  {switch}: on {t['ours'] * 1e3:.3f} ms, off {t['off'] * 1e3:.3f} ms: off/on {t['off_ratio']:.2f}"
-
-
-def settings_ab(p, q, settings: dict, label: str, target_s: float) -> str:
-    """Ours (forward + backward) with several switches set (settings) against the defaults, alternately."""
-    ours = cpu_bench.IMPLS["ours"]
-    t = time_sides({"ours": with_switches(settings, ours), "defaults": ours}, ("defaults",), p, q, True, target_s)
-    return (f"  {label}: {t['ours'] * 1e3:.3f} ms, the defaults {t['defaults'] * 1e3:.3f} ms: "
-            f"defaults/this {t['defaults_ratio']:.2f}")
 
 
 def median_ms(run, calls: int = 50) -> float:
@@ -258,21 +249,14 @@ def main(argv=None) -> int:
                 print(host_share(ours, p, q))
                 stages = forward_stages(ours, p, q)
                 print(stages or "  (no kl.cu forward kernel ran)")
-                if stages is not None:  # the elimination one column a step, and that in registers
+                if stages is not None:  # the elimination one column a step
                     print(forward_stages(with_switch("set_paired_elimination", False, ours), p, q)
                           + " (one column a step)")
                     print(switch_ab(p, q, "set_paired_elimination", args.target_s))
-                    if n <= 128:  # (kernel_kl's default reverse: the system is q_z's n points)
-                        print(forward_stages(with_switch("set_register_elimination", True, ours), p, q)
-                              + " (one column a step, in registers)")
-                        print(switch_ab(p, q, "set_register_elimination", args.target_s))
                 if batched:
                     print(floors(p, q))
                 if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:
                     print(switch_ab(p, q, "set_two_blocks_per_sm", args.target_s))
-                    if n <= 128:  # the register elimination is the one-block variant's
-                        print(settings_ab(p, q, {"set_two_blocks_per_sm": False, "set_register_elimination": True},
-                                          "one block an SM, the elimination in registers", args.target_s))
                 if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches
                     print(switch_ab(p, q, "set_generic_kernels", args.target_s))
         return 0

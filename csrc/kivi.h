@@ -199,10 +199,6 @@ bool set_two_blocks_per_sm(bool flag);
 // Benches and tests: whether the forward kernel's elimination takes two columns a step (the default)
 // or one; returns the old value.
 bool set_paired_elimination(bool flag);
-// Benches and tests: whether the forward kernel's one-block-per-SM variant eliminates systems of up to
-// 128 rows with the triangle held in registers (solve_spd_in_registers; default false until a GPU has
-// timed it) instead of in shared memory; returns the old value.
-bool set_register_elimination(bool flag);
 // Benches and tests: whether the generic path on CUDA tensors takes the kernels above (pair_sqdist,
 // kernel_block, fit_coef, kl_finish; the default) or ATen's composition of the same steps (the median
 // is cuda/median.cu's either way); returns the old value. use_generic_kernels reads it.

@@ -32,7 +32,6 @@ void set_stage_clocks(const std::optional<Tensor>&) {
 }
 bool set_two_blocks_per_sm(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_paired_elimination(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
-bool set_register_elimination(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_generic_kernels(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 }  // namespace cuda
 #endif

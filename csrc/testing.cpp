@@ -47,9 +47,6 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // Whether the CUDA forward kernel's elimination takes two columns a step (default true) or one. An
   // error in a build without the CUDA kernels.
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
-  // Whether the CUDA forward kernel eliminates systems of up to 128 rows with the triangle in registers
-  // (default false) instead of in shared memory. An error in a build without the CUDA kernels.
-  m.def("set_register_elimination(bool flag) -> bool", &cuda::set_register_elimination);
   // Whether the generic path on CUDA tensors (many points) takes its CUDA kernels (default true) or
   // ATen's composition of the same steps. An error in a build without the CUDA kernels.
   m.def("set_generic_kernels(bool flag) -> bool", &cuda::set_generic_kernels);

@@ -19,8 +19,7 @@ import types
 import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-SWITCHES = ("set_paired_elimination", "set_register_elimination", "set_two_blocks_per_sm", "set_generic_kernels",
-            "set_force_generic")
+SWITCHES = ("set_paired_elimination", "set_two_blocks_per_sm", "set_generic_kernels", "set_force_generic")
 
 
 def install() -> dict:
@@ -34,7 +33,7 @@ def install() -> dict:
     calls = {name: [] for name in SWITCHES + ("set_forward_stage_clocks",)}
 
     def switch(name):
-        state = {"flag": name != "set_register_elimination"}  # the CUDA build's defaults
+        state = {"flag": name != "set_force_generic"}  # the CUDA build's defaults
 
         def set_flag(flag: bool) -> bool:
             calls[name].append(flag)

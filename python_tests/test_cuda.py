@@ -222,7 +222,7 @@ def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernel
     b = 2 * torch.cuda.get_device_properties(CUDA).multi_processor_count + 3
     p, q = seeded_samples(b, 100, 100, 8, dtype, 7 + reverse, 1.2, 0.3)
     names = kernels_run(lambda: value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA), reverse=reverse))
-    # (the profiler's name spells the template's arguments: kl_forward_kernel<float, 2, false>)
+    # (the profiler's name spells the template's arguments: kl_forward_kernel<float, 2>)
     assert any(re.search(r"kl_forward_kernel<\w+, 2\b", n) for n in names), sorted(names)
     if dtype == torch.float32:
         assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-5)
@@ -232,43 +232,27 @@ def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernel
 
 @contextlib.contextmanager
 def elimination(mode: str):
-    """The forward kernel's elimination: two columns a step (the default), one (set_paired_elimination
-    off), or one with the triangle in registers (set_register_elimination on: up to 128 rows, in the
-    one-block variant; elsewhere the default)."""
+    """The forward kernel's elimination: two columns a step (the default) or one (set_paired_elimination
+    off)."""
     assert kivi_fast.backend() == "cpp"  # the library loaded (its testing ops with it)
     testing = torch.ops.kivi_fast_testing
-    old = testing.set_paired_elimination(mode != "one-column"), testing.set_register_elimination(mode == "registers")
+    old = testing.set_paired_elimination(mode != "one-column")
     try:
         yield
     finally:
-        testing.set_paired_elimination(old[0])
-        testing.set_register_elimination(old[1])
+        testing.set_paired_elimination(old)
 
 
-@pytest.mark.parametrize("mode", ["two-columns", "one-column", "registers"])
+@pytest.mark.parametrize("mode", ["two-columns", "one-column"])
 @pytest.mark.parametrize("shape,reverse", [((4, 100, 100, 8), False), ((2, 37, 40, 8), True), ((1, 56, 200, 300), True)],
                          ids=["100", "37-odd", "200-global"])
 def test_each_elimination_equals_the_cpu_kernels(mode, shape, reverse):
-    """The forward kernel's elimination two columns a step (the default), one
-    (set_paired_elimination(False)) and one with the triangle in registers (set_register_elimination,
-    up to 128 rows; the 200-row system keeps the default): even and odd systems, one in global memory."""
+    """The forward kernel's elimination two columns a step (the default) and one
+    (set_paired_elimination(False)): even and odd systems, one in global memory."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, n_p + 7, 1.2, 0.3)
     with elimination(mode):
         assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_register_elimination_is_the_one_column_one_bit_for_bit_on_cuda(dtype):
-    """solve_spd_in_registers does the one-column elimination's operations in the same order: the same
-    bits, on the VAE's shape (as in the CPU emulation, python_tests/test_cuda_emulation.py)."""
-    p, q = (t.to(CUDA) for t in seeded_samples(4, 100, 100, 8, dtype, 3, 1.2, 0.3))
-    runs = []
-    for mode in ("one-column", "registers"):
-        with elimination(mode):
-            runs.append(value_and_grad(kivi_fast.kernel_kl, p, q))
-    (value, grad), (value_r, grad_r) = runs
-    assert torch.equal(value_r, value) and torch.equal(grad_r, grad)
 
 
 def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():

@@ -66,16 +66,14 @@ def emulated_device(seed: int = 0, **changes):
         device()
 
 
-ELIMINATIONS = ("two-columns", "one-column", "registers")
+ELIMINATIONS = ("two-columns", "one-column")
 
 
 @contextlib.contextmanager
 def elimination(mode: str):
-    """The forward kernel's elimination: two columns a step (the default), one (set_paired_elimination
-    off), or one with the triangle in registers (set_register_elimination on: up to 128 rows, in the
-    one-block variant; elsewhere the default)."""
-    with _cuda_emulation.switched("set_paired_elimination", mode != "one-column"), \
-            _cuda_emulation.switched("set_register_elimination", mode == "registers"):
+    """The forward kernel's elimination: two columns a step (the default) or one (set_paired_elimination
+    off)."""
+    with _cuda_emulation.switched("set_paired_elimination", mode != "one-column"):
         yield
 
 
@@ -288,68 +286,18 @@ def test_both_eliminations_equal_the_cpu_kernels(paired, shape, reverse):
         assert_equals_cpu_kernels(p, q, reverse)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape,reverse", [((2, 100, 100, 8), False), ((1, 37, 40, 8), False), ((1, 3, 4, 3), False),
-                                           ((2, 2, 5, 3), False), ((1, 128, 30, 8), False), ((3, 100, 100, 8), True),
-                                           ((2, 60, 100, 30), True), ((1, 129, 30, 8), False)],
-                         ids=["100", "37-odd", "3-odd", "2", "128", "100-reverse", "100-d30", "129"])
-def test_the_register_elimination_is_the_one_column_one_bit_for_bit(shape, reverse, dtype):
-    """solve_spd_in_registers does solve_spd's one-column elimination's operations in the same order,
-    each thread's entries held in registers: the same bits, up to 128 rows; these differ from the
-    default two columns a step in their last bits (so the switch is seen to act). Above 128 rows the
-    switch leaves the default. And both equal the CPU kernels."""
-    b, n_p, n_q, d = shape
-    n = n_q if reverse else n_p
-    p, q = seeded_samples(b, n_p, n_q, d, dtype, n_p + 7, 1.2, 0.3)
-    runs = {}
+def test_the_paired_elimination_switch_acts():
+    """One column a step and two do the elimination's operations in different orders: their results
+    differ in the last bits (each equals the CPU kernels, above), so the switch's A/B times two
+    different eliminations."""
+    p, q = seeded_samples(2, 100, 100, 8, torch.float64, 107, 1.2, 0.3)
+    runs = []
     for mode in ELIMINATIONS:
         with elimination(mode):
-            runs[mode] = emulated_kl(p, q, reverse)
-
-    def same(a, e):  # the same bits (NaN where NaN)
-        return all(x.dtype == y.dtype and x.shape == y.shape and bool((x.isnan() == y.isnan()).all())
-                   and torch.equal(x[~x.isnan()], y[~y.isnan()]) for x, y in zip((*a[0], a[1]), (*e[0], e[1])))
-    if n <= 128:
-        assert same(runs["registers"], runs["one-column"])
-        assert n <= 2 or not same(runs["registers"], runs["two-columns"])
-    else:
-        assert same(runs["registers"], runs["two-columns"])
-    with elimination("registers"):
-        assert_equals_cpu_kernels(p, q, reverse)
-
-
-def test_the_register_elimination_with_the_system_in_global_memory_and_elements_in_turn():
-    """With too little shared memory for the system it stays in global memory (sys_all), and on one
-    multiprocessor one block takes the elements in turn (the slots' positions are reused): still the
-    one-column elimination's bits."""
-    p, q = seeded_samples(3, 100, 100, 8, torch.float64, 13, 1.2, 0.3)
-    runs = {}
-    with emulated_device(multiprocessors=1, shared_per_block_optin=64 * 1024, shared_per_multiprocessor=100 * 1024):
-        for mode in ("one-column", "registers"):
-            with elimination(mode):
-                launches()
-                runs[mode] = emulated_kl(p, q, False)
-                ((grid, shared),) = [(g, s) for name, g, _, s in launches() if name == "forward"]
-    assert grid == (1, 1, 1) and shared < 100 * 100 * 8  # one block; the system not in shared memory
-    (a, ag), (e, eg) = runs["registers"], runs["one-column"]
-    assert all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
-    assert_close_rel(a[0], cpu_kl(p, q, False)[0][0], 1e-9)
-
-
-def test_the_register_elimination_is_left_to_the_one_block_variant():
-    """Batches of more than one wave take the two-blocks-per-SM variant, whose 64 registers cannot hold
-    the triangle: there the switch leaves the default elimination; with that variant off it acts."""
-    p, q = seeded_samples(5, 100, 100, 8, torch.float64, 11, 1.2, 0.3)
-    with emulated_device(multiprocessors=2):
-        default = emulated_kl(p, q, False)
-        with elimination("registers"):
-            registers = emulated_kl(p, q, False)
-            with _cuda_emulation.switched("set_two_blocks_per_sm", False):
-                one_block = emulated_kl(p, q, False)
-        with elimination("one-column"), _cuda_emulation.switched("set_two_blocks_per_sm", False):
-            one_column = emulated_kl(p, q, False)
-    for a, e in ((registers, default), (one_block, one_column)):
-        assert all(torch.equal(x, y) for x, y in zip((*a[0], a[1]), (*e[0], e[1])))
+            runs.append(emulated_kl(p, q, False))
+    (a, ag), (e, eg) = runs
+    assert not all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
+    assert_close_rel(a[0], e[0], 1e-12)
 
 
 @pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],
@@ -393,12 +341,12 @@ def test_a_system_that_is_not_positive_definite_gives_nan(mode):
 
 
 @pytest.mark.parametrize("shape,multiprocessors,mode", [((2, 100, 100, 8), 132, "two-columns"),
-                                                        ((2, 100, 100, 8), 132, "registers"),
+                                                        ((2, 100, 100, 8), 132, "one-column"),
                                                         ((1, 10, 10, 3000), 132, "two-columns"),
                                                         ((1, 20, 20, 1200), 1, "two-columns"),
                                                         ((1, 70, 60, 1000), 132, "two-columns"),
                                                         ((1, 70, 60, 1000), 1, "two-columns")],
-                         ids=["fused", "fused-registers", "pair-sqdist", "pair-sqdist-chunks", "pair-tile",
+                         ids=["fused", "fused-one-column", "pair-sqdist", "pair-sqdist-chunks", "pair-tile",
                               "pair-tile-slabs"])
 def test_results_do_not_depend_on_the_order_threads_run_in(shape, multiprocessors, mode):
     """Each seed runs the threads between barriers, and the blocks, in another order: a read of shared

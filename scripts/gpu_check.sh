@@ -110,16 +110,13 @@ phase_sanitizer() {
 import torch, kivi_fast
 for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
                        (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8),
-                       (2, 300, 260, 3)]:
+                       (2, 300, 260, 3), (2, 128, 128, 8)]:  # (the last: a 128-row system, the most the back
+                                                              # substitution holds in registers)
     for reverse in (True, False):
         p = torch.randn(b, n_p, d, device="cuda")
         q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
         kivi_fast.kernel_kl(p, q, reverse=reverse).sum().backward()
         kivi_fast.kernel_kl(p, q, reverse=reverse, bandwidth=1.5).sum().backward()  # no median
-torch.ops.kivi_fast_testing.set_register_elimination(True)  # its instance of the forward kernel
-for b, n_p, n_q, d in [(3, 100, 100, 8), (2, 130, 128, 8), (1, 3, 5, 2)]:  # (kernel_kl's n: n_q)
-    p, q = torch.randn(b, n_p, d, device="cuda"), torch.randn(b, n_q, d, device="cuda", requires_grad=True)
-    kivi_fast.kernel_kl(p, q).sum().backward()
 torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
 PY
@@ -131,9 +128,6 @@ for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 3
     p = torch.randn(b, n_p, d, device="cuda")
     q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
     kivi_fast.kernel_kl(p, q).sum().backward()
-torch.ops.kivi_fast_testing.set_register_elimination(True)  # its instance of the forward kernel
-p, q = torch.randn(2, 30, 8, device="cuda"), torch.randn(2, 100, 8, device="cuda", requires_grad=True)
-kivi_fast.kernel_kl(p, q).sum().backward()
 torch.cuda.synchronize()
 print("compute-sanitizer racecheck: kernels ran")
 PY

@@ -366,100 +366,14 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
   back_substitute<kOneBlockPerSm>(S, x, n);
 }
 
-// set_register_elimination, up to kRegisterEliminationRows rows (the VAE's 100 x 100 system): solve_spd's
-// one column a step, the same operations in the same order, with each thread's entries of the upper
-// triangle held in registers for the whole elimination (entries e = tid + kThreads m of the triangle
-// stored row by row) instead of read and written in shared memory at every step. A step is one barrier:
-// each entry of a row below k takes its multiply-add with both operands from the pivot row, which its
-// owners broadcast through a shared buffer of two rows (the owners of row k + 1 write it there as they
-// update it, while the others still read row k), the right-hand side's x_k and the pivot's reciprocal
-// (taken once, by the owner of the diagonal entry) beside it. The forward kernel's one-block-per-SM
-// variant only (17 entries a thread), in an instance of its own (kl_forward_kernel<T, 1, true>), so that
-// the other instances' code stays as it was (ptxas for sm_90: that instance takes 128 registers and
-// spills only the slots' positions, hoisted out of the batch loop: stored once a block and loaded once
-// an element; the steps spill nothing). rows: 2 (n + 2) doubles of shared memory.
-constexpr int kRegisterEliminationRows = 128;
-constexpr int kOwnedEntries =
-    (kRegisterEliminationRows * (kRegisterEliminationRows + 1) / 2 + kThreads - 1) / kThreads;
-static_assert(2 * (kRegisterEliminationRows + 2) <= kThreads, "the forward kernel's scratch holds the two rows");
-static_assert(kRegisterEliminationRows < (1 << 15), "an entry's row and column share an int");
-
-// Column k's pivot, once its last update is made: its reciprocal into the row buffer's slot for it (the
-// step's multiplier, taken once for every thread), and *not_pd set where it is not positive.
-__device__ __forceinline__ void take_pivot(double piv, double* inv_slot, int* not_pd) {
-  *inv_slot = 1.0 / piv;
-  if (!(piv > 0.0)) *not_pd = 1;
-}
-
-__device__ void solve_spd_in_registers(double* S, double* x, int n, int* not_pd, double* rows) {
-  const int tid = threadIdx.x;
-  const int entries = n * (n + 1) / 2;
-  double v[kOwnedEntries];
-  int at[kOwnedEntries];  // row | column << 16 of each entry, -1 for none
-#pragma unroll
-  for (int m = 0; m < kOwnedEntries; ++m) {
-    const int e = tid + kThreads * m;
-    at[m] = -1;
-    v[m] = 0.0;
-    if (e < entries) {
-      const int2 rc = triangle_entry(e, n, 0);
-      at[m] = rc.x | (rc.y << 16);
-      v[m] = S[rc.x * n + rc.y];
-      if (rc.x == 0) rows[rc.y] = v[m];
-      if (e == 0) take_pivot(v[m], rows + n + 1, not_pd);
-    }
-  }
-  double xr = tid < n ? x[tid] : 0.0;  // thread i holds the right-hand side's x_i
-  if (tid == 0) rows[n] = xr;
-  __syncthreads();
-  for (int k = 0; k + 1 < n; ++k) {  // (the last column's pivot was checked in the step before)
-    // row k: [S_kk .. S_k,n-1 at their columns, x_k, 1 / S_kk]
-    const double* row = rows + (k & 1) * (n + 2);
-    double* next = rows + ((k + 1) & 1) * (n + 2);
-    const double inv = row[n + 1], xk = row[n];
-    double diagonal = 0.0;  // S_k+1,k+1, where this thread holds it
-    bool holds_diagonal = false;
-    // from the last entry: rows only grow with m, so once a row is final, so are the entries before it
-#pragma unroll
-    for (int m = kOwnedEntries - 1; m >= 0; --m) {
-      if (at[m] < 0) continue;  // past the triangle's end
-      const int i = at[m] & 0xffff, j = at[m] >> 16;
-      if (i <= k) break;
-      const double f = row[i] * inv;  // S_ki / S_kk: row k right of the diagonal is column k below it
-      v[m] -= f * row[j];
-      if (i == k + 1) {
-        next[j] = v[m];
-        if (j == i) {
-          diagonal = v[m];
-          holds_diagonal = true;
-        }
-      }
-    }
-    if (holds_diagonal) take_pivot(diagonal, next + n + 1, not_pd);
-    if (tid > k && tid < n) {
-      xr -= row[tid] * inv * xk;
-      if (tid == k + 1) next[n] = xr;
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int m = 0; m < kOwnedEntries; ++m) {
-    if (at[m] >= 0) S[(at[m] & 0xffff) * n + (at[m] >> 16)] = v[m];
-  }
-  if (tid < n) x[tid] = xr;
-  __syncthreads();
-  back_substitute<true>(S, x, n);
-}
-
 // The whole forward of one batch element (blockIdx.x). Shared memory: coef [N]; the points as float64
 // [N, ldx] (compute_dist); then the distances (dist_in_shared) and a work region for the system (when
 // it fits) and the weights per warp. With compute_dist the later stages recompute distances from the
 // staged points (d <= a few dozen: cheaper than reading them back), so the distances share the work
 // region; otherwise (the wide path) they stay and the work region follows them. kBlocksPerSm: 2 caps
 // the registers (64 a thread, some spilled) so that two blocks can share a multiprocessor, for
-// batches of more than one wave of blocks (see kl()). kInRegisters (one block an SM, n_den <=
-// kRegisterEliminationRows, set_register_elimination): the elimination is solve_spd_in_registers.
-template <typename T, int kBlocksPerSm, bool kInRegisters = false>
+// batches of more than one wave of blocks (see kl()).
+template <typename T, int kBlocksPerSm>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     kl_forward_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, const double* __restrict__ sigma_in,
                       double* __restrict__ dist_all, double* __restrict__ sys_all, double* __restrict__ kl_out,
@@ -469,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ SelectShared sel;
   __shared__ double red_kl[kWarps];
   __shared__ int red_clipped[kWarps];
-  __shared__ double scratch[kWarps][32];  // the projection's sums; solve_spd_in_registers' rows
+  __shared__ double scratch[kWarps][32];  // the projection's sums
   __shared__ int not_pd;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slot = blockIdx.x;
@@ -542,15 +456,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     if (tid == 0) not_pd = 0;
     __syncthreads();
     stage_clock(a, b, 3);
-    if constexpr (kInRegisters) {  // (each ends with a barrier; kl() takes this instance for small n only)
-      if (n <= kRegisterEliminationRows) {
-        solve_spd_in_registers(S, coef, n, &not_pd, &scratch[0][0]);
-      } else {
-        solve_spd<true>(S, coef, n, &not_pd, a.paired_elimination);
-      }
-    } else {
-      solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);
-    }
+    solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);
     stage_clock(a, b, 4);
     const bool bad = not_pd || isnan(sigma);
     const double beta = 1.0 / (a.lam * a.n_num);
@@ -935,8 +841,6 @@ int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMa
 std::atomic<bool> two_blocks_per_sm{true};
 // set_paired_elimination's switch (benches: solve_spd's one column a step against two).
 std::atomic<bool> paired_elimination{true};
-// set_register_elimination's switch (benches: solve_spd_in_registers against solve_spd, up to 128 rows).
-std::atomic<bool> register_elimination{false};
 // set_generic_kernels's switch (benches: the generic path's CUDA kernels against its ATen composition).
 std::atomic<bool> generic_kernels{true};
 
@@ -1101,10 +1005,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
     if (!a.compute_dist) {
       launch_pair_sqdist(den, num, B, a.n_den, a.n_num, d, dist, sms, limit, stream);
     }
-    const bool in_registers = !two_per_sm && register_elimination.load() && n_den <= kRegisterEliminationRows;
-    const auto forward = two_per_sm     ? kl_forward_kernel<scalar_t, 2>
-                         : in_registers ? kl_forward_kernel<scalar_t, 1, true>
-                                        : kl_forward_kernel<scalar_t, 1>;
+    const auto forward = two_per_sm ? kl_forward_kernel<scalar_t, 2> : kl_forward_kernel<scalar_t, 1>;
     if (shared_bytes + kStaticShared > 48 * 1024) {
       allow_all_shared_memory(reinterpret_cast<const void*>(forward), device, kStaticShared);
     }
@@ -1120,8 +1021,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
 bool set_two_blocks_per_sm(bool flag) { return two_blocks_per_sm.exchange(flag); }
 
 bool set_paired_elimination(bool flag) { return paired_elimination.exchange(flag); }
-
-bool set_register_elimination(bool flag) { return register_elimination.exchange(flag); }
 
 bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 

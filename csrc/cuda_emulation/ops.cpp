@@ -88,7 +88,6 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
-  m.def("set_register_elimination(bool flag) -> bool", &cuda::set_register_elimination);
   m.def("configure(int multiprocessors, int shared_per_block_optin, int shared_per_multiprocessor,"
         " int reserved_shared_per_block, int seed) -> ()",
         &configure);
