@@ -71,6 +71,24 @@ def test_compiled_sides_are_one_graph_equal_to_the_reference(side, shape, fresh_
     torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
 
 
+def compiled_sides_equal_the_reference(p, q) -> dict:
+    """Both sides compiled into one graph each, their values and gradients against the reference;
+    {side: the code of its traced graph}."""
+    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
+    graphs = {}
+    for side in pure_torch.SIDES:
+        fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
+        got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
+
+        def record(gm, example_inputs):
+            graphs.setdefault(side, gm.print_readable(print_output=False))  # noqa: B023 (called at once)
+            return gm.forward
+        torch.compile(fn, backend=record, dynamic=False, fullgraph=True)(p, q)
+    return graphs
+
+
 @pytest.mark.parametrize("n_q", [300, 299], ids=["even-pairs", "odd-pairs"])
 def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dynamo):
     """Off the CPU a selection over more than 2^17 gathered pairs sorts them (a GPU's kthvalue gives a
@@ -87,19 +105,8 @@ def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dyn
     by_sort = pure_torch._median_small(both, n_q, 300)
     assert calls and all(torch.equal(a, b) for a, b in zip(by_sort, by_kthvalue))
     monkeypatch.setattr(pure_torch, "_sorts_long_rows", lambda t: True)  # (no side effect in a traced graph)
-    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
-    for side in pure_torch.SIDES:
-        fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
-        got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
-        torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
-        graphs = []  # the traced graph sorts (kthvalue would give the same values)
-
-        def record(gm, example_inputs):
-            graphs.append(gm.print_readable(print_output=False))
-            return gm.forward
-        torch.compile(fn, backend=record, dynamic=False, fullgraph=True)(p, q)
-        assert "torch.sort" in graphs[0] and "kthvalue" not in graphs[0]
+    for graph in compiled_sides_equal_the_reference(p, q).values():
+        assert "torch.sort" in graph and "kthvalue" not in graph  # (kthvalue would give the same values)
 
 
 @pytest.mark.parametrize("shape", [(3, 12, 4), (300, 3)], ids=["batched", "above-256-rows"])
@@ -109,19 +116,8 @@ def test_the_solves_a_cuda_graph_can_capture_equal_the_reference(shape, monkeypa
     the reference, and the traced graph has no LU and no cholesky_solve."""
     monkeypatch.setattr(pure_torch, "_in_cuda_graph", lambda t: True)
     p, q = draw(shape, seed=5)
-    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
-    for side in pure_torch.SIDES:
-        fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
-        got, got_g = value_and_grad(torch.compile(fn, dynamic=False, fullgraph=True), p, q)
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
-        torch.testing.assert_close(got_g, want_g, rtol=1e-7, atol=1e-10)
-        graphs = []
-
-        def record(gm, example_inputs):
-            graphs.append(gm.print_readable(print_output=False))
-            return gm.forward
-        torch.compile(fn, backend=record, dynamic=False, fullgraph=True)(p, q)
-        calls = re.findall(r"= (torch[\w.]+)\(", graphs[0])  # (the graph's comments quote the source)
+    for side, graph in compiled_sides_equal_the_reference(p, q).items():
+        calls = re.findall(r"= (torch[\w.]+)\(", graph)  # (the graph's comments quote the source)
         assert "torch._C._linalg.linalg_solve_triangular" in calls, (side, sorted(set(calls)))
         assert not any("solve_ex" in c or "cholesky_solve" in c for c in calls), (side, sorted(set(calls)))
 
