@@ -165,6 +165,8 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     """Ours (forward + backward) with a testing switch on and off, timed alternately:
     set_two_blocks_per_sm (batches of more than one wave: two forward blocks per SM, or one),
     set_paired_elimination (the forward's elimination two columns a step, or one),
+    set_gathered_selection (the forward's median: the last few keys gathered and ranked in a warp, or
+    a pass for every digit),
     set_generic_kernels (many points: the generic path's CUDA kernels, or ATen's composition of the
     same steps)."""
     ours = cpu_bench.IMPLS["ours"]
@@ -249,10 +251,13 @@ def main(argv=None) -> int:
                 print(host_share(ours, p, q))
                 stages = forward_stages(ours, p, q)
                 print(stages or "  (no kl.cu forward kernel ran)")
-                if stages is not None:  # the elimination one column a step
+                if stages is not None:  # the elimination one column a step; the median without its gather
                     print(forward_stages(with_switch("set_paired_elimination", False, ours), p, q)
                           + " (one column a step)")
                     print(switch_ab(p, q, "set_paired_elimination", args.target_s))
+                    print(forward_stages(with_switch("set_gathered_selection", False, ours), p, q)
+                          + " (the median a pass for every digit)")
+                    print(switch_ab(p, q, "set_gathered_selection", args.target_s))
                 if batched:
                     print(floors(p, q))
                 if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:

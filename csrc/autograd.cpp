@@ -8,6 +8,7 @@
 // They are registered in C++ under the Autograd key rather than from Python: a training step then
 // never enters the interpreter for this op's forward or backward, which at small shapes (a VAE
 // latent, 100 x 8) cost more than the numerics. Fake kernels for torch.compile stay in Python.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>

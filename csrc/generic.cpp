@@ -20,6 +20,7 @@
 // float64 copy. python_tests/test_generic_path.py bounds the peaks of the CPU build,
 // python_tests/test_cuda_emulation.py those of the GPU build (through the CUDA emulation), and
 // bench/generic_memory.py measures the GPU build's against the pure sides.
+#include <ATen/ATen.h>
 #include "kivi.h"
 
 #include <ATen/record_function.h>

@@ -17,7 +17,8 @@
 //   alpha = -1 / (lam n_den n_num) (K_dd / n_den + lam I)^{-1} K_dn 1.
 #pragma once
 
-#include <ATen/ATen.h>
+// Tensor only: the .cu files include this, and ATen.h (every op) costs nvcc ~14 s a file.
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>
@@ -69,7 +70,7 @@ inline bool grad_state_is_projection(int64_t n_total, int64_t d) { return d + 1 
 inline double kl_row_factor(int64_t n_q, bool reverse) { return (reverse ? -1.0 : 1.0) / static_cast<double>(n_q); }
 // The same as a float64 [B] tensor.
 inline Tensor kl_row_scale(const Tensor& grad_kl, int64_t n_q, bool reverse) {
-  return grad_kl.to(at::kDouble).reshape({-1}) * kl_row_factor(n_q, reverse);
+  return grad_kl.to(at::kDouble).reshape({-1}).mul(kl_row_factor(n_q, reverse));
 }
 inline int64_t grad_state_width(int64_t n_total, int64_t d) {
   return grad_state_is_projection(n_total, d) ? d + 1 : n_total;
@@ -199,6 +200,9 @@ bool set_two_blocks_per_sm(bool flag);
 // Benches and tests: whether the forward kernel's elimination takes two columns a step (the default)
 // or one; returns the old value.
 bool set_paired_elimination(bool flag);
+// Benches and tests: whether the forward kernel's median gathers the last few keys of its radix
+// selection and ranks them in a warp (the default) or takes a pass for every digit; returns the old value.
+bool set_gathered_selection(bool flag);
 // Benches and tests: whether the generic path on CUDA tensors takes the kernels above (pair_sqdist,
 // kernel_block, fit_coef, kl_finish; the default) or ATen's composition of the same steps (the median
 // is cuda/median.cu's either way); returns the old value. use_generic_kernels reads it.

@@ -6,6 +6,7 @@
 //
 // CUDA tensors: kl and kl_grad have CUDA kernels (csrc/cuda/, when torch is a CUDA build) for the
 // shapes cuda::handles_kl accepts; every other op and shape takes the device-generic kernels.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -32,6 +33,7 @@ void set_stage_clocks(const std::optional<Tensor>&) {
 }
 bool set_two_blocks_per_sm(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_paired_elimination(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
+bool set_gathered_selection(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_generic_kernels(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 }  // namespace cuda
 #endif

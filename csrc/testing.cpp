@@ -2,6 +2,7 @@
 // so that the public namespace torch.ops.kivi_fast holds only the tensor ops. None is a tensor op: each
 // sets a process-wide flag or reads a counter, and the setters return the old value so that a test can
 // restore it.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "cpu/blas.h"
@@ -47,6 +48,7 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // Whether the CUDA forward kernel's elimination takes two columns a step (default true) or one. An
   // error in a build without the CUDA kernels.
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
+  m.def("set_gathered_selection(bool flag) -> bool", &cuda::set_gathered_selection);
   // Whether the generic path on CUDA tensors (many points) takes its CUDA kernels (default true) or
   // ATen's composition of the same steps. An error in a build without the CUDA kernels.
   m.def("set_generic_kernels(bool flag) -> bool", &cuda::set_generic_kernels);

@@ -19,7 +19,8 @@ import types
 import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-SWITCHES = ("set_paired_elimination", "set_two_blocks_per_sm", "set_generic_kernels", "set_force_generic")
+SWITCHES = ("set_paired_elimination", "set_gathered_selection", "set_two_blocks_per_sm", "set_generic_kernels",
+            "set_force_generic")
 
 
 def install() -> dict:

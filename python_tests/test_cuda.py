@@ -231,16 +231,22 @@ def test_batches_of_several_waves_share_multiprocessors_and_equal_the_cpu_kernel
 
 
 @contextlib.contextmanager
-def elimination(mode: str):
-    """The forward kernel's elimination: two columns a step (the default) or one (set_paired_elimination
-    off)."""
+def switched(setter: str, flag: bool):
+    """One of the CUDA build's testing switches (torch.ops.kivi_fast_testing.set_*) set to flag inside
+    the block, its old value restored after."""
     assert kivi_fast.backend() == "cpp"  # the library loaded (its testing ops with it)
-    testing = torch.ops.kivi_fast_testing
-    old = testing.set_paired_elimination(mode != "one-column")
+    set_flag = getattr(torch.ops.kivi_fast_testing, setter)
+    old = set_flag(flag)
     try:
         yield
     finally:
-        testing.set_paired_elimination(old)
+        set_flag(old)
+
+
+def elimination(mode: str):
+    """The forward kernel's elimination: two columns a step (the default) or one (set_paired_elimination
+    off)."""
+    return switched("set_paired_elimination", mode != "one-column")
 
 
 @pytest.mark.parametrize("mode", ["two-columns", "one-column"])
@@ -277,15 +283,19 @@ def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():
         torch.ops.kivi_fast_testing.set_forward_stage_clocks(torch.zeros(6, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("gathered", [True, False], ids=["gather", "every-digit"])
 @pytest.mark.parametrize("n", [120, 122])  # 7140 pairs (even count), 7381 (odd)
 @pytest.mark.parametrize("ties", [False, True])
-def test_the_cuda_kernels_median_equals_the_reference(n, ties):
-    """The radix selection in kl_forward_kernel: both middles of an even count, and many tied distances."""
+def test_the_cuda_kernels_median_equals_the_reference(n, ties, gathered):
+    """The radix selection in kl_forward_kernel: both middles of an even count, and many tied
+    distances; with the last keys gathered (the default) and with a pass for every digit
+    (set_gathered_selection(False))."""
     x = torch.randn(4, n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     if ties:
         x = x.round()
     p, q = x[:, : n // 2], x[:, n // 2:]
-    sigma = torch.ops.kivi_fast.kl(p.to(CUDA), q.to(CUDA), 1e-3, 1e-8, None, True, False)[2]
+    with switched("set_gathered_selection", gathered):
+        sigma = torch.ops.kivi_fast.kl(p.to(CUDA), q.to(CUDA), 1e-3, 1e-8, None, True, False)[2]
     assert_close_rel(sigma, reference.median_bandwidth(torch.cat([q, p], 1)), 1e-14)
 
 

@@ -10,6 +10,7 @@ of large ones). Not the GPU's memory model or speed: test_cuda.py runs the kerne
 """
 
 import contextlib
+import typing
 
 import pytest
 import torch
@@ -77,10 +78,18 @@ def elimination(mode: str):
         yield
 
 
+class Launch(typing.NamedTuple):
+    kernel: str
+    grid: tuple
+    threads: int
+    shared_bytes: int  # dynamic
+    block_barriers: int  # __syncthreads passed, over all its blocks
+
+
 def launches() -> list:
-    """(kernel, grid, threads, dynamic shared bytes) of each launch since the last call."""
+    """Each launch since the last call."""
     names, flat = EMU.take_launches()
-    return [(n, tuple(flat[5 * i:5 * i + 3]), flat[5 * i + 3], flat[5 * i + 4]) for i, n in enumerate(names)]
+    return [Launch(n, tuple(flat[6 * i:6 * i + 3]), *flat[6 * i + 3:6 * i + 6]) for i, n in enumerate(names)]
 
 
 def cotangent(batch):
@@ -216,7 +225,7 @@ def test_each_shared_memory_layout_gives_the_same_results(shape, reverse, optins
             assert EMU.handles_kl(n_p + n_q, d, b)
             launches()
             results.append(emulated_kl(p, q, reverse))
-            forward_bytes.append(next(s for name, _, _, s in launches() if name == "forward"))
+            forward_bytes.append(next(x.shared_bytes for x in launches() if x.kernel == "forward"))
     assert len(set(forward_bytes)) == len(optins), forward_bytes  # a layout each
     (first, first_g) = results[0]
     for out, g in results[1:]:
@@ -233,11 +242,11 @@ def test_batches_of_more_than_one_wave_fit_two_blocks_a_multiprocessor(dtype):
     with emulated_device(multiprocessors=2):
         launches()
         two = emulated_kl(p, q, False)
-        ((two_grid, two_bytes),) = [(g, s) for name, g, _, s in launches() if name == "forward"]
+        ((two_grid, two_bytes),) = [(x.grid, x.shared_bytes) for x in launches() if x.kernel == "forward"]
         assert two_grid == (4, 1, 1)  # two blocks on each of 2 multiprocessors take the 5 elements in turn
         with _cuda_emulation.switched("set_two_blocks_per_sm", False):
             one = emulated_kl(p, q, False)
-        (one_bytes,) = [s for name, _, _, s in launches() if name == "forward"]
+        (one_bytes,) = [x.shared_bytes for x in launches() if x.kernel == "forward"]
     half = H100["shared_per_multiprocessor"] // 2 - H100["reserved_shared_per_block"]
     assert two_bytes < half < one_bytes, (two_bytes, one_bytes)
     cpu = cpu_kl(p, q, False)
@@ -262,7 +271,7 @@ def test_blocks_take_the_batch_in_turn_through_their_workspace_slots(reverse):
             with emulated_device(multiprocessors=multiprocessors, shared_per_block_optin=60000):
                 launches()
                 results.append(emulated_kl(p, q, reverse))
-                (grid,) = [g for name, g, _, _ in launches() if name == "forward"]
+                (grid,) = [x.grid for x in launches() if x.kernel == "forward"]
                 assert grid == (blocks, 1, 1)
     (one_slot, one_slot_g), (own, own_g) = results
     for a, e in zip(one_slot, own):
@@ -648,7 +657,7 @@ def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
     with emulated_device(multiprocessors=4):
         launches()
         sigma = EMU.median_of_pairs(packed_pairs(x))
-        grids = {grid for _, grid, _, _ in launches()}
+        grids = {x.grid for x in launches()}
     assert grids == {(min(-(-P // 256), (8 * 4 + 2) // 3), 3, 1)}
     for b in range(3):
         assert_close_rel(sigma[b:b + 1], reference.median_bandwidth(x[b]).reshape(1), 1e-14)
@@ -659,6 +668,83 @@ def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
         sigma = EMU.median_of_pairs(packed_pairs(bad))
     assert sigma[[0, 1]].isnan().all()
     assert_close_rel(sigma[2:], reference.median_bandwidth(bad[2]).reshape(1), 1e-14)
+
+
+def median_selection(x: torch.Tensor, gather_keys: int = 32):
+    """Where kl.cu's median selection (median_distance) ends for the points x [N, d] with integer
+    coordinates (their squared distances exact, whatever the summation order): (the digits it takes,
+    whether it gathers the keys left or finds every digit, whether an even count's upper middle lies
+    above the gathered keys). A model of the selection apart from the kernel: the keys sorted, a
+    digit's bin the keys that share the lower middle's bits down to that digit's lowest."""
+    i, j = torch.triu_indices(x.shape[0], x.shape[0], 1)
+    keys = sorted(((x[i] - x[j]) ** 2).sum(-1).double().numpy().view("int64").tolist())
+    P, r = len(keys), (len(keys) + 1) // 2 - 1
+    for digits, low_bit in enumerate((53, 42, 31, 20, 9, 0), 1):
+        in_bin = [k for k in keys if k >> low_bit == keys[r] >> low_bit]
+        if len(in_bin) <= gather_keys:
+            return digits, "gather", P % 2 == 0 and r + 1 - keys.index(in_bin[0]) >= len(in_bin)
+    return 6, "every digit", None
+
+
+def integer_points(b, n, d, seed, high):
+    """b x [n, d] points with integer coordinates in [-high, high), as float64."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-high, high, (b, n, d), generator=g).double()
+
+
+# (what the points stand for, p, q): each batch's elements take the selection's branches listed
+MEDIAN_CASES = [
+    ("few pairs, odd", integer_points(2, 3, 4, 0, 2**20), integer_points(2, 4, 4, 1, 2**20)),      # 21 pairs
+    ("few pairs, even", integer_points(2, 4, 4, 2, 2**20), integer_points(2, 4, 4, 3, 2**20)),     # 28
+    ("spread", integer_points(6, 30, 3, 4, 2**20), integer_points(6, 30, 3, 5, 2**20)),            # 1770
+    # a simplex's vertices 2^24 apart, moved by up to 2^10: distances within ~2^-14 of each other
+    ("clustered", 2.0**24 * torch.eye(40)[:20].expand(2, 20, 40) + integer_points(2, 20, 40, 6, 2**10),
+     2.0**24 * torch.eye(40)[20:].expand(2, 20, 40) + integer_points(2, 20, 40, 7, 2**10)),
+    ("tied, odd", integer_points(2, 12, 2, 8, 2), integer_points(2, 10, 2, 9, 2)),                # 231 pairs
+    ("tied, even", integer_points(2, 20, 2, 10, 2), integer_points(2, 20, 2, 11, 2)),             # 780
+]
+
+
+def test_the_median_selection_model_covers_each_branch():
+    """The cases below take every branch of the selection: a gather after the first digit, the second
+    (the upper middle in the gathered bin and above it) and a later one; every digit (ties), for odd
+    and even counts."""
+    branches = {(name, median_selection(torch.cat([p[k], q[k]])))
+                for name, p, q in MEDIAN_CASES for k in range(p.shape[0])}
+    taken = {(digits, how, above) for _, (digits, how, above) in branches}
+    assert {(1, "gather", False), (2, "gather", False), (2, "gather", True), (6, "every digit", None)} <= taken
+    assert any(digits >= 3 and how == "gather" for digits, how, _ in taken)
+    assert {name for name, (_, how, _) in branches if how == "every digit"} == {"tied, odd", "tied, even"}
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["gather", "every-digit"])
+@pytest.mark.parametrize("case", range(len(MEDIAN_CASES)), ids=[c[0] for c in MEDIAN_CASES])
+def test_the_fused_median_equals_the_reference(gathered, case):
+    """kl.cu's median (the bandwidth kl returns) against the reference, with the gather of the last
+    keys (the default) and with a pass for every digit (set_gathered_selection(False))."""
+    _, p, q = MEDIAN_CASES[case]
+    assert EMU.handles_kl(p.shape[1] + q.shape[1], p.shape[2], p.shape[0])
+    with _cuda_emulation.switched("set_gathered_selection", gathered):
+        sigma = EMU.kl(p, q, 1e-3, 1e-8, None, False, False)[2]
+    expected = reference.median_bandwidth(torch.cat([p, q], 1))
+    assert_close_rel(sigma, expected, 1e-15)
+
+
+def test_the_gather_saves_the_passes_of_the_digits_left():
+    """At 128 x (100, 8)'s size the selection gathers after the second digit: the forward kernel
+    passes 4 barriers fewer for each digit left and one fewer for the even count's second middle, and
+    2 more for the gather and its ranking (15 fewer here), with the same bandwidth."""
+    p, q = integer_points(1, 100, 8, 12, 2**20), integer_points(1, 100, 8, 13, 2**20)
+    digits, how, _ = median_selection(torch.cat([p[0], q[0]]))
+    assert (digits, how) == (2, "gather")
+    runs = {}
+    for gathered in (True, False):
+        with _cuda_emulation.switched("set_gathered_selection", gathered):
+            launches()
+            sigma = EMU.kl(p, q, 1e-3, 1e-8, None, False, False)[2]
+            (runs[gathered],) = [(x.block_barriers, sigma) for x in launches() if x.kernel == "forward"]
+    assert runs[False][0] - runs[True][0] == 4 * (6 - digits) + 1 - 2
+    assert torch.equal(runs[True][1], runs[False][1])
 
 
 def test_a_device_without_enough_shared_memory_is_refused():

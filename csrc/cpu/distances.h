@@ -10,6 +10,7 @@
 // saves a pass over the triangle.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <cstdint>
 
 #include "cpu/buffers.h"

@@ -3,6 +3,7 @@
 // thread's buffers (buffers.h). Also the sqdist, median_bandwidth and fit ops' CPU kernels (kivi.h).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <cstdint>
 #include <optional>
 

@@ -1,3 +1,4 @@
+#include <ATen/ATen.h>
 #include "cpu/median.h"
 
 #include <ATen/Parallel.h>

@@ -9,6 +9,7 @@
 // exponential, the coefficients, the sum and the state), and with few dimensions the state is small:
 // 0.92 MB at 128 x 100 points against 200 in 8 dimensions (kivi_fast.kl's default on a VAE batch),
 // where the weights would take 20.5 MB.
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

@@ -24,8 +24,10 @@
 //
 // One block per element is latency-bound: ~0.27 ms per (100, 8) element on an H200, mostly the
 // elimination and the median's passes over shared memory (bench/README.md, "GPU").
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -102,19 +104,53 @@ __device__ __forceinline__ double warp_sum(double v) {
 using radix::key_of;
 using radix::kNotFiniteKey;
 
+// The median's gather (set_gathered_selection): the radix selection stops once the digits found so
+// far leave at most this many keys (a warp's worth; at 128 x (100, 8) typically ~10 of the 19,900
+// after two digits), which one pass gathers and one warp ranks, instead of a pass for each digit
+// left and, for an even count, one more for the upper middle.
+constexpr unsigned kGatherKeys = 32;
+
 struct SelectShared {
-  unsigned hist[radix::kMaxBins];
+  union {
+    unsigned hist[radix::kMaxBins];
+    unsigned long long gathered[kGatherKeys];  // (the histograms are done with by then)
+  };
   int64_t rank;
   unsigned digit;
+  unsigned in_bin;            // how many keys match the digits found so far
+  unsigned n_gathered;
   unsigned long long count;   // second middle: how many keys are <= the first
-  unsigned long long min_gt;  // and the least key above it
+  unsigned long long min_gt;  // and the least key above it (the gather: above the gathered keys' bin)
+  unsigned long long middles[2];  // the gather's lower and upper middle keys
 };
 
-// The key of rank `rank` (0-based) among the P keys of dist, selected digit by digit from the top.
-__device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, SelectShared& s) {
-  const int tid = threadIdx.x, warp = tid >> 5;
+__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Whether every distance is finite (block-wide). A NaN/Inf coordinate, or one too large to square,
+// makes every distance of its point NaN or Inf; without this check an Inf point would only drop out
+// of the fit (its kernel values are 0).
+__device__ bool all_finite(const double* dist, int64_t P) {
+  int bad = 0;
+  for (int64_t p = threadIdx.x; p < P; p += kThreads) bad |= key_of(dist[p]) >= kNotFiniteKey;
+  return !__syncthreads_or(bad);
+}
+
+// The median pairwise distance of P finite distances (numpy's convention for an even count: the mean
+// of the two middle ones). The lower middle's key by radix selection, digit by digit from the top,
+// each digit a pass that builds the histogram of the keys matching the digits found so far. Once at
+// most gather_keys keys match (kGatherKeys, or 0: never), one pass gathers them, and the least key
+// above them, and one warp ranks them: both middles. Else, with every digit found, one more pass for
+// the upper middle's statistics (an even count).
+__device__ double median_distance(const double* dist, int64_t P, unsigned gather_keys, SelectShared& s) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const bool even = P % 2 == 0;
+  int64_t rank = radix::lower_middle_rank(P);
   uint64_t prefix = 0, mask = 0;
-  for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
+  unsigned in_bin = ~0u;
+  for (int shift = radix::kFirstShift; shift > radix::kEndShift && in_bin > gather_keys; shift -= radix::kBits) {
     const int lo_bit = radix::digit_low_bit(shift);
     const unsigned bins = radix::digit_bins(shift);
     for (unsigned i = tid; i < bins; i += kThreads) s.hist[i] = 0;
@@ -136,48 +172,64 @@ __device__ uint64_t select_rank(const double* dist, int64_t P, int64_t rank, Sel
       if (radix::find_digit(s.hist, bins, static_cast<unsigned long long>(rank), &digit, &left)) {
         s.digit = digit;
         s.rank = static_cast<int64_t>(left);
+        s.in_bin = s.hist[digit];
       }
     }
     __syncthreads();
     prefix |= static_cast<uint64_t>(s.digit) << lo_bit;
     mask |= static_cast<uint64_t>(bins - 1) << lo_bit;
     rank = s.rank;
-    __syncthreads();  // s.digit and s.rank are rewritten by the next pass
+    in_bin = s.in_bin;
+    __syncthreads();  // s.digit, s.rank and s.in_bin are rewritten by the next pass
   }
-  return prefix;
-}
 
-// Whether every distance is finite (block-wide). A NaN/Inf coordinate, or one too large to square,
-// makes every distance of its point NaN or Inf; without this check an Inf point would only drop out
-// of the fit (its kernel values are 0).
-__device__ bool all_finite(const double* dist, int64_t P) {
-  int bad = 0;
-  for (int64_t p = threadIdx.x; p < P; p += kThreads) bad |= key_of(dist[p]) >= kNotFiniteKey;
-  return !__syncthreads_or(bad);
-}
-
-// The median pairwise distance of finite distances (numpy's convention for an even count: the mean
-// of the two middle ones).
-__device__ double median_distance(const double* dist, int64_t P, SelectShared& s) {
-  const int tid = threadIdx.x;
-  const uint64_t lo = select_rank(dist, P, radix::lower_middle_rank(P), s);
-  if (P % 2 == 1) return radix::median_of_middles(lo, P, 0, 0);
-  // the upper middle's statistics: how many keys are <= lo, and the least key above it
   if (tid == 0) {
+    s.n_gathered = 0;
     s.count = 0;
     s.min_gt = ~0ull;
   }
   __syncthreads();
-  unsigned long long count = 0, min_gt = ~0ull;
+  if (in_bin > gather_keys) {  // every digit found: prefix is the lower middle's key
+    if (!even) return radix::median_of_middles(prefix, P, 0, 0);
+    unsigned long long count = 0, min_gt = ~0ull;
+    for (int64_t p = tid; p < P; p += kThreads) {
+      const uint64_t k = key_of(dist[p]);
+      if (k <= prefix) ++count;
+      else if (k < min_gt) min_gt = k;
+    }
+    atomicAdd(&s.count, count);
+    atomicMin(&s.min_gt, min_gt);
+    __syncthreads();
+    return radix::median_of_middles(prefix, P, s.count, s.min_gt);
+  }
+
+  // The gather: the in_bin keys of the bin [prefix, bin_top], and the least key above it
+  const uint64_t bin_top = prefix | ~mask;
+  unsigned long long above = ~0ull;
   for (int64_t p = tid; p < P; p += kThreads) {
     const uint64_t k = key_of(dist[p]);
-    if (k <= lo) ++count;
-    else if (k < min_gt) min_gt = k;
+    if ((k & mask) == prefix) s.gathered[atomicAdd(&s.n_gathered, 1u)] = k;
+    else if (k > bin_top && k < above) above = k;
   }
-  atomicAdd(&s.count, count);
-  atomicMin(&s.min_gt, min_gt);
+  if (even) {
+    above = warp_min(above);
+    if (lane == 0) atomicMin(&s.min_gt, above);
+  }
   __syncthreads();
-  return radix::median_of_middles(lo, P, s.count, s.min_gt);
+  if (warp == 0) {  // each lane's key's rank among them (ties by lane): the middles' lanes write them
+    const unsigned long long key = static_cast<unsigned>(lane) < in_bin ? s.gathered[lane] : ~0ull;
+    int64_t r = 0;
+    for (int j = 0; j < 32; ++j) {
+      const unsigned long long other = __shfl_sync(0xffffffffu, key, j);
+      r += other < key || (other == key && j < lane);
+    }
+    if (static_cast<unsigned>(lane) < in_bin && (r == rank || r == rank + 1)) s.middles[r - rank] = key;
+  }
+  __syncthreads();
+  const uint64_t lo = s.middles[0];
+  // the upper middle: the next key in the bin, else the least above it
+  const uint64_t hi = !even ? lo : rank + 1 < static_cast<int64_t>(in_bin) ? s.middles[1] : s.min_gt;
+  return radix::mean_of_roots(lo, hi);
 }
 
 struct KlArgs {
@@ -194,6 +246,7 @@ struct KlArgs {
   bool system_in_shared;    // the n_den x n_den system in shared memory, else in sys_ws
   int batch;                // B: the blocks take the batch elements b = blockIdx.x + k gridDim.x in turn
   bool paired_elimination;  // solve_spd's two columns a step (set_paired_elimination)
+  unsigned gather_keys;     // the median's gather: kGatherKeys, or 0 (set_gathered_selection)
   long long* clocks;        // benches: block 0's clock64() at the stage boundaries (kForwardStages), or null
 };
 
@@ -434,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
     double sigma = NAN;
     if (all_finite(dist, P)) {
-      sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, sel);
+      sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, a.gather_keys, sel);
       if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
     }
     stage_clock(a, b, 2);
@@ -841,6 +894,8 @@ int max_shared_bytes(int device) { return device_attribute(device, cudaDevAttrMa
 std::atomic<bool> two_blocks_per_sm{true};
 // set_paired_elimination's switch (benches: solve_spd's one column a step against two).
 std::atomic<bool> paired_elimination{true};
+// set_gathered_selection's switch (benches: the median's gather against a pass for every digit).
+std::atomic<bool> gathered_selection{true};
 // set_generic_kernels's switch (benches: the generic path's CUDA kernels against its ATen composition).
 std::atomic<bool> generic_kernels{true};
 
@@ -952,6 +1007,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   a.ldx = a.compute_dist ? static_cast<int>(d | 1) : 0;
   a.clocks = stage_clocks_device.load() == device ? stage_clocks.load() : nullptr;
   a.paired_elimination = paired_elimination.load();
+  a.gather_keys = gathered_selection.load() ? kGatherKeys : 0;
   // the projection state reads the points staged in shared memory (handles_kl keeps the others out)
   TORCH_CHECK(a.compute_dist || !a.projection, "kivi_fast::kl (CUDA): a projection state needs N d <= ", kSmallWork);
   // In shared memory what fits: both the distances (the median's passes) and the system (the
@@ -1021,6 +1077,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
 bool set_two_blocks_per_sm(bool flag) { return two_blocks_per_sm.exchange(flag); }
 
 bool set_paired_elimination(bool flag) { return paired_elimination.exchange(flag); }
+
+bool set_gathered_selection(bool flag) { return gathered_selection.exchange(flag); }
 
 bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 

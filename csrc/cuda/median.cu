@@ -7,7 +7,9 @@
 // count, the second middle's) writes the bandwidth, so a median is 6 or 7 kernels after two fills (the
 // workspace, the bandwidths). Nothing is read back to the host: NaN/Inf distances or a zero median give
 // a NaN bandwidth.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

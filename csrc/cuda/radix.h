@@ -63,15 +63,19 @@ __device__ bool find_digit(const Count* hist, unsigned bins, unsigned long long 
 // The lower middle's rank (0-based) among P pairs.
 __host__ __device__ constexpr int64_t lower_middle_rank(int64_t P) { return (P + 1) / 2 - 1; }
 
+// The mean of the square roots of two keys' distances: the median distance from its two middle keys.
+__device__ __forceinline__ double mean_of_roots(uint64_t lo, uint64_t hi) {
+  return 0.5 * (sqrt(__longlong_as_double(static_cast<long long>(lo))) +
+                sqrt(__longlong_as_double(static_cast<long long>(hi))));
+}
+
 // The median distance from the lower middle key, for an even P also from how many keys are <= it and
 // the least key above it (numpy's convention: the mean of the two middle distances; the upper middle
 // is the lower one again when it occurs more than once).
 __device__ __forceinline__ double median_of_middles(uint64_t lo, int64_t P, unsigned long long count_le,
                                                     unsigned long long min_gt) {
   const bool tied = count_le > static_cast<unsigned long long>(lower_middle_rank(P) + 1);
-  const uint64_t hi = (P % 2 == 1 || tied) ? lo : min_gt;
-  return 0.5 * (sqrt(__longlong_as_double(static_cast<long long>(lo))) +
-                sqrt(__longlong_as_double(static_cast<long long>(hi))));
+  return mean_of_roots(lo, (P % 2 == 1 || tied) ? lo : min_gt);
 }
 
 }  // namespace kivi_fast::cuda::radix

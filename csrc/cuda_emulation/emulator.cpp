@@ -173,6 +173,7 @@ bool release(Scheduler& s) {
   }
   if (!any_live) return false;
   if (all_at_block) {
+    ++launches().back().block_barriers;
     for (Fiber& f : fibers) {
       if (f.state == State::done) continue;
       f.state = State::ready;
@@ -354,7 +355,7 @@ void run_grid(const char* kernel, const void* kernel_id, dim3 grid, dim3 block, 
     refuse("asks for " + std::to_string(shared_bytes) + " bytes of dynamic shared memory, above the device's " +
            std::to_string(device_config().shared_per_block_optin));
   }
-  launches().push_back({kernel, grid, block, shared_bytes});
+  launches().push_back({kernel, grid, block, shared_bytes, 0});
   s.in_launch = true;
   s.error = nullptr;
   s.body = &body;

@@ -82,6 +82,7 @@ struct LaunchRecord {
   std::string kernel;
   dim3 grid, block;
   int64_t shared_bytes;
+  int64_t block_barriers = 0;  // __syncthreads passed, summed over the blocks (a count of a stage's steps)
 };
 std::vector<LaunchRecord>& launches();
 

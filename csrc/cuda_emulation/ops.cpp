@@ -4,6 +4,7 @@
 //
 // This library is compiled with kivi_fast renamed (CMakeLists.txt), so that its copies of kivi.h's
 // inline functions and of the cuda:: functions never meet the real library's in one process.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -45,14 +46,14 @@ void configure(int64_t multiprocessors, int64_t shared_per_block_optin, int64_t 
 }
 
 // The launches since the last call (which clears them): their kernels' names as written at the launch,
-// and [grid x, y, z, threads, dynamic shared bytes] each.
+// and [grid x, y, z, threads, dynamic shared bytes, block barriers passed] each.
 std::tuple<std::vector<std::string>, std::vector<int64_t>> take_launches() {
   std::vector<std::string> names;
   std::vector<int64_t> shapes;
   for (const emu::LaunchRecord& r : emu::launches()) {
     names.push_back(r.kernel);
     for (int64_t v : {int64_t{r.grid.x}, int64_t{r.grid.y}, int64_t{r.grid.z},
-                      int64_t{r.block.x} * r.block.y * r.block.z, r.shared_bytes}) {
+                      int64_t{r.block.x} * r.block.y * r.block.z, r.shared_bytes, r.block_barriers}) {
       shapes.push_back(v);
     }
   }
@@ -88,6 +89,7 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
+  m.def("set_gathered_selection(bool flag) -> bool", &cuda::set_gathered_selection);
   m.def("configure(int multiprocessors, int shared_per_block_optin, int shared_per_multiprocessor,"
         " int reserved_shared_per_block, int seed) -> ()",
         &configure);
