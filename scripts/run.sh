@@ -17,7 +17,7 @@ if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
 stamp="$VENV/.kivi_fast_deps"
-deps="torch==2.13.0 scikit-build-core>=0.10 ninja numpy scipy tqdm matplotlib pytest hypothesis pyro-ppl==1.9.2"
+deps="torch==2.13.0 scikit-build-core>=0.10 ninja numpy scipy tqdm matplotlib pytest pytest-xdist hypothesis pyro-ppl==1.9.2"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
   # torch is pinned exactly: an unpinned one would resolve the newest release (on this project's
   # machines a CUDA build of several GB). Where the index serves 2.13.0 itself as a CUDA build,
@@ -39,7 +39,7 @@ fi
 case "$what" in
   main)  exec "$PY" -m kivi_fast.cli uci --dataset boston --method kivi --splits 0-2 --epochs 500 "$@" ;;
   toy)   exec "$PY" -m kivi_fast.cli toy "$@" ;;
-  test)  exec "$PY" -m pytest python_tests -q "$@" ;;
+  test)  exec "$PY" -m pytest python_tests -q -n 2 "$@" ;;  # two worker processes (pytest-xdist); -n N overrides
   bench) exec "$PY" bench/run.py "$@" ;;
   setup) ;;
   *) echo "usage: bash scripts/run.sh [main|toy|test|bench|setup] [args...]" >&2; exit 2 ;;
