@@ -165,8 +165,8 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     """Ours (forward + backward) with a testing switch on and off, timed alternately:
     set_two_blocks_per_sm (batches of more than one wave: two forward blocks per SM, or one),
     set_paired_elimination (the forward's elimination two columns a step, or one),
-    set_gathered_selection (the forward's median: the last few keys gathered and ranked in a warp, or
-    a pass for every digit),
+    set_gathered_selection (the medians, kl.cu's forward's and median.cu's: the last few keys
+    gathered and ranked, or a pass for every digit),
     set_generic_kernels (many points: the generic path's CUDA kernels, or ATen's composition of the
     same steps)."""
     ours = cpu_bench.IMPLS["ours"]
@@ -264,6 +264,8 @@ def main(argv=None) -> int:
                     print(switch_ab(p, q, "set_two_blocks_per_sm", args.target_s))
                 if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches
                     print(switch_ab(p, q, "set_generic_kernels", args.target_s))
+                    if n * (2 * n - 1) >= 2**16:  # median.cu's median of the pairs, with its gather or not
+                        print(switch_ab(p, q, "set_gathered_selection", args.target_s))
         return 0
     impls, pure = dict(cpu_bench.IMPLS), tuple(cpu_bench.PURE)
     compiled = cpu_bench.compiled_sides(cpu_bench.PURE, mode=args.compile_mode) if args.compiled else {}

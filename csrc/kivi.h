@@ -200,9 +200,11 @@ bool set_two_blocks_per_sm(bool flag);
 // Benches and tests: whether the forward kernel's elimination takes two columns a step (the default)
 // or one; returns the old value.
 bool set_paired_elimination(bool flag);
-// Benches and tests: whether the forward kernel's median gathers the last few keys of its radix
-// selection and ranks them in a warp (the default) or takes a pass for every digit; returns the old value.
+// Benches and tests: whether the medians (the forward kernel's, and median_of_pairs) gather the last
+// few keys of their radix selection and rank them (the default) or take a pass for every digit;
+// returns the old value. use_gathered_selection reads it.
 bool set_gathered_selection(bool flag);
+bool use_gathered_selection();
 // Benches and tests: whether the generic path on CUDA tensors takes the kernels above (pair_sqdist,
 // kernel_block, fit_coef, kl_finish; the default) or ATen's composition of the same steps (the median
 // is cuda/median.cu's either way); returns the old value. use_generic_kernels reads it.

@@ -645,16 +645,45 @@ def test_kl_finish_equals_the_aten_composition(reverse, state):
         assert target[2].isnan().any() and (target[2][r[2] <= clip] == 0).all()
 
 
+def median_selection(pairs: torch.Tensor, gather_keys: int = 32, last_digit_gathers: bool = True):
+    """Where a radix selection of the median of the squared distances `pairs` [P] ends: (the digits it
+    takes, whether it gathers the keys left or finds every digit, whether an even count's upper middle
+    lies above the gathered keys). A model of the selections apart from the kernels: the keys sorted,
+    a digit's bin the keys that share the lower middle's bits down to that digit's lowest; kl.cu's
+    gathers at most 32 keys, also after the last digit, median.cu's at most 256, before it."""
+    keys = sorted(pairs.double().numpy().view("int64").tolist())
+    P, r = len(keys), (len(keys) + 1) // 2 - 1
+    for digits, low_bit in enumerate((53, 42, 31, 20, 9, 0), 1):
+        in_bin = [k for k in keys if k >> low_bit == keys[r] >> low_bit]
+        if len(in_bin) <= gather_keys and (digits < 6 or last_digit_gathers):
+            return digits, "gather", P % 2 == 0 and r + 1 - keys.index(in_bin[0]) >= len(in_bin)
+    return 6, "every digit", None
+
+
+def point_selection(x: torch.Tensor):
+    """median_selection for kl.cu's median of the points x [N, d] with integer coordinates (their
+    squared distances exact, whatever the summation order)."""
+    return median_selection(packed_pairs(x[None])[0])
+
+
+def integer_points(b, n, d, seed, high):
+    """b x [n, d] points with integer coordinates in [-high, high), as float64."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-high, high, (b, n, d), generator=g).double()
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["gather", "every-digit"])
 @pytest.mark.parametrize("N,ties", [(151, False), (160, False), (160, True), (41, True)])  # 11325 pairs, 12720, ..., 820
-def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
+def test_the_median_of_pairs_kernels_equal_the_reference(N, ties, gathered):
     """cuda/median.cu's multi-block radix selection over packed pairs (several blocks per element on a
     small emulated device, so that the last block of each pass picks the digit): odd and even pair
-    counts, ties; NaN for NaN distances and a zero median."""
+    counts, ties; NaN for NaN distances and a zero median; with the last keys gathered (the default)
+    and with a pass for every digit (set_gathered_selection(False))."""
     x = torch.randn(3, N, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
     if ties:
         x = x.round()
     P = N * (N - 1) // 2
-    with emulated_device(multiprocessors=4):
+    with emulated_device(multiprocessors=4), _cuda_emulation.switched("set_gathered_selection", gathered):
         launches()
         sigma = EMU.median_of_pairs(packed_pairs(x))
         grids = {x.grid for x in launches()}
@@ -664,32 +693,45 @@ def test_the_median_of_pairs_kernels_equal_the_reference(N, ties):
     bad = x.clone()
     bad[0, 5, 1] = float("nan")
     bad[1] = 0.0
-    with emulated_device(multiprocessors=4):
+    with emulated_device(multiprocessors=4), _cuda_emulation.switched("set_gathered_selection", gathered):
         sigma = EMU.median_of_pairs(packed_pairs(bad))
     assert sigma[[0, 1]].isnan().all()
     assert_close_rel(sigma[2:], reference.median_bandwidth(bad[2]).reshape(1), 1e-14)
 
 
-def median_selection(x: torch.Tensor, gather_keys: int = 32):
-    """Where kl.cu's median selection (median_distance) ends for the points x [N, d] with integer
-    coordinates (their squared distances exact, whatever the summation order): (the digits it takes,
-    whether it gathers the keys left or finds every digit, whether an even count's upper middle lies
-    above the gathered keys). A model of the selection apart from the kernel: the keys sorted, a
-    digit's bin the keys that share the lower middle's bits down to that digit's lowest."""
-    i, j = torch.triu_indices(x.shape[0], x.shape[0], 1)
-    keys = sorted(((x[i] - x[j]) ** 2).sum(-1).double().numpy().view("int64").tolist())
-    P, r = len(keys), (len(keys) + 1) // 2 - 1
-    for digits, low_bit in enumerate((53, 42, 31, 20, 9, 0), 1):
-        in_bin = [k for k in keys if k >> low_bit == keys[r] >> low_bit]
-        if len(in_bin) <= gather_keys:
-            return digits, "gather", P % 2 == 0 and r + 1 - keys.index(in_bin[0]) >= len(in_bin)
-    return 6, "every digit", None
+# (the pairs' points, [B, N, d]): their selections gather after the second digit (the upper middle in
+# the gathered bin and above it), after the third, and (ties) never
+GATHER_CASES = {
+    "spread": integer_points(4, 200, 3, 14, 2**20),  # 19,900 pairs
+    "clustered": 2.0**24 * torch.eye(80).expand(2, 80, 80) + integer_points(2, 80, 80, 15, 2**10),  # 3160
+    "tied": integer_points(2, 120, 2, 16, 3),  # 7140
+}
 
 
-def integer_points(b, n, d, seed, high):
-    """b x [n, d] points with integer coordinates in [-high, high), as float64."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-high, high, (b, n, d), generator=g).double()
+@pytest.mark.parametrize("name", GATHER_CASES)
+def test_the_median_of_pairs_gathers_where_the_model_says_and_then_returns_at_once(name):
+    """median.cu's passes end with the gather of at most 256 keys, one pass after the digit that leaves
+    them (a model of the selection, apart from the kernels, says which), and the launches after it
+    return before their first barrier; with ties the selection takes every digit. The bandwidth is the
+    reference's either way."""
+    x = GATHER_CASES[name]
+    pairs = packed_pairs(x)
+    P = pairs.shape[1]
+    model = [median_selection(pairs[b], 256, last_digit_gathers=False) for b in range(x.shape[0])]
+    expected = {"spread": {(2, "gather", False), (2, "gather", True)}, "clustered": {(3, "gather", False), (3, "gather", True)},
+                "tied": {(6, "every digit", None)}}[name]
+    assert set(model) == expected, model
+    # (the elements of a batch gather after the same digit here, so each launch either works or returns)
+    digits = model[0][0]
+    for gathered in (True, False):
+        with emulated_device(multiprocessors=4), _cuda_emulation.switched("set_gathered_selection", gathered):
+            launches()
+            sigma = EMU.median_of_pairs(pairs)
+            barriers = [x.block_barriers for x in launches()]
+        assert len(barriers) == 6 + (P % 2 == 0)
+        working = digits + 1 if gathered and digits < 6 else len(barriers)
+        assert all(n > 0 for n in barriers[:working]) and all(n == 0 for n in barriers[working:]), barriers
+        assert_close_rel(sigma, reference.median_bandwidth(x), 1e-14)
 
 
 # (what the points stand for, p, q): each batch's elements take the selection's branches listed
@@ -709,7 +751,7 @@ def test_the_median_selection_model_covers_each_branch():
     """The cases below take every branch of the selection: a gather after the first digit, the second
     (the upper middle in the gathered bin and above it) and a later one; every digit (ties), for odd
     and even counts."""
-    branches = {(name, median_selection(torch.cat([p[k], q[k]])))
+    branches = {(name, point_selection(torch.cat([p[k], q[k]])))
                 for name, p, q in MEDIAN_CASES for k in range(p.shape[0])}
     taken = {(digits, how, above) for _, (digits, how, above) in branches}
     assert {(1, "gather", False), (2, "gather", False), (2, "gather", True), (6, "every digit", None)} <= taken
@@ -735,7 +777,7 @@ def test_the_gather_saves_the_passes_of_the_digits_left():
     passes 4 barriers fewer for each digit left and one fewer for the even count's second middle, and
     2 more for the gather and its ranking (15 fewer here), with the same bandwidth."""
     p, q = integer_points(1, 100, 8, 12, 2**20), integer_points(1, 100, 8, 13, 2**20)
-    digits, how, _ = median_selection(torch.cat([p[0], q[0]]))
+    digits, how, _ = point_selection(torch.cat([p[0], q[0]]))
     assert (digits, how) == (2, "gather")
     runs = {}
     for gathered in (True, False):

@@ -109,6 +109,7 @@ using radix::kNotFiniteKey;
 // after two digits), which one pass gathers and one warp ranks, instead of a pass for each digit
 // left and, for an even count, one more for the upper middle.
 constexpr unsigned kGatherKeys = 32;
+static_assert(kGatherKeys <= 32, "median_distance ranks the gathered keys in one warp");
 
 struct SelectShared {
   union {
@@ -1079,6 +1080,8 @@ bool set_two_blocks_per_sm(bool flag) { return two_blocks_per_sm.exchange(flag);
 bool set_paired_elimination(bool flag) { return paired_elimination.exchange(flag); }
 
 bool set_gathered_selection(bool flag) { return gathered_selection.exchange(flag); }
+
+bool use_gathered_selection() { return gathered_selection.load(); }
 
 bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 

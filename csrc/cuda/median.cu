@@ -1,12 +1,15 @@
 // The median pairwise distance of many points on CUDA (cuda::median_of_pairs): an exact radix
 // selection over their squared distances, packed one per pair ([B, P], the generic fit's layout, made
 // by cuda::pair_sqdist). It replaces a sort of the pairs (at N = 10,000 points: the pairs' 400 MB
-// again, and the sort's buffers) with 6 passes that each read the pairs once and build a 2048-bin
+// again, and the sort's buffers) with passes that each read the pairs once and build a 2048-bin
 // histogram of one 11-bit digit of the distances' bit patterns (non-negative doubles order as their
-// bit patterns); the last block to finish a pass picks its digit, and the last pass (or, for an even
-// count, the second middle's) writes the bandwidth, so a median is 6 or 7 kernels after two fills (the
-// workspace, the bandwidths). Nothing is read back to the host: NaN/Inf distances or a zero median give
-// a NaN bandwidth.
+// bit patterns); the last block to finish a pass picks its digit. Once the digits found leave at most
+// kGatherKeys keys (set_gathered_selection, the default; typically after the third digit at 10^5-10^7
+// pairs), the next pass gathers them instead, with the least key above them, and its last block ranks
+// them and writes the bandwidth; the launches left then return at once. Else the last digit's pass (or,
+// for an even count, the second middle's) writes it. The host launches all 6 or 7 kernels after two
+// fills (the workspace, the bandwidths), as it cannot know when the gather comes: nothing is read back
+// to the host. NaN/Inf distances or a zero median give a NaN bandwidth.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -27,21 +30,27 @@ namespace kivi_fast::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr unsigned kGatherKeys = kThreads;  // the gather's most keys: one a thread of the ranking block
 using radix::key_of;
 using radix::kMaxBins;
 using radix::kNotFiniteKey;
 
-// Per batch element, in device memory (one zeroed workspace with the histogram): the selection's
-// progress, the second middle's statistics, and how many blocks of the current launch are done.
+// What the next launch does for a batch element (Selection::stage).
+enum Stage : unsigned long long { kSelecting = 0, kGathering = 1, kDone = 2 };
+
+// Per batch element, in device memory (one zeroed workspace with the histogram and the gathered
+// keys): the selection's progress, the second middle's statistics (the gather: the least key above
+// the gathered ones), and how many blocks of the current launch are done.
 struct Selection {
   unsigned long long prefix, mask, rank;  // the digits found so far, and the rank left within them
   unsigned long long count_le, min_gt;    // even counts: keys <= the lower middle, least key above it
   unsigned long long not_finite;
   unsigned long long blocks_done;         // the launch's blocks that have added their counts
-  unsigned long long pad;
+  unsigned long long stage;               // a Stage
+  unsigned long long gathered;            // how many keys the gather has written
 };
 constexpr int64_t kSelectionWords = sizeof(Selection) / sizeof(int64_t);
-static_assert(sizeof(Selection) == 8 * sizeof(int64_t));
+static_assert(sizeof(Selection) == 9 * sizeof(int64_t));
 
 // Whether this block is the last of its batch element's blocks to finish (block-wide result): the
 // blocks' global atomics before it are then visible to it. Resets the count for the next launch.
@@ -65,16 +74,62 @@ __device__ double bandwidth_of(uint64_t lo, int64_t P, unsigned long long count_
   return (not_finite || !(s > 0.0)) ? NAN : s;
 }
 
+// The gather (Selection::stage kGathering): the in_bin keys that match the digits found so far go to
+// keys ([kGatherKeys], in the order the blocks reach them), and for an even count the least key above
+// them to min_gt; the last block of the element ranks them (ties by position) and writes the
+// bandwidth from the two middles: the lower one of rank sel.rank among them, the upper one the next,
+// or the least key above them when the lower one is their last.
+__device__ void gather_and_rank(const double* pairs, int64_t P, Selection& sel, unsigned long long* keys,
+                                unsigned long long* ranked, double* sigma) {
+  const int tid = threadIdx.x;
+  const uint64_t prefix = sel.prefix, mask = sel.mask, bin_top = prefix | ~mask;
+  const bool even = P % 2 == 0;
+  unsigned long long above = ~0ull;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + tid; p < P; p += stride) {
+    const uint64_t k = key_of(pairs[p]);
+    if ((k & mask) == prefix) keys[atomicAdd(&sel.gathered, 1ull)] = k;
+    else if (k > bin_top && k < above) above = k;
+  }
+  if (even) {
+    for (int o = 16; o > 0; o >>= 1) above = min(above, __shfl_xor_sync(0xffffffffu, above, o));
+    if ((tid & 31) == 0) atomicMin(&sel.min_gt, above);
+  }
+  if (!last_block_of_element(sel)) return;
+  __shared__ unsigned long long middles[2];
+  const unsigned long long n = __ldcg(&sel.gathered), rank = sel.rank;
+  if (static_cast<unsigned long long>(tid) < n) ranked[tid] = __ldcg(keys + tid);
+  __syncthreads();
+  if (static_cast<unsigned long long>(tid) < n) {
+    const unsigned long long key = ranked[tid];
+    unsigned long long r = 0;
+    for (unsigned long long j = 0; j < n; ++j) {
+      r += ranked[j] < key || (ranked[j] == key && j < static_cast<unsigned long long>(tid));
+    }
+    if (r == rank || r == rank + 1) middles[r - rank] = key;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    const uint64_t lo = middles[0], hi = !even ? lo : rank + 1 < n ? middles[1] : __ldcg(&sel.min_gt);
+    const double s = radix::mean_of_roots(lo, hi);
+    sigma[blockIdx.y] = (__ldcg(&sel.not_finite) || !(s > 0.0)) ? NAN : s;
+    sel.stage = kDone;
+  }
+}
+
 // One digit's histogram over the keys that match the digits found so far; the blocks of an element
 // take kThreads consecutive pairs in turn. The last block of each batch element then picks the digit
 // that holds the rank (and clears the histogram for the next digit); after the last digit of an odd
-// pair count it writes the bandwidth. The first digit starts from prefix = mask = 0 and rank =
-// first_rank.
+// pair count it writes the bandwidth. Where the digit leaves at most gather_keys keys (and digits are
+// left), the next launch gathers them (gather_and_rank) and the ones after return at once. The first
+// digit starts from prefix = mask = 0 and rank = first_rank.
 __global__ void __launch_bounds__(kThreads)
     digit_histogram_kernel(const double* __restrict__ pairs_all, int64_t P, Selection* __restrict__ sel_all,
                            int lo_bit, unsigned bins, bool first, unsigned long long first_rank, bool last_digit,
-                           unsigned long long* __restrict__ hist_all, double* __restrict__ sigma) {
-  // the block's counts (32-bit atomics), then in the last block the element's (up to P: 64-bit)
+                           unsigned gather_keys, unsigned long long* __restrict__ hist_all,
+                           unsigned long long* __restrict__ keys_all, double* __restrict__ sigma) {
+  // the block's counts (32-bit atomics), then in the last block the element's (up to P: 64-bit), or
+  // the gathered keys
   __shared__ union {
     unsigned block[kMaxBins];
     unsigned long long element[kMaxBins];
@@ -82,6 +137,12 @@ __global__ void __launch_bounds__(kThreads)
   const int b = blockIdx.y, tid = threadIdx.x;
   const double* pairs = pairs_all + b * P;
   Selection& sel_b = sel_all[b];
+  const unsigned long long stage = first ? kSelecting : sel_b.stage;  // (the previous launch's, for all blocks)
+  if (stage == kDone) return;
+  if (stage == kGathering) {
+    gather_and_rank(pairs, P, sel_b, keys_all + static_cast<int64_t>(b) * kGatherKeys, hist.element, sigma);
+    return;
+  }
   const uint64_t prefix = first ? 0 : sel_b.prefix, mask = first ? 0 : sel_b.mask;
   const unsigned long long rank = first ? first_rank : sel_b.rank;
   for (unsigned i = tid; i < bins; i += kThreads) hist.block[i] = 0;
@@ -120,7 +181,8 @@ __global__ void __launch_bounds__(kThreads)
     sel_b.prefix = lo;
     sel_b.mask = mask | static_cast<uint64_t>(bins - 1) << lo_bit;
     sel_b.rank = left;
-    if (first) sel_b.min_gt = ~0ull;  // for second_middle_kernel's atomicMin
+    if (first) sel_b.min_gt = ~0ull;  // for second_middle_kernel's (or the gather's) atomicMin
+    if (!last_digit && hist.element[digit] <= gather_keys) sel_b.stage = kGathering;
     if (last_digit && P % 2 == 1) sigma[b] = bandwidth_of(lo, P, 0, 0, __ldcg(&sel_b.not_finite));
   }
 }
@@ -133,6 +195,7 @@ __global__ void __launch_bounds__(kThreads)
   const int b = blockIdx.y;
   const double* pairs = pairs_all + b * P;
   Selection& sel_b = sel_all[b];
+  if (sel_b.stage == kDone) return;  // the gather wrote the bandwidth
   const unsigned long long lo = sel_b.prefix;
   unsigned long long count = 0, min_gt = ~0ull;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -165,10 +228,13 @@ Tensor median_of_pairs(const Tensor& pairs_in) {
   const int64_t B = pairs.size(0), P = pairs.size(1);
   auto sigma = at::full({B}, NAN, pairs.options());  // written by the kernels' last blocks
   if (B == 0) return sigma;
-  // one zeroed workspace (one launch): the elements' Selections, then their histograms
-  auto ws = at::zeros({B * (kSelectionWords + static_cast<int64_t>(kMaxBins))}, pairs.options().dtype(at::kLong));
+  // one zeroed workspace (one launch): the elements' Selections, their histograms, their gathered keys
+  auto ws = at::zeros({B * (kSelectionWords + static_cast<int64_t>(kMaxBins + kGatherKeys))},
+                      pairs.options().dtype(at::kLong));
   auto* sel = reinterpret_cast<Selection*>(ws.data_ptr<int64_t>());
   auto* h = reinterpret_cast<unsigned long long*>(ws.data_ptr<int64_t>()) + B * kSelectionWords;
+  auto* keys = h + B * kMaxBins;
+  const unsigned gather_keys = use_gathered_selection() ? kGatherKeys : 0;
   const int device = pairs.get_device();
   const auto stream = c10::cuda::getCurrentCUDAStream(device);
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
@@ -179,6 +245,7 @@ Tensor median_of_pairs(const Tensor& pairs_in) {
     const double* pairs_b = pairs.data_ptr<double>() + b0 * P;  // the chunk's first element as element 0
     Selection* sel_b = sel + b0;
     unsigned long long* h_b = h + b0 * kMaxBins;
+    unsigned long long* keys_b = keys + b0 * kGatherKeys;
     double* sigma_b = sigma.data_ptr<double>() + b0;
     const int64_t per_element = std::min<int64_t>((P + kThreads - 1) / kThreads, (8 * sms + nb - 1) / nb);
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, per_element)), static_cast<unsigned>(nb));
@@ -187,7 +254,8 @@ Tensor median_of_pairs(const Tensor& pairs_in) {
       const unsigned bins = radix::digit_bins(shift);
       const bool first = shift == radix::kFirstShift, last_digit = shift - radix::kBits <= radix::kEndShift;
       digit_histogram_kernel<<<grid, kThreads, 0, stream>>>(pairs_b, P, sel_b, lo_bit, bins, first,
-                                                          radix::lower_middle_rank(P), last_digit, h_b, sigma_b);
+                                                          radix::lower_middle_rank(P), last_digit, gather_keys,
+                                                          h_b, keys_b, sigma_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (P % 2 == 0) {
