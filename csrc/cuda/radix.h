@@ -32,30 +32,44 @@ __device__ __forceinline__ void add_to_histogram(unsigned* hist, unsigned bin) {
   }
 }
 
-// Called by a whole warp over one digit's histogram of `bins` counts: the lane whose slice of bins holds
-// the key of rank `rank` (0-based among the counted keys) sets *digit and *rank_left (the rank within
-// that bin) and returns true; the other lanes return false.
+// Called by a whole warp over one digit's histogram of `bins` counts (512 or 2048): the lane that finds
+// the bin holding the key of rank `rank` (0-based among the counted keys) sets *digit and *rank_left
+// (the rank within that bin) and returns true; the other lanes return false. Each lane sums a slice of
+// bins / 32 consecutive bins, starting at a lane-rotated bin of its slice: in order, the slices'
+// starts (a multiple of 32 words apart) would put every lane's read in one shared-memory bank. Then the
+// whole warp scans the slice that holds the rank, 32 bins at a time.
 template <typename Count>
 __device__ bool find_digit(const Count* hist, unsigned bins, unsigned long long rank, unsigned* digit,
                            unsigned long long* rank_left) {
-  const unsigned lane = threadIdx.x & 31, per_lane = bins / 32;
+  const unsigned lane = threadIdx.x & 31, per_lane = bins / 32;  // (a power of two)
   unsigned long long sum = 0;
-  for (unsigned i = 0; i < per_lane; ++i) sum += hist[lane * per_lane + i];
+  for (unsigned i = 0; i < per_lane; ++i) sum += hist[lane * per_lane + ((i + lane) & (per_lane - 1))];
   unsigned long long incl = sum;
   for (int o = 1; o < 32; o <<= 1) {
     const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= static_cast<unsigned>(o)) incl += v;
   }
-  if (rank < incl - sum || rank >= incl) return false;
-  unsigned long long cum = incl - sum;
-  for (unsigned i = 0; i < per_lane; ++i) {
-    const unsigned long long h = hist[lane * per_lane + i];
-    if (rank < cum + h) {
-      *digit = lane * per_lane + i;
-      *rank_left = rank - cum;
-      return true;
+  const unsigned holders = __ballot_sync(0xffffffffu, rank >= incl - sum && rank < incl);
+  if (holders == 0) return false;  // (a rank beyond the counts)
+  const unsigned owner = static_cast<unsigned>(__ffs(static_cast<int>(holders)) - 1);
+  unsigned long long before = __shfl_sync(0xffffffffu, incl - sum, owner);  // the counts of the bins before
+  for (unsigned base = owner * per_lane; base < (owner + 1) * per_lane; base += 32) {
+    const unsigned bin = base + lane;
+    const unsigned long long h = lane < per_lane ? static_cast<unsigned long long>(hist[bin]) : 0;
+    unsigned long long upto = h;  // the chunk's counts up to this lane's bin
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long v = __shfl_up_sync(0xffffffffu, upto, o);
+      if (lane >= static_cast<unsigned>(o)) upto += v;
     }
-    cum += h;
+    const bool here = rank >= before + upto - h && rank < before + upto;
+    if (__any_sync(0xffffffffu, here)) {
+      if (here) {
+        *digit = bin;
+        *rank_left = rank - (before + upto - h);
+      }
+      return here;
+    }
+    before += __shfl_sync(0xffffffffu, upto, 31);
   }
   return false;
 }

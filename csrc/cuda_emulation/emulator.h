@@ -202,6 +202,13 @@ unsigned __match_any_sync(unsigned mask, T v) {  // lanes whose values have the 
   for (unsigned l = 0; l < 32; ++l) peers |= (all[l] == mine ? 1u : 0u) << l;
   return peers;
 }
+inline unsigned __ballot_sync(unsigned mask, int predicate) {  // bit l: lane l's predicate
+  emu::check_full_mask(mask, "__ballot_sync");
+  const uint64_t* all = emu::warp_exchange(predicate != 0, "__ballot_sync");
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32; ++l) bits |= (all[l] != 0 ? 1u : 0u) << l;
+  return bits;
+}
 inline int __any_sync(unsigned mask, int predicate) {
   emu::check_full_mask(mask, "__any_sync");
   const uint64_t* all = emu::warp_exchange(predicate != 0, "__any_sync");
