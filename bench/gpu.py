@@ -168,7 +168,9 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     set_gathered_selection (the medians, kl.cu's forward's and median.cu's: the last few keys
     gathered and ranked, or a pass for every digit),
     set_generic_kernels (many points: the generic path's CUDA kernels, or ATen's composition of the
-    same steps)."""
+    same steps),
+    set_gemm_kernel_values (off by default; the generic path's kernel values from a GEMM of the points
+    and one pass, or from differences in tiles)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
                    p, q, True, target_s)
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
                     print(switch_ab(p, q, "set_two_blocks_per_sm", args.target_s))
                 if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches
                     print(switch_ab(p, q, "set_generic_kernels", args.target_s))
+                    print(switch_ab(p, q, "set_gemm_kernel_values", args.target_s))
                     if n * (2 * n - 1) >= 2**16:  # median.cu's median of the pairs, with its gather or not
                         print(switch_ab(p, q, "set_gathered_selection", args.target_s))
         return 0

@@ -205,6 +205,9 @@ bool set_paired_elimination(bool flag);
 // returns the old value. use_gathered_selection reads it.
 bool set_gathered_selection(bool flag);
 bool use_gathered_selection();
+// Benches and tests: whether kernel_block computes its kernel values from a GEMM of the centred points
+// and one pass over its output, or from differences in its tiles (the default); returns the old value.
+bool set_gemm_kernel_values(bool flag);
 // Benches and tests: whether the generic path on CUDA tensors takes the kernels above (pair_sqdist,
 // kernel_block, fit_coef, kl_finish; the default) or ATen's composition of the same steps (the median
 // is cuda/median.cu's either way); returns the old value. use_generic_kernels reads it.

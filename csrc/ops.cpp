@@ -34,6 +34,7 @@ void set_stage_clocks(const std::optional<Tensor>&) {
 bool set_two_blocks_per_sm(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_paired_elimination(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_gathered_selection(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
+bool set_gemm_kernel_values(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_generic_kernels(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 }  // namespace cuda
 #endif

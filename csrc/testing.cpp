@@ -49,6 +49,7 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // error in a build without the CUDA kernels.
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
   m.def("set_gathered_selection(bool flag) -> bool", &cuda::set_gathered_selection);
+  m.def("set_gemm_kernel_values(bool flag) -> bool", &cuda::set_gemm_kernel_values);
   // Whether the generic path on CUDA tensors (many points) takes its CUDA kernels (default true) or
   // ATen's composition of the same steps. An error in a build without the CUDA kernels.
   m.def("set_generic_kernels(bool flag) -> bool", &cuda::set_generic_kernels);

@@ -20,7 +20,8 @@ import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 SWITCHES = ("set_paired_elimination", "set_gathered_selection", "set_two_blocks_per_sm", "set_generic_kernels",
-            "set_force_generic")
+            "set_gemm_kernel_values", "set_force_generic")
+OFF_BY_DEFAULT = ("set_gemm_kernel_values", "set_force_generic")
 
 
 def install() -> dict:
@@ -34,7 +35,7 @@ def install() -> dict:
     calls = {name: [] for name in SWITCHES + ("set_forward_stage_clocks",)}
 
     def switch(name):
-        state = {"flag": name != "set_force_generic"}  # the CUDA build's defaults
+        state = {"flag": name not in OFF_BY_DEFAULT}  # the CUDA build's defaults
 
         def set_flag(flag: bool) -> bool:
             calls[name].append(flag)

@@ -69,6 +69,7 @@ def test_the_cuda_kernels_switches_say_when_the_build_has_no_cuda_kernels():
     for call in (lambda: torch.ops.kivi_fast_testing.set_two_blocks_per_sm(True),
                  lambda: torch.ops.kivi_fast_testing.set_paired_elimination(True),
                  lambda: torch.ops.kivi_fast_testing.set_gathered_selection(True),
+                 lambda: torch.ops.kivi_fast_testing.set_gemm_kernel_values(True),
                  lambda: torch.ops.kivi_fast_testing.set_generic_kernels(True),
                  lambda: torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)):
         with pytest.raises(RuntimeError, match="built without its CUDA kernels"):

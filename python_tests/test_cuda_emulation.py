@@ -450,8 +450,9 @@ GENERIC_GPU_SHAPES = [
 ]
 
 
-def generic_gpu_launches(b, n_p, n_q, d, reverse) -> list[str]:
-    """The kernels the generic path launches for this shape on a GPU, by the rules above."""
+def generic_gpu_launches(b, n_p, n_q, d, reverse, gemm=False) -> list[str]:
+    """The kernels the generic path launches for this shape on a GPU, by the rules above (gemm: with
+    set_gemm_kernel_values, kernel_block's pass after its GEMM)."""
     N, n_den = n_p + n_q, n_q if reverse else n_p
     width = d + 1 if d + 1 < N else N
     fused = d <= max(256, (4 << 20) // (8 * b * N))  # generic.cpp: chunk_columns(B N)
@@ -461,7 +462,7 @@ def generic_gpu_launches(b, n_p, n_q, d, reverse) -> list[str]:
     def chunks(rows, cols):  # generic.cpp's chunk_rows: within the system's bytes, or 4 MB where larger
         step = max(1, -(-max(4 << 20, 8 * b * n_den * n_den) // (8 * b * cols)))
         return -(-rows // step)
-    block = ["kernel_block_kernel<scalar_t>"] * fused
+    block = ["gram_kernel_kernel" if gemm else "kernel_block_kernel<scalar_t>"] * fused
     rhs, system, evaluation = block * chunks(n_den, N - n_den), block, block * chunks(n_q, N)
     end = ["kl_finish_kernel"] * (n_q * width <= 2**17)
     kernels_backward = EMU.handles_kl_grad(N, n_q, d, b)
@@ -483,6 +484,22 @@ def test_the_generic_path_on_a_gpu_equals_the_cpu_kernels(shape, dtype, reverse)
     launches()
     assert_equals_cpu_kernels(p, q, reverse)
     assert [launch[0] for launch in launches()] == generic_gpu_launches(b, n_p, n_q, d, reverse)
+
+
+@pytest.mark.parametrize("shape", GENERIC_GPU_SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shift", [0.3, 1e3], ids=["near-0", "far-from-0"])
+def test_the_generic_path_with_gemm_kernel_values_equals_the_cpu_kernels(shape, shift):
+    """set_gemm_kernel_values (the benches' A/B): kernel_block's values from a GEMM of the points and
+    one pass, to the same tolerance as from differences; also for samples far from the origin, whose
+    norms would cancel to the distances' rounding (the points are centred first)."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, sum(shape), 1.2, shift)
+    p = p + shift
+    with _cuda_emulation.switched("set_gemm_kernel_values", True):
+        launches()
+        assert_equals_cpu_kernels(p, q, True)
+        names = [launch[0] for launch in launches()]
+    assert names == generic_gpu_launches(b, n_p, n_q, d, True, gemm=True)
 
 
 @pytest.mark.parametrize("shape", [GENERIC_GPU_SHAPES[0], GENERIC_GPU_SHAPES[2]], ids=lambda s: "x".join(map(str, s)))

@@ -26,6 +26,7 @@
 // elimination and the median's passes over shared memory (bench/README.md, "GPU").
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
@@ -755,6 +756,29 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+// kernel_block's GEMM variant (set_gemm_kernel_values): g [B, rows, cols] holds x_i . x_j of the
+// centred points' rows i in [r0, r0 + rows) and columns j in [c0, c0 + cols); in place, the kernel
+// values as kernel_block_kernel writes them, from D = |x_i|^2 + |x_j|^2 - 2 g (norms [B, N]) clamped at
+// 0 (NaN stays NaN), exactly 0 where i = j. blockIdx.y: the batch.
+constexpr int kGramThreads = 256;
+__global__ void __launch_bounds__(kGramThreads)
+    gram_kernel_kernel(double* __restrict__ g_all, const double* __restrict__ norms_all, int64_t N, int64_t r0,
+                       int64_t rows, int64_t c0, int64_t cols, const double* __restrict__ scale, double divisor,
+                       double diagonal) {
+  const int64_t b = blockIdx.y, total = rows * cols;
+  double* g = g_all + b * total;
+  const double* norm = norms_all + b * N;
+  const double gamma = 1.0 / scale[b];
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kGramThreads + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * kGramThreads) {
+    const int64_t i = e / cols, j = e - i * cols;
+    const bool same = r0 + i == c0 + j;
+    const double dd = norm[r0 + i] + norm[c0 + j] - 2.0 * g[e];
+    const double k = exp(gamma * (same || dd < 0.0 ? 0.0 : dd)) / divisor;
+    g[e] = same ? k + diagonal : k;
+  }
+}
+
 // The generic fit's coefficients (cuda::fit_coef), one block a batch element: coef = [-x, beta 1]
 // ([B, N]) from the solve's x ([B, n_den, 1]), with NaN for alpha where Cholesky failed (info != 0) or
 // the bandwidth is NaN (the generic path's mark of non-finite samples).
@@ -897,6 +921,8 @@ std::atomic<bool> two_blocks_per_sm{true};
 std::atomic<bool> paired_elimination{true};
 // set_gathered_selection's switch (benches: the median's gather against a pass for every digit).
 std::atomic<bool> gathered_selection{true};
+// set_gemm_kernel_values's switch (benches: kernel_block by a GEMM and one pass, against its tiles).
+std::atomic<bool> gemm_kernel_values{false};
 // set_generic_kernels's switch (benches: the generic path's CUDA kernels against its ATen composition).
 std::atomic<bool> generic_kernels{true};
 
@@ -1083,6 +1109,8 @@ bool set_gathered_selection(bool flag) { return gathered_selection.exchange(flag
 
 bool use_gathered_selection() { return gathered_selection.load(); }
 
+bool set_gemm_kernel_values(bool flag) { return gemm_kernel_values.exchange(flag); }
+
 bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 
 bool use_generic_kernels() { return generic_kernels.load(); }
@@ -1141,6 +1169,24 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
   auto out = at::empty({B, rows, cols}, denom.options().dtype(at::kDouble));
   if (out.numel() == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream(denom.get_device());
+  if (gemm_kernel_values.load()) {
+    // x_i . x_j by cuBLAS (float64 tensor cores from sm_80) into out, then one pass: the points
+    // centred first, so that the norms, whose sum the GEMM's term cancels, stay near the distances
+    Tensor pts = stack_points(denom, numer).to(at::kDouble);
+    pts = pts.sub(pts.mean({1}, true));
+    const Tensor norms = pts.square().sum({2}).contiguous();
+    at::bmm_out(out, pts.narrow(1, r0, rows), pts.narrow(1, c0, cols).transpose(1, 2));
+    const int64_t blocks = std::min<int64_t>((rows * cols + kGramThreads - 1) / kGramThreads, 65535);
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grid's y
+      const int64_t nb = std::min(kMaxGridYZ, B - b0);
+      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(nb));
+      gram_kernel_kernel<<<grid, kGramThreads, 0, stream>>>(out.data_ptr<double>() + b0 * rows * cols,
+                                                            norms.data_ptr<double>() + b0 * N, N, r0, rows, c0, cols,
+                                                            scale.data_ptr<double>() + b0, divisor, diagonal);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return out;
+  }
   const int64_t tiles_r = (rows + kTile - 1) / kTile, tiles_c = (cols + kTile - 1) / kTile;
   TORCH_CHECK(tiles_r <= kMaxGridYZ && tiles_c <= std::numeric_limits<int>::max(), "kivi_fast: kernel_block of ", rows,
               " x ", cols, " is too large");

@@ -90,6 +90,7 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
   m.def("set_gathered_selection(bool flag) -> bool", &cuda::set_gathered_selection);
+  m.def("set_gemm_kernel_values(bool flag) -> bool", &cuda::set_gemm_kernel_values);
   m.def("configure(int multiprocessors, int shared_per_block_optin, int shared_per_multiprocessor,"
         " int reserved_shared_per_block, int seed) -> ()",
         &configure);
