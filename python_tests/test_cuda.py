@@ -376,6 +376,20 @@ def test_the_generic_paths_cuda_kernels_equal_its_aten_composition(shape):
             assert_close_rel(got, want.cpu(), 1e-9)
 
 
+@pytest.mark.parametrize("shift", [0.3, 1e3], ids=["near-0", "far-from-0"])
+def test_the_generic_paths_gemm_kernel_values_equal_its_tiles(shift):
+    """set_gemm_kernel_values (the benches' A/B): the generic path's kernel values from a GEMM of the
+    centred points and one pass give what kernel_block's differences give, also far from the origin."""
+    p, q = seeded_samples(1, 300, 250, 3, torch.float64, 11, 1.2, shift)
+    p, q = (p + shift).to(CUDA), q.to(CUDA)
+    for kw in (dict(reverse=True), dict(bandwidth=1.5)):
+        tiles = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+        with switched("set_gemm_kernel_values", True):
+            gemm = value_and_grad(kivi_fast.kernel_kl, p, q, **kw)
+        for got, want in zip(gemm, tiles):
+            assert_close_rel(got, want.cpu(), 1e-9)
+
+
 # CUDA (small, wide, tiles), generic (ATen's median of fewer than 2^16 pairs, median.cu's)
 @pytest.mark.parametrize("n,d", [(20, 3), (10, 30000), (100, 700), (160, 20), (300, 3)])
 def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
