@@ -133,15 +133,16 @@ __device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
 
 // Whether every distance is finite (block-wide). A NaN/Inf coordinate, or one too large to square,
 // makes every distance of its point NaN or Inf; without this check an Inf point would only drop out
-// of the fit (its kernel values are 0).
+// of the fit (its kernel values are 0). (median_distance checks it in its first pass instead.)
 __device__ bool all_finite(const double* dist, int64_t P) {
   int bad = 0;
   for (int64_t p = threadIdx.x; p < P; p += kThreads) bad |= key_of(dist[p]) >= kNotFiniteKey;
   return !__syncthreads_or(bad);
 }
 
-// The median pairwise distance of P finite distances (numpy's convention for an even count: the mean
-// of the two middle ones). The lower middle's key by radix selection, digit by digit from the top,
+// The median pairwise distance of P distances (numpy's convention for an even count: the mean of the
+// two middle ones), or NaN where one is NaN or Inf (all_finite's check, made in the first pass rather
+// than in a pass of its own). The lower middle's key by radix selection, digit by digit from the top,
 // each digit a pass that builds the histogram of the keys matching the digits found so far. Once at
 // most gather_keys keys match (kGatherKeys, or 0: never), one pass gathers them, and the least key
 // above them, and one warp ranks them: both middles. Else, with every digit found, one more pass for
@@ -152,22 +153,26 @@ __device__ double median_distance(const double* dist, int64_t P, unsigned gather
   int64_t rank = radix::lower_middle_rank(P);
   uint64_t prefix = 0, mask = 0;
   unsigned in_bin = ~0u;
+  bool finite = true;  // (block-wide)
+  const auto median = [&finite](double m) { return finite ? m : NAN; };
   for (int shift = radix::kFirstShift; shift > radix::kEndShift && in_bin > gather_keys; shift -= radix::kBits) {
     const int lo_bit = radix::digit_low_bit(shift);
     const unsigned bins = radix::digit_bins(shift);
     for (unsigned i = tid; i < bins; i += kThreads) s.hist[i] = 0;
     if (tid == 0) s.rank = rank;
     __syncthreads();
+    int bad = 0;
     for (int64_t base = 0; base < P; base += kThreads) {  // (whole warps: add_to_histogram)
       const int64_t p = base + tid;
       unsigned bin = ~0u;
       if (p < P) {
         const uint64_t k = key_of(dist[p]);
+        bad |= k >= kNotFiniteKey;
         if ((k & mask) == prefix) bin = static_cast<unsigned>((k >> lo_bit) & (bins - 1));
       }
       radix::add_to_histogram(s.hist, bin);
     }
-    __syncthreads();
+    if (__syncthreads_or(bad)) finite = false;
     if (warp == 0) {
       unsigned digit;
       unsigned long long left;
@@ -192,7 +197,7 @@ __device__ double median_distance(const double* dist, int64_t P, unsigned gather
   }
   __syncthreads();
   if (in_bin > gather_keys) {  // every digit found: prefix is the lower middle's key
-    if (!even) return radix::median_of_middles(prefix, P, 0, 0);
+    if (!even) return median(radix::median_of_middles(prefix, P, 0, 0));
     unsigned long long count = 0, min_gt = ~0ull;
     for (int64_t p = tid; p < P; p += kThreads) {
       const uint64_t k = key_of(dist[p]);
@@ -202,7 +207,7 @@ __device__ double median_distance(const double* dist, int64_t P, unsigned gather
     atomicAdd(&s.count, count);
     atomicMin(&s.min_gt, min_gt);
     __syncthreads();
-    return radix::median_of_middles(prefix, P, s.count, s.min_gt);
+    return median(radix::median_of_middles(prefix, P, s.count, s.min_gt));
   }
 
   // The gather: the in_bin keys of the bin [prefix, bin_top], and the least key above it
@@ -231,7 +236,7 @@ __device__ double median_distance(const double* dist, int64_t P, unsigned gather
   const uint64_t lo = s.middles[0];
   // the upper middle: the next key in the bin, else the least above it
   const uint64_t hi = !even ? lo : rank + 1 < static_cast<int64_t>(in_bin) ? s.middles[1] : s.min_gt;
-  return radix::mean_of_roots(lo, hi);
+  return median(radix::mean_of_roots(lo, hi));
 }
 
 struct KlArgs {
@@ -487,11 +492,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stage_clock(a, b, 1);
 
     // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
-    double sigma = NAN;
-    if (all_finite(dist, P)) {
-      sigma = sigma_in != nullptr ? sigma_in[b] : median_distance(dist, P, a.gather_keys, sel);
-      if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
-    }
+    double sigma = sigma_in == nullptr ? median_distance(dist, P, a.gather_keys, sel)
+                   : all_finite(dist, P)  ? sigma_in[b]
+                                          : NAN;
+    if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
     stage_clock(a, b, 2);
     const double gamma = -0.5 / (sigma * sigma);
 
