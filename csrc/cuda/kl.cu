@@ -126,11 +126,6 @@ struct SelectShared {
   unsigned long long middles[2];  // the gather's lower and upper middle keys
 };
 
-__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // Whether every distance is finite (block-wide). A NaN/Inf coordinate, or one too large to square,
 // makes every distance of its point NaN or Inf; without this check an Inf point would only drop out
 // of the fit (its kernel values are 0). (median_distance checks it in its first pass instead.)
@@ -219,7 +214,7 @@ __device__ double median_distance(const double* dist, int64_t P, unsigned gather
     else if (k > bin_top && k < above) above = k;
   }
   if (even) {
-    above = warp_min(above);
+    above = radix::warp_min(above);
     if (lane == 0) atomicMin(&s.min_gt, above);
   }
   __syncthreads();

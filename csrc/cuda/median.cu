@@ -92,7 +92,7 @@ __device__ void gather_and_rank(const double* pairs, int64_t P, Selection& sel, 
     else if (k > bin_top && k < above) above = k;
   }
   if (even) {
-    for (int o = 16; o > 0; o >>= 1) above = min(above, __shfl_xor_sync(0xffffffffu, above, o));
+    above = radix::warp_min(above);
     if ((tid & 31) == 0) atomicMin(&sel.min_gt, above);
   }
   if (!last_block_of_element(sel)) return;

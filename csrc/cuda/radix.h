@@ -74,6 +74,12 @@ __device__ bool find_digit(const Count* hist, unsigned bins, unsigned long long 
   return false;
 }
 
+// The least of a warp's keys, in every lane (the gathers' least key above the gathered ones).
+__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // The lower middle's rank (0-based) among P pairs.
 __host__ __device__ constexpr int64_t lower_middle_rank(int64_t P) { return (P + 1) / 2 - 1; }
 
