@@ -129,33 +129,49 @@ def resolve_contrast(contrast: str, n: int, d: int) -> str:
 
 
 class _DiagonalContrast(torch.autograd.Function):
-    """The diagonal contrast of samples x [..., n, d] in one autograd node: (z, E_x[log r(x)] + d (1 + log
-    2 pi) / 2) = ((x - m) / s, -sum_d log s_d) with r = N(m, diag(s^2)) the maximum-likelihood fit. Its
-    whitened samples' mean square is exactly 1 in each dimension, so E_x[log r] needs no pass over them.
-    The gradient in closed form (batch normalization's, with -z / (n s) from the log-determinant): 14
-    device ops a forward and backward, where autograd through the composition takes more than twice as
-    many; at the VAE's shapes such small ops are most of the KL's (python_tests/test_kl_contrast.py
-    counts them)."""
+    """The diagonal contrast of samples x [..., n, d] in one autograd node, with r = N(m, diag(s^2)) the
+    maximum-likelihood fit: (z, t) with z = (x - m) / s and
+
+    - t = -sum_d log s_d (``to_standard_normal`` False): E_x[log r(x)] + d (1 + log 2 pi) / 2, since
+      the whitened samples' mean square is exactly 1 in each dimension;
+    - t = sum_d (s_d^2 + m_d^2) / 2 - log s_d - 1 / 2 = KL(r || N(0, I)) = E_x[log r(x) - log N(x; 0, I)]
+      (``to_standard_normal`` True), since mean_x x_d^2 = s_d^2 + m_d^2 exactly: adaptive contrast's
+      Gaussian part for an N(0, I) prior from r's moments, with no pass over the samples for log N;
+      plus ``bias``, a constant (the plug-in log-determinant's correction, GaussianFit.log_det_bias).
+
+    The gradient in closed form (batch normalization's; -z / (n s) from the log-determinant, and x / n
+    from the N(0, I) term): 14 device ops a forward and backward, where autograd through the composition
+    takes more than twice as many; at the VAE's shapes such small ops are most of the KL's
+    (python_tests/test_kl_contrast.py counts them)."""
 
     @staticmethod
-    def forward(ctx, x, name):
+    def forward(ctx, x, name, to_standard_normal=False, bias=0.0):
         std, mean = torch.std_mean(x, -2, correction=0, keepdim=True)
         check_std(std, name)
         z = (x - mean) / std
-        ctx.save_for_backward(z, std)
-        return z, -std.log().sum((-2, -1))
+        ctx.save_for_backward(z, std, x if to_standard_normal else None)
+        if to_standard_normal:
+            t = (0.5 * torch.addcmul(std.square(), mean, mean) - std.log()).sum((-2, -1)) + (bias - 0.5 * x.shape[-1])
+        else:
+            t = -std.log().sum((-2, -1))
+        return z, t
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_z, grad_neg_log_det):
-        z, std = ctx.saved_tensors
+    def backward(ctx, grad_z, grad_t):
+        z, std, x = ctx.saved_tensors
         n = z.shape[-2]
-        # d/dx_k of sum_j g_j z_j = (g_k - mean_j g_j - z_k mean_j g_j z_j) / s; of -sum log s: -z_k / (n s)
-        scale = torch.zeros_like(std) if grad_neg_log_det is None else grad_neg_log_det[..., None, None] / n
+        # d/dx_k of sum_j g_j z_j = (g_k - mean_j g_j - z_k mean_j g_j z_j) / s; of -sum log s: -z_k / (n s);
+        # of sum (s^2 + m^2) / 2: (s z_k + m) / n = x_k / n
+        t_scale = torch.zeros_like(std) if grad_t is None else grad_t[..., None, None] / n
         if grad_z is None:
-            return -z * scale / std, None
-        scale = scale + (grad_z * z).mean(-2, keepdim=True)
-        return torch.addcmul(grad_z - grad_z.mean(-2, keepdim=True), z, scale, value=-1.0) / std, None
+            out = -z * t_scale / std
+        else:
+            scale = t_scale + (grad_z * z).mean(-2, keepdim=True)
+            out = torch.addcmul(grad_z - grad_z.mean(-2, keepdim=True), z, scale, value=-1.0) / std
+        if x is not None and grad_t is not None:
+            out = torch.addcmul(out, x, t_scale)
+        return out, None, None, None
 
 
 class GaussianFit:
@@ -305,9 +321,14 @@ def adaptive_contrast_kl(
         raise ValueError(f"n_prior must be an integer >= 2 (the number of N(0, I) samples), got {n_prior!r}")
     # float64 throughout, as the kernel fit; the N(0, I) draws do not depend on q_z's dtype
     q64 = q_z.double()
-    z_hat, log_contrast = gaussian_contrast(q64, contrast)  # E_q[log r]
+    d = q_z.shape[-1]
+    resolved = resolve_contrast(contrast, n, d)
+    closed_form = log_prior is None and resolved == "diagonal"
+    if closed_form:  # E_q[log r - log N(0, I)] from r's moments, in the contrast's own node
+        z_hat, gaussian_part = _DiagonalContrast.apply(q64, "q_z", True, _log_det_bias(n, d, True))
+    else:
+        z_hat, gaussian_part = gaussian_contrast(q64, contrast)  # E_q[log r]
 
-    resolved = resolve_contrast(contrast, n, q_z.shape[-1])
     if reference_z is None:
         shape = list(q_z.shape)
         shape[-2] = n if n_prior is None else n_prior
@@ -319,10 +340,12 @@ def adaptive_contrast_kl(
         eps = whiten_reference(reference_z.detach().double(), resolved)
     kl_whitened = kl_fn(eps, z_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
 
-    log_p = standard_normal_log_prob(q64) if log_prior is None else log_prior(q_z)
-    if log_p.shape != q_z.shape[:-1]:
-        raise ValueError(
-            f"log_prior must map samples of shape {tuple(q_z.shape)} to shape {tuple(q_z.shape[:-1])}, "
-            f"got {tuple(log_p.shape)}"
-        )
-    return (kl_whitened + log_contrast - log_p.double().mean(-1)).to(q_z.dtype)
+    if not closed_form:
+        log_p = standard_normal_log_prob(q64) if log_prior is None else log_prior(q_z)
+        if log_p.shape != q_z.shape[:-1]:
+            raise ValueError(
+                f"log_prior must map samples of shape {tuple(q_z.shape)} to shape {tuple(q_z.shape[:-1])}, "
+                f"got {tuple(log_p.shape)}"
+            )
+        gaussian_part = gaussian_part - log_p.double().mean(-1)
+    return (kl_whitened + gaussian_part).to(q_z.dtype)
