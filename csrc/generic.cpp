@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace kivi_fast {
 
@@ -155,8 +156,13 @@ class StackedDistances {
     const int64_t width = chunk_columns(B * N);
     if (d <= width) {
       // cuda::kernel_block reads the samples as they are: no copy kept (at (5000, 64) float32 it would
-      // add 5 MB to the pairs' 400)
-      if (kernels_) return;
+      // add 5 MB to the pairs' 400), unless its GEMM variant's centred points are asked for
+      if (kernels_) {
+#ifdef KIVI_FAST_WITH_CUDA
+        if (cuda::use_gemm_kernel_values()) std::tie(centred_, centred_norms_) = cuda::centred_points(denom_, numer_);
+#endif
+        return;
+      }
       points_ = stack_points(denom, numer).to(at::kDouble);
       norms_ = points_.square().sum(-1);
       return;
@@ -190,9 +196,7 @@ class StackedDistances {
   // distances turned into kernel values in place.
   Tensor kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused()) {
-      return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}), 1.0, 0.0);
-    }
+    if (fused()) return fused_kernel(r0, rows, c0, cols, scale, 1.0, 0.0);
 #endif
     return block(r0, rows, c0, cols).div_(scale).exp_();
   }
@@ -200,7 +204,7 @@ class StackedDistances {
   // [B, n, n]: the fit's system K_dd / n + lam I over the first n points (the denominator's).
   Tensor system(int64_t n, const Tensor& scale, double lam) const {
 #ifdef KIVI_FAST_WITH_CUDA
-    if (fused()) return cuda::kernel_block(denom_, numer_, 0, n, 0, n, scale.view({-1}), n, lam);
+    if (fused()) return fused_kernel(0, n, 0, n, scale, n, lam);
 #endif
     auto out = kernel(0, n, 0, n, scale).div_(static_cast<double>(n));
     out.diagonal(0, 1, 2).add_(lam);
@@ -252,8 +256,19 @@ class StackedDistances {
   Tensor gram_;         // many dimensions: [B, N, N]
   mutable Tensor norms_;  // (made on demand when fused)
 
+  Tensor centred_, centred_norms_;  // fused with set_gemm_kernel_values: cuda::centred_points, once a fit
+
   // few dimensions with the kernels: the kernel values from the samples too (no Gram of many dimensions)
   bool fused() const { return kernels_ && !gram_.defined(); }
+#ifdef KIVI_FAST_WITH_CUDA
+  Tensor fused_kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale, double divisor,
+                      double diagonal) const {
+    if (centred_.defined()) {
+      return cuda::gram_kernel_block(centred_, centred_norms_, r0, rows, c0, cols, scale.view({-1}), divisor, diagonal);
+    }
+    return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}), divisor, diagonal);
+  }
+#endif
 };
 
 // The fit's system K_dd / n_den + lam I solved for its right side K_dn 1 / (lam n_den n_num): x

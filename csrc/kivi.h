@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace kivi_fast {
@@ -174,6 +175,14 @@ Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
 // the generic path's kernel values and system on CUDA tensors with few dimensions.
 Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                     const Tensor& scale, double divisor, double diagonal);
+// kernel_block's values by a GEMM (set_gemm_kernel_values): the stacked points [denom; numer] as
+// float64 centred on their mean (far from the origin the norms would cancel to the distances'
+// rounding) and their squared norms, [B, N, d] and [B, N]; then a block of kernel values from them, as
+// kernel_block defines it, by cuBLAS's x_i . x_j and one pass (the generic path prepares the points
+// once a fit). cuda/kl.cu.
+std::pair<Tensor, Tensor> centred_points(const Tensor& denom, const Tensor& numer);
+Tensor gram_kernel_block(const Tensor& points, const Tensor& norms, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                         const Tensor& scale, double divisor, double diagonal);
 // The generic fit's coefficients [B, N] = [-x, beta 1] from its solve's x [B, n_den, 1], NaN for alpha
 // where info [B] (Cholesky's, int32) is not 0 or the bandwidth sigma [B] is NaN (the generic path
 // makes it NaN for non-finite samples). cuda/kl.cu.
@@ -207,7 +216,9 @@ bool set_gathered_selection(bool flag);
 bool use_gathered_selection();
 // Benches and tests: whether kernel_block computes its kernel values from a GEMM of the centred points
 // and one pass over its output, or from differences in its tiles (the default); returns the old value.
+// use_gemm_kernel_values reads it.
 bool set_gemm_kernel_values(bool flag);
+bool use_gemm_kernel_values();
 // Benches and tests: whether the generic path on CUDA tensors takes the kernels above (pair_sqdist,
 // kernel_block, fit_coef, kl_finish; the default) or ATen's composition of the same steps (the median
 // is cuda/median.cu's either way); returns the old value. use_generic_kernels reads it.

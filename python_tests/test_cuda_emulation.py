@@ -491,7 +491,8 @@ def test_the_generic_path_on_a_gpu_equals_the_cpu_kernels(shape, dtype, reverse)
 def test_the_generic_path_with_gemm_kernel_values_equals_the_cpu_kernels(shape, shift):
     """set_gemm_kernel_values (the benches' A/B): kernel_block's values from a GEMM of the points and
     one pass, to the same tolerance as from differences; also for samples far from the origin, whose
-    norms would cancel to the distances' rounding (the points are centred first)."""
+    norms would cancel to the distances' rounding (the points are centred first). The points are
+    centred once a fit (one mean), not once a block of kernel values."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, sum(shape), 1.2, shift)
     p = p + shift
@@ -499,7 +500,12 @@ def test_the_generic_path_with_gemm_kernel_values_equals_the_cpu_kernels(shape, 
         launches()
         assert_equals_cpu_kernels(p, q, True)
         names = [launch[0] for launch in launches()]
+        with torch.profiler.profile() as prof:
+            EMU.generic_kl(p, q, 1e-3, 1e-8, None, True, True)
+        one_fit = [launch[0] for launch in launches()]
     assert names == generic_gpu_launches(b, n_p, n_q, d, True, gemm=True)
+    assert one_fit.count("gram_kernel_kernel") >= 2
+    assert [e.name for e in prof.events()].count("aten::mean") == 1
 
 
 @pytest.mark.parametrize("shape", [GENERIC_GPU_SHAPES[0], GENERIC_GPU_SHAPES[2]], ids=lambda s: "x".join(map(str, s)))

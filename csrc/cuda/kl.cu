@@ -1109,6 +1109,7 @@ bool set_gathered_selection(bool flag) { return gathered_selection.exchange(flag
 bool use_gathered_selection() { return gathered_selection.load(); }
 
 bool set_gemm_kernel_values(bool flag) { return gemm_kernel_values.exchange(flag); }
+bool use_gemm_kernel_values() { return gemm_kernel_values.load(); }
 
 bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 
@@ -1169,22 +1170,8 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
   if (out.numel() == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream(denom.get_device());
   if (gemm_kernel_values.load()) {
-    // x_i . x_j by cuBLAS (float64 tensor cores from sm_80) into out, then one pass: the points
-    // centred first, so that the norms, whose sum the GEMM's term cancels, stay near the distances
-    Tensor pts = stack_points(denom, numer).to(at::kDouble);
-    pts = pts.sub(pts.mean({1}, true));
-    const Tensor norms = pts.square().sum({2}).contiguous();
-    at::bmm_out(out, pts.narrow(1, r0, rows), pts.narrow(1, c0, cols).transpose(1, 2));
-    const int64_t blocks = std::min<int64_t>((rows * cols + kGramThreads - 1) / kGramThreads, 65535);
-    for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grid's y
-      const int64_t nb = std::min(kMaxGridYZ, B - b0);
-      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(nb));
-      gram_kernel_kernel<<<grid, kGramThreads, 0, stream>>>(out.data_ptr<double>() + b0 * rows * cols,
-                                                            norms.data_ptr<double>() + b0 * N, N, r0, rows, c0, cols,
-                                                            scale.data_ptr<double>() + b0, divisor, diagonal);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    return out;
+    const auto [points, norms] = centred_points(denom, numer);
+    return gram_kernel_block(points, norms, r0, rows, c0, cols, scale, divisor, diagonal);
   }
   const int64_t tiles_r = (rows + kTile - 1) / kTile, tiles_c = (cols + kTile - 1) / kTile;
   TORCH_CHECK(tiles_r <= kMaxGridYZ && tiles_c <= std::numeric_limits<int>::max(), "kivi_fast: kernel_block of ", rows,
@@ -1202,6 +1189,42 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
+  return out;
+}
+
+std::pair<Tensor, Tensor> centred_points(const Tensor& denom, const Tensor& numer) {
+  // centred so that the norms, whose sum the GEMM's term cancels, stay near the distances
+  Tensor points = stack_points(denom, numer).to(at::kDouble);
+  points = points.sub(points.mean({1}, true));
+  Tensor norms = points.square().sum({2}).contiguous();
+  return {std::move(points), std::move(norms)};
+}
+
+Tensor gram_kernel_block(const Tensor& points, const Tensor& norms_in, int64_t r0, int64_t rows, int64_t c0,
+                         int64_t cols, const Tensor& scale_in, double divisor, double diagonal) {
+  const c10::cuda::CUDAGuard guard(points.device());
+  const Tensor norms = norms_in.contiguous(), scale = scale_in.contiguous();
+  const int64_t B = points.size(0), N = points.size(1);
+  TORCH_CHECK(points.dim() == 3 && points.scalar_type() == at::kDouble && norms.scalar_type() == at::kDouble &&
+                  norms.numel() == B * N && scale.scalar_type() == at::kDouble && scale.numel() == B && r0 >= 0 &&
+                  rows >= 0 && r0 + rows <= N && c0 >= 0 && cols >= 0 && c0 + cols <= N,
+              "kivi_fast: gram_kernel_block expects float64 points [B, N, d], norms [B, N], scale [B] and a block "
+              "within the N points, got ", points.sizes(), ", ", norms.sizes(), ", ", scale.sizes(), ", rows [", r0,
+              ", ", r0 + rows, "), columns [", c0, ", ", c0 + cols, ")");
+  auto out = at::empty({B, rows, cols}, points.options());
+  if (out.numel() == 0) return out;
+  // x_i . x_j by cuBLAS (float64 tensor cores from sm_80) into out, then one pass
+  at::bmm_out(out, points.narrow(1, r0, rows), points.narrow(1, c0, cols).transpose(1, 2));
+  const auto stream = c10::cuda::getCurrentCUDAStream(points.get_device());
+  const int64_t blocks = std::min<int64_t>((rows * cols + kGramThreads - 1) / kGramThreads, 65535);
+  for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grid's y
+    const int64_t nb = std::min(kMaxGridYZ, B - b0);
+    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(nb));
+    gram_kernel_kernel<<<grid, kGramThreads, 0, stream>>>(out.data_ptr<double>() + b0 * rows * cols,
+                                                          norms.data_ptr<double>() + b0 * N, N, r0, rows, c0, cols,
+                                                          scale.data_ptr<double>() + b0, divisor, diagonal);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return out;
 }
 
