@@ -197,6 +197,16 @@ std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Te
 // though any order will do). As the generic median, NaN where that raises. cuda/median.cu; the generic
 // path's median on CUDA tensors with many pairs.
 Tensor median_of_pairs(const Tensor& pairs);
+// The diagonal Gaussian contrast of samples x [B, n, d] (float32 or float64, CUDA), the forward and
+// backward of kivi_fast/contrast.py's _DiagonalContrast (the torch ops standardize and
+// standardize_grad, CUDA only: other devices take that composition). standardize: (z, s, t) float64, z
+// = (x - m) / s [B, n, d] with s [B, 1, d] the maximum-likelihood standard deviations and m the means,
+// t [B] = sum_d -log s_d, or (to_standard_normal) sum_d (s_d^2 + m_d^2) / 2 - log s_d - 1 / 2 + bias.
+// standardize_grad: the gradient w.r.t. x, in x's dtype, of sum grad_z z + grad_t t (either absent).
+// cuda/contrast.cu.
+std::tuple<Tensor, Tensor, Tensor> standardize(const Tensor& x, bool to_standard_normal, double bias);
+Tensor standardize_grad(const std::optional<Tensor>& grad_z, const std::optional<Tensor>& grad_t, const Tensor& z,
+                        const Tensor& std, const Tensor& x, bool to_standard_normal);
 // Benches (testing.cpp): the kl forwards that follow on the buffer's device write block 0's clock64()
 // at each of its kForwardStages stage boundaries into the buffer (int64, CUDA, kept alive by the
 // caller, also by one that captures a CUDA graph meanwhile: the graph keeps the pointer) until it is

@@ -296,6 +296,11 @@ TORCH_LIBRARY(kivi_fast, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("weighted_grad(Tensor row_scale, Tensor state, Tensor z, Tensor numer, Tensor denom) -> Tensor");
   m.def("kl_grad(Tensor grad_kl, Tensor state, Tensor q_z, Tensor prior_z, bool reverse) -> Tensor");
+  // The diagonal Gaussian contrast's forward, (z, std, t), and backward (kivi.h, cuda::standardize):
+  // CUDA kernels only, for kivi_fast/contrast.py, whose ATen composition serves every other device.
+  m.def("standardize(Tensor x, bool to_standard_normal, float bias) -> (Tensor, Tensor, Tensor)");
+  m.def("standardize_grad(Tensor? grad_z, Tensor? grad_t, Tensor z, Tensor std, Tensor x, bool to_standard_normal) "
+        "-> Tensor");
 }
 
 // CPU tensors get the CPU kernels; CUDA and any other device get the generic kernels built from
@@ -304,10 +309,12 @@ TORCH_LIBRARY(kivi_fast, m) {
 TORCH_LIBRARY_IMPL(kivi_fast, CPU, m) { register_kernels<true>(m); }
 TORCH_LIBRARY_IMPL(kivi_fast, CompositeExplicitAutograd, m) { register_kernels<false>(m); }
 #ifdef KIVI_FAST_WITH_CUDA
-// kl and kl_grad only; the other ops of CUDA tensors keep the generic kernels above.
+// kl and kl_grad (the other ops of CUDA tensors keep the generic kernels above), and the contrast's.
 TORCH_LIBRARY_IMPL(kivi_fast, CUDA, m) {
   m.impl("kl", &kl_op<Backend::cuda>);
   m.impl("kl_grad", &kl_grad_op<Backend::cuda>);
+  m.impl("standardize", &cuda::standardize);
+  m.impl("standardize_grad", &cuda::standardize_grad);
 }
 #endif
 

@@ -9,7 +9,8 @@ points, or with few dimensions (d + 1 < N) their projection [B, m, d + 1] on the
 (``grad_state_width`` in csrc/kivi.h; ``state_width`` below), or with ``grad_state=False`` (no
 gradient to come) nothing ([B, m, 0]). ``ratio`` returns it second (after r); ``kl`` as the second of
 its four outputs (the KL, that state, the bandwidth used, the fraction of q_z's points whose fitted
-ratio was clipped).
+ratio was clipped). ``standardize`` and ``standardize_grad``, the diagonal contrast's forward and
+backward (kivi_fast/contrast.py), have CUDA kernels only.
 
 The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``kl_grad`` and
 ``weighted_grad`` ops) are registered in C++ (csrc/autograd.cpp), so that a training step stays out
@@ -75,3 +76,16 @@ def _(row_scale, state, z, numer, denom):
 @torch.library.register_fake("kivi_fast::kl_grad")
 def _(grad_kl, state, q_z, prior_z, reverse):
     return torch.empty_like(q_z, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kivi_fast::standardize")
+def _(x, to_standard_normal, bias):
+    b, n, d = x.shape
+    # (z, the standard deviations, t), float64
+    return (x.new_empty((b, n, d), dtype=torch.float64), x.new_empty((b, 1, d), dtype=torch.float64),
+            x.new_empty((b,), dtype=torch.float64))
+
+
+@torch.library.register_fake("kivi_fast::standardize_grad")
+def _(grad_z, grad_t, z, std, x, to_standard_normal):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

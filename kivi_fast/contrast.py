@@ -128,6 +128,48 @@ def resolve_contrast(contrast: str, n: int, d: int) -> str:
     return contrast
 
 
+_CUDA_STANDARDIZE: dict = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks it when tracing, and does not trace it
+def _has_cuda_standardize() -> bool:
+    """Whether the compiled library has the contrast's CUDA kernels (csrc/cuda/contrast.cu)."""
+    if "built" not in _CUDA_STANDARDIZE:
+        from . import _backend
+
+        _CUDA_STANDARDIZE["built"] = _backend.backend() == "cpp" and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "kivi_fast::standardize", "CUDA")
+    return _CUDA_STANDARDIZE["built"]
+
+
+def _standardize_ops(x: torch.Tensor):
+    """The ops that standardize x in one launch each way (``standardize``, ``standardize_grad``):
+    torch.ops.kivi_fast for a CUDA tensor where the library has their kernels; None (ATen's composition
+    here) otherwise. (The CPU emulation's tests put its ops here.)"""
+    return torch.ops.kivi_fast if x.is_cuda and _has_cuda_standardize() else None
+
+
+def standardize(x: torch.Tensor, name: str = "x", to_standard_normal: bool = False, bias: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_DiagonalContrast`'s forward without a gradient: (z, s, t) in float64 whatever x's
+    dtype, s [..., 1, d] the maximum-likelihood standard deviations. A zero s raises on the CPU
+    (:func:`check_std`; elsewhere z and t are NaN or Inf)."""
+    ops = _standardize_ops(x)
+    if ops is not None:
+        *batch, n, d = x.shape
+        z, std, t = ops.standardize(x.reshape(-1, n, d), to_standard_normal, bias)
+        return z.view(x.shape), std.view(*batch, 1, d), t.view(batch)
+    x = x.double()
+    std, mean = torch.std_mean(x, -2, correction=0, keepdim=True)
+    check_std(std, name)
+    z = (x - mean) / std
+    if to_standard_normal:
+        t = (0.5 * torch.addcmul(std.square(), mean, mean) - std.log()).sum((-2, -1)) + (bias - 0.5 * x.shape[-1])
+    else:
+        t = -std.log().sum((-2, -1))
+    return z, std, t
+
+
 class _DiagonalContrast(torch.autograd.Function):
     """The diagonal contrast of samples x [..., n, d] in one autograd node, with r = N(m, diag(s^2)) the
     maximum-likelihood fit: (z, t) with z = (x - m) / s and
@@ -139,27 +181,30 @@ class _DiagonalContrast(torch.autograd.Function):
       Gaussian part for an N(0, I) prior from r's moments, with no pass over the samples for log N;
       plus ``bias``, a constant (the plug-in log-determinant's correction, GaussianFit.log_det_bias).
 
-    The gradient in closed form (batch normalization's; -z / (n s) from the log-determinant, and x / n
-    from the N(0, I) term): 14 device ops a forward and backward, where autograd through the composition
-    takes more than twice as many; at the VAE's shapes such small ops are most of the KL's
-    (python_tests/test_kl_contrast.py counts them)."""
+    z and t are float64, the gradient in x's dtype. The gradient in closed form (batch normalization's;
+    -z / (n s) from the log-determinant, and x / n from the N(0, I) term). On CUDA each way is one
+    launch (:func:`standardize`, csrc/cuda/contrast.cu); elsewhere ATen's composition here, 11 and 10
+    device ops, where autograd through it takes more than twice as many. At the VAE's shapes such small
+    ops are most of the KL's (python_tests/test_kl_contrast.py counts them)."""
 
     @staticmethod
     def forward(ctx, x, name, to_standard_normal=False, bias=0.0):
-        std, mean = torch.std_mean(x, -2, correction=0, keepdim=True)
-        check_std(std, name)
-        z = (x - mean) / std
-        ctx.save_for_backward(z, std, x if to_standard_normal else None)
-        if to_standard_normal:
-            t = (0.5 * torch.addcmul(std.square(), mean, mean) - std.log()).sum((-2, -1)) + (bias - 0.5 * x.shape[-1])
-        else:
-            t = -std.log().sum((-2, -1))
+        z, std, t = standardize(x, name, to_standard_normal, bias)
+        ctx.save_for_backward(z, std, x)
+        ctx.to_standard_normal = to_standard_normal
         return z, t
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_z, grad_t):
         z, std, x = ctx.saved_tensors
+        ops = _standardize_ops(x)
+        if ops is not None:
+            *batch, n, d = x.shape
+            grad = ops.standardize_grad(None if grad_z is None else grad_z.reshape(-1, n, d),
+                                        None if grad_t is None else grad_t.reshape(-1), z.view(-1, n, d),
+                                        std.view(-1, 1, d), x.reshape(-1, n, d), ctx.to_standard_normal)
+            return grad.view(x.shape), None, None, None
         n = z.shape[-2]
         # d/dx_k of sum_j g_j z_j = (g_k - mean_j g_j - z_k mean_j g_j z_j) / s; of -sum log s: -z_k / (n s);
         # of sum (s^2 + m^2) / 2: (s z_k + m) / n = x_k / n
@@ -169,9 +214,9 @@ class _DiagonalContrast(torch.autograd.Function):
         else:
             scale = t_scale + (grad_z * z).mean(-2, keepdim=True)
             out = torch.addcmul(grad_z - grad_z.mean(-2, keepdim=True), z, scale, value=-1.0) / std
-        if x is not None and grad_t is not None:
-            out = torch.addcmul(out, x, t_scale)
-        return out, None, None, None
+        if ctx.to_standard_normal and grad_t is not None:
+            out = torch.addcmul(out, x.double(), t_scale)
+        return out.to(x.dtype), None, None, None
 
 
 class GaussianFit:
@@ -254,7 +299,10 @@ def reference_draws(shape, contrast: str, device, generator: Optional[torch.Gene
 
 
 def whiten_reference(eps: torch.Tensor, contrast: str) -> torch.Tensor:
-    """N(0, I) draws whitened by their own fitted Gaussian (see :func:`reference_draws`)."""
+    """N(0, I) draws whitened by their own fitted Gaussian (see :func:`reference_draws`), in float64."""
+    if contrast == "diagonal":
+        return standardize(eps, "the N(0, I) draws")[0]
+    eps = eps.double()
     return GaussianFit(eps, contrast, name="the N(0, I) draws").whiten(eps)
 
 
@@ -320,13 +368,13 @@ def adaptive_contrast_kl(
     if n_prior is not None and (isinstance(n_prior, bool) or not isinstance(n_prior, int) or n_prior < 2):
         raise ValueError(f"n_prior must be an integer >= 2 (the number of N(0, I) samples), got {n_prior!r}")
     # float64 throughout, as the kernel fit; the N(0, I) draws do not depend on q_z's dtype
-    q64 = q_z.double()
     d = q_z.shape[-1]
     resolved = resolve_contrast(contrast, n, d)
     closed_form = log_prior is None and resolved == "diagonal"
-    if closed_form:  # E_q[log r - log N(0, I)] from r's moments, in the contrast's own node
-        z_hat, gaussian_part = _DiagonalContrast.apply(q64, "q_z", True, _log_det_bias(n, d, True))
+    if closed_form:  # E_q[log r - log N(0, I)] from r's moments, in the contrast's own node (float64)
+        z_hat, gaussian_part = _DiagonalContrast.apply(q_z, "q_z", True, _log_det_bias(n, d, True))
     else:
+        q64 = q_z.double()
         z_hat, gaussian_part = gaussian_contrast(q64, contrast)  # E_q[log r]
 
     if reference_z is None:
@@ -337,7 +385,7 @@ def adaptive_contrast_kl(
         if n_prior is not None or generator is not None:
             raise ValueError("pass either reference_z or n_prior/generator, not both")
         _validate.check_pair("reference_z", reference_z, "q_z", q_z)
-        eps = whiten_reference(reference_z.detach().double(), resolved)
+        eps = whiten_reference(reference_z.detach(), resolved)
     kl_whitened = kl_fn(eps, z_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
 
     if not closed_form:

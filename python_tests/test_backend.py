@@ -131,7 +131,7 @@ def test_the_cuda_sources_compile_with_nvcc(tmp_path):
              "-I", str(tmp_path / "include"), "-isystem", str(torch_include),
              "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"), "-I", str(root / "csrc")]
     sources = sorted((root / "csrc" / "cuda").glob("*.cu"))
-    assert [s.name for s in sources] == ["kl.cu", "median.cu"]
+    assert [s.name for s in sources] == ["contrast.cu", "kl.cu", "median.cu"]
     runs = [subprocess.Popen(["nvcc", *flags, "-cuda", str(s), "-o", str(tmp_path / (s.stem + ".ii"))],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in sources]
     for source, run in zip(sources, runs):

@@ -453,7 +453,8 @@ def test_a_training_step_that_calls_kl_is_captured_in_a_cuda_graph():
 
     def loss_of(model, eps):
         q = model(eps)
-        return (kivi_fast.kernel_kl(prior, q) + kivi_fast.adaptive_contrast_kl(q, reference_z=ref_z)).mean()
+        return (kivi_fast.kernel_kl(prior, q) + kivi_fast.adaptive_contrast_kl(q, reference_z=ref_z)
+                + kivi_fast.adaptive_contrast_kl(q, contrast="diagonal", reference_z=ref_z)).mean()  # the VAE's
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -492,6 +493,39 @@ def test_torch_compile_on_cuda():
     p, q = torch.randn(2, 50, 4, device=CUDA), torch.randn(2, 50, 4, device=CUDA)
     compiled = torch.compile(kivi_fast.kernel_kl, fullgraph=True)
     torch.testing.assert_close(compiled(p, q), kivi_fast.kernel_kl(p, q))
+    # kivi-ac with the diagonal contrast: the contrast's CUDA ops (their fake kernels) inside the graph
+
+    def kivi_ac(q):
+        return kivi_fast.adaptive_contrast_kl(q, None, 1e-3, contrast="diagonal", reference_z=p)
+    q.requires_grad_()
+    got = torch.compile(kivi_ac)(q)
+    want = kivi_ac(q)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0])
+
+
+@pytest.mark.parametrize("shape", [(128, 100, 8), (1, 10, 30000), (3, 7, 33), (2, 300, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_contrast_kernels_equal_the_composition_on_the_cpu(shape, dtype):
+    """kivi_fast/contrast.py's standardize and _DiagonalContrast's backward: one launch each way on
+    CUDA (csrc/cuda/contrast.cu), against ATen's composition on the CPU."""
+    from kivi_fast import contrast
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 1.3 + 0.5).to(dtype)
+    g_z, g_t = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape[0], generator=g, dtype=torch.float64)
+    assert contrast._standardize_ops(x.to(CUDA)) is torch.ops.kivi_fast
+    for to_standard_normal in (False, True):
+        results = []
+        for device in (CUDA, torch.device("cpu")):
+            xx = x.to(device).requires_grad_()
+            z, t = contrast._DiagonalContrast.apply(xx, "x", to_standard_normal, 0.25)
+            grad = torch.autograd.grad((z * g_z.to(device)).sum() + (t * g_t.to(device)).sum(), xx)[0]
+            results.append([v.cpu() for v in (z, t, grad)])
+        tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, **tol)
 
 
 def test_the_vae_trains_resumes_and_evaluates_on_cuda(tmp_path):

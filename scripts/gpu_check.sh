@@ -121,17 +121,22 @@ torch.ops.kivi_fast_testing.set_gemm_kernel_values(True)  # (off by default) ker
 p, q = torch.randn(2, 300, 3, device="cuda"), torch.randn(2, 260, 3, device="cuda", requires_grad=True)
 kivi_fast.kernel_kl(p, q).sum().backward()
 torch.ops.kivi_fast_testing.set_gemm_kernel_values(False)
+for shape in [(3, 100, 8), (2, 7, 33), (1, 10, 3000)]:  # the diagonal contrast's kernels (cuda/contrast.cu)
+    q = torch.randn(shape, device="cuda", requires_grad=True)
+    kivi_fast.adaptive_contrast_kl(q, None, contrast="diagonal").sum().backward()
 torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
 PY
   # shared-memory races in the kernels that stage tiles (the tiled distances, the forward, the backward,
-  # the median of many pairs)
+  # the median of many pairs) or sum in shared memory (the contrast's)
   step racecheck 180 compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY'
 import torch, kivi_fast
 for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 300, 250, 3)]:
     p = torch.randn(b, n_p, d, device="cuda")
     q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
     kivi_fast.kernel_kl(p, q).sum().backward()
+q = torch.randn(2, 7, 33, device="cuda", requires_grad=True)  # the contrast's sums in shared memory
+kivi_fast.adaptive_contrast_kl(q, None, contrast="diagonal").sum().backward()
 torch.cuda.synchronize()
 print("compute-sanitizer racecheck: kernels ran")
 PY

@@ -76,6 +76,9 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("kl_finish(Tensor r_src, Tensor? state, Tensor sigma, float clip, bool reverse) -> (Tensor, Tensor)",
         &cuda::kl_finish);
   m.def("median_of_pairs(Tensor pairs) -> Tensor", &cuda::median_of_pairs);
+  m.def("standardize(Tensor x, bool to_standard_normal, float bias) -> (Tensor, Tensor, Tensor)", &cuda::standardize);
+  m.def("standardize_grad(Tensor? grad_z, Tensor? grad_t, Tensor z, Tensor std, Tensor x, bool to_standard_normal) "
+        "-> Tensor", &cuda::standardize_grad);
   // the generic path as CUDA tensors take it (csrc/generic.cpp): the shapes the kernels above leave it
   m.def("generic_kl(Tensor prior_z, Tensor q_z, float lam, float clip, Tensor? sigma, bool reverse,"
         " bool grad_state) -> (Tensor, Tensor, Tensor, Tensor)",
