@@ -153,8 +153,11 @@ def standardize(x: torch.Tensor, name: str = "x", to_standard_normal: bool = Fal
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:class:`_DiagonalContrast`'s forward without a gradient: (z, s, t) in float64 whatever x's
     dtype, s [..., 1, d] the maximum-likelihood standard deviations. A zero s raises on the CPU
-    (:func:`check_std`; elsewhere z and t are NaN or Inf)."""
-    ops = _standardize_ops(x)
+    (:func:`check_std`; elsewhere z is NaN and t Inf)."""
+    return _standardize(_standardize_ops(x), x, name, to_standard_normal, bias)
+
+
+def _standardize(ops, x, name, to_standard_normal, bias):
     if ops is not None:
         *batch, n, d = x.shape
         z, std, t = ops.standardize(x.reshape(-1, n, d), to_standard_normal, bias)
@@ -189,22 +192,25 @@ class _DiagonalContrast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, name, to_standard_normal=False, bias=0.0):
-        z, std, t = standardize(x, name, to_standard_normal, bias)
-        ctx.save_for_backward(z, std, x)
-        ctx.to_standard_normal = to_standard_normal
+        ctx.ops = _standardize_ops(x)  # the backward takes the same way
+        z, std, t = _standardize(ctx.ops, x, name, to_standard_normal, bias)
+        # x itself only for the N(0, I) term's gradient (else a float64 copy would be kept alive)
+        ctx.save_for_backward(z, std, x if to_standard_normal else None)
+        ctx.to_standard_normal, ctx.dtype = to_standard_normal, x.dtype
         return z, t
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_z, grad_t):
         z, std, x = ctx.saved_tensors
-        ops = _standardize_ops(x)
-        if ops is not None:
-            *batch, n, d = x.shape
-            grad = ops.standardize_grad(None if grad_z is None else grad_z.reshape(-1, n, d),
-                                        None if grad_t is None else grad_t.reshape(-1), z.view(-1, n, d),
-                                        std.view(-1, 1, d), x.reshape(-1, n, d), ctx.to_standard_normal)
-            return grad.view(x.shape), None, None, None
+        if ctx.ops is not None:
+            *batch, n, d = z.shape
+            # (without x the kernel reads none of it, and z stands in for it; the gradient is then float64)
+            grad = ctx.ops.standardize_grad(None if grad_z is None else grad_z.reshape(-1, n, d),
+                                            None if grad_t is None else grad_t.reshape(-1), z.view(-1, n, d),
+                                            std.view(-1, 1, d), (z if x is None else x).reshape(-1, n, d),
+                                            ctx.to_standard_normal)
+            return grad.view(z.shape).to(ctx.dtype), None, None, None
         n = z.shape[-2]
         # d/dx_k of sum_j g_j z_j = (g_k - mean_j g_j - z_k mean_j g_j z_j) / s; of -sum log s: -z_k / (n s);
         # of sum (s^2 + m^2) / 2: (s z_k + m) / n = x_k / n
@@ -216,7 +222,7 @@ class _DiagonalContrast(torch.autograd.Function):
             out = torch.addcmul(grad_z - grad_z.mean(-2, keepdim=True), z, scale, value=-1.0) / std
         if ctx.to_standard_normal and grad_t is not None:
             out = torch.addcmul(out, x.double(), t_scale)
-        return out.to(x.dtype), None, None, None
+        return out.to(ctx.dtype), None, None, None
 
 
 class GaussianFit:

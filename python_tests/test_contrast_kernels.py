@@ -69,11 +69,14 @@ def test_standardize_grad_equals_the_composition(shape, dtype, to_standard_norma
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_a_column_of_equal_samples_gives_nan_and_inf_where_the_cpu_raises():
+@pytest.mark.parametrize("value,n,dtype", [(1.5, 6, torch.float64), (0.1, 3, torch.float64), (0.7, 100, torch.float64),
+                                           (0.3, 7, torch.float64), (0.1, 3, torch.float32)])
+def test_a_column_of_equal_samples_gives_nan_and_inf_where_the_cpu_raises(value, n, dtype):
     """A zero standard deviation: no error read back on a GPU, but z NaN in that column and t = Inf; the
-    other columns unchanged."""
-    x = samples((2, 6, 3), torch.float64, 5)
-    x[1, :, 2] = 1.5
+    other columns unchanged. Also where the mean of the float64 samples rounds (0.1 three times): the
+    deviations are still exactly 0."""
+    x = samples((2, n, 3), dtype, 5)
+    x[1, :, 2] = value
     z, std, t = emulation_tests.EMU.standardize(x, True, 0.0)
     assert z[1, :, 2].isnan().all() and std[1, 0, 2] == 0 and t[1] == float("inf")
     want = contrast.standardize(x[:1], "x", True, 0.0)

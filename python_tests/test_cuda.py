@@ -504,12 +504,13 @@ def test_torch_compile_on_cuda():
     torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0])
 
 
-@pytest.mark.parametrize("shape", [(128, 100, 8), (1, 10, 30000), (3, 7, 33), (2, 300, 1)],
+@pytest.mark.parametrize("shape", [(128, 100, 8), (1, 10, 30000), (3, 7, 33), (2, 300, 1), (70000, 3, 2)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_contrast_kernels_equal_the_composition_on_the_cpu(shape, dtype):
     """kivi_fast/contrast.py's standardize and _DiagonalContrast's backward: one launch each way on
-    CUDA (csrc/cuda/contrast.cu), against ATen's composition on the CPU."""
+    CUDA (csrc/cuda/contrast.cu), against ATen's composition on the CPU; the last shape's batch takes
+    two grids (at most 65,535 elements each)."""
     from kivi_fast import contrast
 
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,8 @@
 #   steps     bench/train_steps.py: the VAE and MNIST steps, eager and graphed (train_steps.json)
 #   compiled  the pure sides and ours under torch.compile with CUDA graphs on the shapes where that can
 #             pay (bench/gpu.py --compiled: minutes of compiling; cuda_compiled.json)
-#   sanitizer compute-sanitizer memcheck over every kernel path, racecheck on the kernels that stage
-#             tiles in shared memory (where compute-sanitizer is installed)
+#   sanitizer compute-sanitizer memcheck over every kernel path, racecheck and synccheck on the kernels
+#             that use shared memory (where compute-sanitizer is installed)
 #   bench64   bench/gpu.py, float64 (cuda_results64.json)
 # Everything it prints also goes to OUT_DIR/gpu_check.log, the benches' JSON to OUT_DIR (written after
 # each row: a phase cut off keeps what it timed), and one line a phase (name, result, seconds) to
@@ -127,19 +127,23 @@ for shape in [(3, 100, 8), (2, 7, 33), (1, 10, 3000)]:  # the diagonal contrast'
 torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
 PY
-  # shared-memory races in the kernels that stage tiles (the tiled distances, the forward, the backward,
-  # the median of many pairs) or sum in shared memory (the contrast's)
-  step racecheck 180 compute-sanitizer --tool racecheck --print-limit 5 --error-exitcode 3 python3 - <<'PY'
+  # the kernels that stage tiles in shared memory (the tiled distances, the forward, the backward, the
+  # median of many pairs) or sum there (the contrast's): racecheck for races, synccheck for barriers
+  # that not every thread of a block reaches
+  local shared_memory_kernels='
 import torch, kivi_fast
 for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 300, 250, 3)]:
     p = torch.randn(b, n_p, d, device="cuda")
     q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
     kivi_fast.kernel_kl(p, q).sum().backward()
-q = torch.randn(2, 7, 33, device="cuda", requires_grad=True)  # the contrast's sums in shared memory
+q = torch.randn(2, 7, 33, device="cuda", requires_grad=True)
 kivi_fast.adaptive_contrast_kl(q, None, contrast="diagonal").sum().backward()
 torch.cuda.synchronize()
-print("compute-sanitizer racecheck: kernels ran")
-PY
+print("compute-sanitizer: kernels ran")
+'
+  for tool in racecheck synccheck; do
+    step "$tool" 180 compute-sanitizer --tool "$tool" --print-limit 5 --error-exitcode 3 python3 -c "$shared_memory_kernels"
+  done
 }
 phase_bench64() {
   step bench64 300 python3 bench/gpu.py --dtypes float64 --shapes 128x100x8,1024x100x8,100x8 \

@@ -74,16 +74,21 @@ __global__ void __launch_bounds__(kThreads)
   const bool in = j < d;
   const T* x = x_all + b * n * d + j;
   double* z = z_all + b * n * d + j;
+  // The sums are of x - K, K the column's first sample: a column of equal samples then has exactly
+  // zero deviations (NaN z and Inf t, as ATen's std_mean gives), where the rounded mean of float64
+  // samples would leave deviations of an ulp, and a finite z of +-1.
+  const double shift = in ? static_cast<double>(x[0]) : 0.0;
   double sum = 0.0;
-  for (int64_t i = r; in && i < n; i += groups) sum += static_cast<double>(x[i * d]);
-  const double mean = group_sum(sum, part, w) / static_cast<double>(n);
+  for (int64_t i = r; in && i < n; i += groups) sum += static_cast<double>(x[i * d]) - shift;
+  const double offset_mean = group_sum(sum, part, w) / static_cast<double>(n);  // mean - K
   double squares = 0.0;
   for (int64_t i = r; in && i < n; i += groups) {
-    const double e = static_cast<double>(x[i * d]) - mean;
+    const double e = (static_cast<double>(x[i * d]) - shift) - offset_mean;
     squares += e * e;
   }
   const double sd = sqrt(group_sum(squares, part, w) / static_cast<double>(n));
-  for (int64_t i = r; in && i < n; i += groups) z[i * d] = (static_cast<double>(x[i * d]) - mean) / sd;
+  for (int64_t i = r; in && i < n; i += groups) z[i * d] = ((static_cast<double>(x[i * d]) - shift) - offset_mean) / sd;
+  const double mean = shift + offset_mean;
   double term = 0.0;
   if (in && r == 0) {
     std_all[b * d + j] = sd;
@@ -139,7 +144,8 @@ void check_samples(const Tensor& x, const char* op) {
               x.sizes());
 }
 
-// The launches' grid for [B, n, d] samples, the batch in chunks of kMaxGridYZ: fn(grid, b0, nb) for each.
+// The launches' grid for [B, n, d] samples, the batch in chunks of kMaxGridYZ: fn(grid, b0) for each
+// chunk (b0: its first batch element).
 template <typename Fn>
 void for_batch_chunks(int64_t B, int64_t d, int w, Fn fn) {
   const int64_t blocks = (d + w - 1) / w;

@@ -1203,13 +1203,15 @@ std::pair<Tensor, Tensor> centred_points(const Tensor& denom, const Tensor& nume
 Tensor gram_kernel_block(const Tensor& points, const Tensor& norms_in, int64_t r0, int64_t rows, int64_t c0,
                          int64_t cols, const Tensor& scale_in, double divisor, double diagonal) {
   const c10::cuda::CUDAGuard guard(points.device());
+  TORCH_CHECK(points.dim() == 3, "kivi_fast: gram_kernel_block expects points [B, N, d], got ", points.sizes());
   const Tensor norms = norms_in.contiguous(), scale = scale_in.contiguous();
   const int64_t B = points.size(0), N = points.size(1);
-  TORCH_CHECK(points.dim() == 3 && points.scalar_type() == at::kDouble && norms.scalar_type() == at::kDouble &&
-                  norms.numel() == B * N && scale.scalar_type() == at::kDouble && scale.numel() == B && r0 >= 0 &&
-                  rows >= 0 && r0 + rows <= N && c0 >= 0 && cols >= 0 && c0 + cols <= N,
-              "kivi_fast: gram_kernel_block expects float64 points [B, N, d], norms [B, N], scale [B] and a block "
-              "within the N points, got ", points.sizes(), ", ", norms.sizes(), ", ", scale.sizes(), ", rows [", r0,
+  TORCH_CHECK(points.scalar_type() == at::kDouble && norms.scalar_type() == at::kDouble && norms.numel() == B * N &&
+                  scale.scalar_type() == at::kDouble && scale.numel() == B && norms.device() == points.device() &&
+                  scale.device() == points.device() && r0 >= 0 && rows >= 0 && r0 + rows <= N && c0 >= 0 &&
+                  cols >= 0 && c0 + cols <= N,
+              "kivi_fast: gram_kernel_block expects float64 points [B, N, d], norms [B, N], scale [B] on one device "
+              "and a block within the N points, got ", points.sizes(), ", ", norms.sizes(), ", ", scale.sizes(), ", rows [", r0,
               ", ", r0 + rows, "), columns [", c0, ", ", c0 + cols, ")");
   auto out = at::empty({B, rows, cols}, points.options());
   if (out.numel() == 0) return out;
