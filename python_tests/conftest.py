@@ -54,6 +54,22 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(old)
 
 
+class DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops called inside, by name, less those that would not launch on a device: views,
+    allocations, and the CPU's value checks (on a GPU each op left is a launch)."""
+    HOST_OR_VIEW = ("detach", "expand", "unsqueeze", "view", "select.int", "as_strided", "_local_scalar_dense",
+                    "any.default", "eq.Scalar", "max.default", "_reshape_alias", "alias", "empty")
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not any(h in str(func) for h in self.HOST_OR_VIEW):
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def implementation(name: str):
     """Run kivi_fast's public functions on one implementation: "cpu", "generic" or "reference"."""

@@ -12,6 +12,7 @@ import kivi_fast
 from kivi_fast import contrast
 
 import test_cuda_emulation as emulation_tests
+from conftest import DeviceOps
 from test_cuda_emulation import launches
 
 # test_cuda_emulation.py's autouse fixture: the emulation library loaded (emulation_tests.EMU), outputs
@@ -100,22 +101,6 @@ class CountedKernels:
     def standardize_grad(self, *args):
         self.calls += 1
         return emulation_tests.EMU.standardize_grad(*args)
-
-
-class DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """The ops that would run on a device (test_kl_contrast.py's count: views, allocations and the CPU's
-    value checks left out)."""
-    HOST_OR_VIEW = ("detach", "expand", "unsqueeze", "view", "select.int", "as_strided", "_local_scalar_dense",
-                    "any.default", "eq.Scalar", "max.default", "_reshape_alias", "alias", "empty")
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not any(h in str(func) for h in self.HOST_OR_VIEW):
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

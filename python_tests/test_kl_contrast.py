@@ -12,6 +12,8 @@ import torch
 import kivi_fast
 from kivi_fast import reference
 
+from conftest import DeviceOps
+
 f64 = {"dtype": torch.float64}
 
 
@@ -204,29 +206,16 @@ def test_gaussian_contrast_gives_the_mean_log_density_of_its_fit(contrast, shrin
 def test_the_kivi_ac_kl_of_a_vae_batch_takes_few_device_ops():
     """adaptive_contrast_kl at the VAE's shapes (128 x 100 samples in 8 dimensions, the diagonal contrast
     with the caller's N(0, I) draws), forward and backward: the ops that run on the device (the CPU's
-    value checks and views left out). On a GPU each is a launch, and the KL's are most of a VAE step's
+    value checks and views left out), through ATen's composition of the contrast (the CUDA kernels'
+    count: test_contrast_kernels.py). On a GPU each is a launch, and the KL's are most of a VAE step's
     small ops (bench/README.md, "GPU")."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    host_or_view = ("detach", "expand", "unsqueeze", "view", "select.int", "as_strided", "_local_scalar_dense",
-                    "any.default", "eq.Scalar", "max.default")
-
-    class Count(TorchDispatchMode):
-        ops: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not any(h in str(func) for h in host_or_view):
-                self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     z = torch.randn(128, 100, 8, generator=gen(1), requires_grad=True)
     prior = torch.randn(128, 100, 8, generator=gen(2))
     kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=prior).mean().backward()
-    count = Count()
-    with count:
+    with DeviceOps() as count:
         kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=prior).mean().backward()
-    assert "kivi_fast.kl.default" in count.ops and "kivi_fast.kl_grad.default" in count.ops
-    assert len(count.ops) <= 38, count.ops  # 34 with torch 2.13; autograd through the composition: 69
+    assert "kivi_fast.kl.default" in count.names and "kivi_fast.kl_grad.default" in count.names
+    assert len(count.names) <= 38, count.names  # 34 with torch 2.13; autograd through the composition: 69
 
 
 def test_the_q_equals_p_script_prints_each_estimators_mean(capsys):
