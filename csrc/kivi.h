@@ -155,9 +155,10 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
 // shared memory per block; the backward: the projection state, and weight states of up to 65,536
 // weights per element, whichever backend ran the forward, since the grad state is the same); other
 // shapes take generic::.
-// Arguments as generic::kl and generic::kl_grad; no value is read back to the host, so bad values
-// (NaN/Inf samples, a zero median, a bandwidth <= 0, a system that is not positive definite) give NaN
-// for their batch element instead of an error.
+// Arguments as generic::kl and generic::kl_grad, except that kl's KL comes in the samples' dtype and
+// kl_grad reads grad_kl as it is (each is then one launch at the VAE's shapes). No value is read back to
+// the host, so bad values (NaN/Inf samples, a zero median, a bandwidth <= 0, a system that is not
+// positive definite) give NaN for their batch element instead of an error.
 namespace cuda {
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device);  // device: its shared memory
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch);

@@ -437,6 +437,40 @@ def test_a_gpu_holds_the_grad_state_the_pairs_and_the_gradient_and_nothing_more(
     assert state + max(pairs, grad) <= peak <= state + max(pairs, grad) + 8192, (peak, state, pairs, grad)
 
 
+# ATen ops that launch nothing on a GPU: allocations, views, a conversion to the dtype a tensor has, and
+# the fill of new memory with NaN that this module's fixture asks for (an at::zeros of ours would still
+# show as aten::zeros)
+NO_LAUNCH = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::reshape", "aten::view", "aten::to",
+             "aten::_reshape_alias", "aten::alias", "aten::as_strided", "aten::contiguous", "aten::expand",
+             "aten::lift_fresh", "aten::detach", "aten::fill_"}
+
+
+@pytest.mark.parametrize("b,n_p,n_q,d", [(2, 60, 50, 8), (2, 5, 7, 20)], ids=["projection", "weights"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_forward_and_backward_are_one_launch_each(b, n_p, n_q, d, dtype):
+    """kl.cu's forward writes the KL in the samples' dtype and its backward reads grad_kl as autograd
+    hands it over (the samples' dtype; expanded from a sum's gradient: stride 0), so that neither
+    launches an ATen op beside its kernel (the weight state's backward: and the sum of its rows). The
+    gradient equals the CPU kernels' for the same grad_kl."""
+    p, q = seeded_samples(b, n_p, n_q, d, dtype, 3, 1.2, 0.3)
+    grad_kls = [torch.ones((), dtype=dtype).expand(b), cotangent(b).to(dtype), cotangent(b)]  # (the last: float64)
+    launches()
+    with torch.profiler.profile() as prof:
+        kl, state, *_ = EMU.kl(p, q, 1e-3, 1e-8, None, True, True)
+        grads = [EMU.kl_grad(g, state, q, p, True) for g in grad_kls]
+    names = [launch.kernel for launch in launches()]
+    assert names == ["forward"] + ["grad_from_projection_kernel<scalar_t>" if d + 1 < n_p + n_q
+                                 else "grad_from_weights_kernel<scalar_t>"] * 3  # (the forward: by its pointer)
+    aten = [e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_LAUNCH]
+    assert aten == ([] if d + 1 < n_p + n_q else ["aten::sum"] * 3), aten
+    assert kl.dtype == dtype
+    torch.testing.assert_close(kl, torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, True)[0], rtol=1e-6, atol=0)
+    for g, got in zip(grad_kls, grads):
+        want = torch.ops.kivi_fast.kl_grad(g, torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, True)[1], q, p, True)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-9, atol=1e-12)
+
+
 # Shapes kl.cu's forward leaves to the generic path (csrc/generic.cpp), each through other branches of
 # its GPU composition: (the median's pairs: ATen's selection below 2^16, else cuda/median.cu; the kernel
 # values: kernel_block from the samples, or the Gram's chunks of columns for many dimensions; the

@@ -431,7 +431,7 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
 template <typename T, int kBlocksPerSm>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     kl_forward_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, const double* __restrict__ sigma_in,
-                      double* __restrict__ dist_all, double* __restrict__ sys_all, double* __restrict__ kl_out,
+                      double* __restrict__ dist_all, double* __restrict__ sys_all, T* __restrict__ kl_out,
                       double* __restrict__ state_all, double* __restrict__ sigma_out, double* __restrict__ clipped_out,
                       KlArgs a) {
   extern __shared__ double smem[];
@@ -588,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         s += red_kl[w];
         c += red_clipped[w];
       }
-      kl_out[b] = (a.reverse ? -s : s) / a.n_q;
+      kl_out[b] = static_cast<T>((a.reverse ? -s : s) / a.n_q);  // (the op's output dtype: no conversion after)
       clipped_out[b] = static_cast<double>(c) / a.n_q;
       sigma_out[b] = sigma;
     }
@@ -841,9 +841,24 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
+// The backward's row scales, grad_kl[b] kl_row_factor (kivi.h's kl_row_scale), read by the kernels
+// from grad_kl as autograd hands it over (float32 or float64, [B] with any stride: 0 where expanded
+// from a sum's gradient), so that the backward is one launch, without a conversion's and a multiply's.
+struct RowScale {
+  const void* grad;
+  int64_t stride;
+  bool is_double;
+  double factor;
+  __device__ __forceinline__ double operator[](int64_t b) const {
+    const double g = is_double ? static_cast<const double*>(grad)[b * stride]
+                               : static_cast<double>(static_cast<const float*>(grad)[b * stride]);
+    return g * factor;
+  }
+};
+
 // grad[b, j, t] = row_scale_b (proj[b, j, t] - proj[b, j, d] z[b, j, t]) (projection state).
 template <typename T>
-__global__ void grad_from_projection_kernel(const double* __restrict__ row_scale, const double* __restrict__ proj,
+__global__ void grad_from_projection_kernel(const RowScale row_scale, const double* __restrict__ proj,
                                             const T* __restrict__ z, T* __restrict__ grad, int64_t n_q, int64_t d,
                                             int64_t total) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -869,7 +884,7 @@ constexpr int64_t kMaxWeightWork = int64_t{1} << 16;
 
 template <typename T>
 __global__ void __launch_bounds__(kWeightThreads)
-    grad_from_weights_kernel(const double* __restrict__ row_scale, const double* __restrict__ W_all,
+    grad_from_weights_kernel(const RowScale row_scale, const double* __restrict__ W_all,
                              const double* __restrict__ wsum_all, const T* __restrict__ den_all,
                              const T* __restrict__ num_all, int n_den, int n_num, int n_q, int row0, int64_t d,
                              T* __restrict__ grad_all) {
@@ -1065,7 +1080,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   TORCH_CHECK(shared_bytes <= limit, "kivi_fast::kl (CUDA): ", shared_bytes, " bytes of shared memory needed, ",
               limit, " available");
 
-  auto kl_out = at::empty({B}, f64), sigma_out = at::empty({B}, f64), clipped = at::empty({B}, f64);
+  auto kl_out = at::empty({B}, q_z.options()), sigma_out = at::empty({B}, f64), clipped = at::empty({B}, f64);
   auto state = at::empty({B, n_q, a.state_width}, f64);
   if (B == 0) return {kl_out, state, sigma_out, clipped};
   // the distances' workspace: the wide path's sums, or distances that do not fit in shared memory
@@ -1093,7 +1108,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
     }
     forward<<<static_cast<unsigned>(blocks), kThreads, shared_bytes, stream>>>(
         den, num, sigma_given.defined() ? sigma_given.data_ptr<double>() : nullptr, dist.data_ptr<double>(),
-        sys.defined() ? sys.data_ptr<double>() : nullptr, kl_out.data_ptr<double>(), state.data_ptr<double>(),
+        sys.defined() ? sys.data_ptr<double>() : nullptr, kl_out.data_ptr<scalar_t>(), state.data_ptr<double>(),
         sigma_out.data_ptr<double>(), clipped.data_ptr<double>(), a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -1281,7 +1296,10 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
   const c10::cuda::CUDAGuard guard(q_z_in.device());
   const Tensor q_z = q_z_in.contiguous(), prior_z = prior_z_in.contiguous(), state = state_in.contiguous();
   const int64_t B = q_z.size(0), n_q = q_z.size(1), d = q_z.size(2), N = prior_z.size(1) + n_q;
-  const auto row_scale = kl_row_scale(grad_kl, n_q, reverse).contiguous();
+  Tensor g = grad_kl.reshape({-1});
+  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kDouble) g = g.to(at::kDouble);
+  const RowScale row_scale{g.data_ptr(), g.numel() > 1 ? g.stride(0) : 0, g.scalar_type() == at::kDouble,
+                           kl_row_factor(n_q, reverse)};
   auto grad = at::empty_like(q_z);
   if (B == 0 || n_q == 0 || d == 0) return grad;
   const auto stream = c10::cuda::getCurrentCUDAStream(q_z.get_device());
@@ -1291,7 +1309,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
       const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
       if (total > 0) {
         grad_from_projection_kernel<scalar_t><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-            row_scale.data_ptr<double>(), state.data_ptr<double>(), q_z.data_ptr<scalar_t>(),
+            row_scale, state.data_ptr<double>(), q_z.data_ptr<scalar_t>(),
             grad.data_ptr<scalar_t>(), n_q, d, total);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
@@ -1301,7 +1319,7 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
       const dim3 grid(static_cast<unsigned>((d + kWeightThreads - 1) / kWeightThreads),
                       static_cast<unsigned>((n_q + kWeightRows - 1) / kWeightRows), static_cast<unsigned>(B));
       grad_from_weights_kernel<scalar_t><<<grid, kWeightThreads, 0, stream>>>(
-          row_scale.data_ptr<double>(), state.data_ptr<double>(), wsum.data_ptr<double>(),
+          row_scale, state.data_ptr<double>(), wsum.data_ptr<double>(),
           roles.denom.data_ptr<scalar_t>(), roles.numer.data_ptr<scalar_t>(), static_cast<int>(roles.denom.size(1)),
           static_cast<int>(roles.numer.size(1)), static_cast<int>(n_q), static_cast<int>(roles.row0), d,
           grad.data_ptr<scalar_t>());
