@@ -44,7 +44,7 @@ def gpu_kl(p, q):
     """ours' forward + backward as CUDA tensors take them, emulated (_cuda_emulation.kl), as a
     function of no arguments."""
     p, q = (t if t.dim() == 3 else t[None] for t in (p, q.detach()))
-    grad_kl = torch.ones(p.shape[0], dtype=torch.float64)
+    grad_kl = torch.ones(p.shape[0], dtype=q.dtype)  # (autograd's: the KL's dtype)
     return lambda: _cuda_emulation.kl(p, q, True, grad_kl)
 
 

@@ -1296,7 +1296,8 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
   const c10::cuda::CUDAGuard guard(q_z_in.device());
   const Tensor q_z = q_z_in.contiguous(), prior_z = prior_z_in.contiguous(), state = state_in.contiguous();
   const int64_t B = q_z.size(0), n_q = q_z.size(1), d = q_z.size(2), N = prior_z.size(1) + n_q;
-  Tensor g = grad_kl.reshape({-1});
+  // (a negated view's sign is in its flag, which RowScale's raw reads would miss)
+  Tensor g = grad_kl.reshape({-1}).resolve_neg();
   if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kDouble) g = g.to(at::kDouble);
   const RowScale row_scale{g.data_ptr(), g.numel() > 1 ? g.stride(0) : 0, g.scalar_type() == at::kDouble,
                            kl_row_factor(n_q, reverse)};
