@@ -176,7 +176,7 @@ Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
 // the generic path's kernel values and system on CUDA tensors with few dimensions.
 Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                     const Tensor& scale, double divisor, double diagonal);
-// kernel_block's values by a GEMM (set_gemm_kernel_values): the stacked points [denom; numer] as
+// The same values by a GEMM (set_gemm_kernel_values): the stacked points [denom; numer] as
 // float64 centred on their mean (far from the origin the norms would cancel to the distances'
 // rounding) and their squared norms, [B, N, d] and [B, N]; then a block of kernel values from them, as
 // kernel_block defines it, by cuBLAS's x_i . x_j and one pass (the generic path prepares the points
@@ -225,9 +225,9 @@ bool set_paired_elimination(bool flag);
 // returns the old value. use_gathered_selection reads it.
 bool set_gathered_selection(bool flag);
 bool use_gathered_selection();
-// Benches and tests: whether kernel_block computes its kernel values from a GEMM of the centred points
-// and one pass over its output, or from differences in its tiles (the default); returns the old value.
-// use_gemm_kernel_values reads it.
+// Benches and tests: whether the generic path's kernel values come from gram_kernel_block (a GEMM of the
+// centred points and one pass over its output) or from kernel_block's differences in tiles (the
+// default); returns the old value. use_gemm_kernel_values reads it (StackedDistances, once a fit).
 bool set_gemm_kernel_values(bool flag);
 bool use_gemm_kernel_values();
 // Benches and tests: whether the generic path on CUDA tensors takes the kernels above (pair_sqdist,

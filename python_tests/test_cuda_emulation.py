@@ -493,7 +493,7 @@ GENERIC_GPU_SHAPES = [
 
 def generic_gpu_launches(b, n_p, n_q, d, reverse, gemm=False) -> list[str]:
     """The kernels the generic path launches for this shape on a GPU, by the rules above (gemm: with
-    set_gemm_kernel_values, kernel_block's pass after its GEMM)."""
+    set_gemm_kernel_values, gram_kernel_block's pass after its GEMM)."""
     N, n_den = n_p + n_q, n_q if reverse else n_p
     width = d + 1 if d + 1 < N else N
     fused = d <= max(256, (4 << 20) // (8 * b * N))  # generic.cpp: chunk_columns(B N)
@@ -530,7 +530,7 @@ def test_the_generic_path_on_a_gpu_equals_the_cpu_kernels(shape, dtype, reverse)
 @pytest.mark.parametrize("shape", GENERIC_GPU_SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("shift", [0.3, 1e3], ids=["near-0", "far-from-0"])
 def test_the_generic_path_with_gemm_kernel_values_equals_the_cpu_kernels(shape, shift):
-    """set_gemm_kernel_values (the benches' A/B): kernel_block's values from a GEMM of the points and
+    """set_gemm_kernel_values (the benches' A/B): gram_kernel_block's values from a GEMM of the points and
     one pass, to the same tolerance as from differences; also for samples far from the origin, whose
     norms would cancel to the distances' rounding (the points are centred first). The points are
     centred once a fit (one mean), not once a block of kernel values."""

@@ -117,7 +117,7 @@ for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 
         q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
         kivi_fast.kernel_kl(p, q, reverse=reverse).sum().backward()
         kivi_fast.kernel_kl(p, q, reverse=reverse, bandwidth=1.5).sum().backward()  # no median
-torch.ops.kivi_fast_testing.set_gemm_kernel_values(True)  # (off by default) kernel_block's GEMM variant
+torch.ops.kivi_fast_testing.set_gemm_kernel_values(True)  # (off by default) the kernel values' GEMM variant
 p, q = torch.randn(2, 300, 3, device="cuda"), torch.randn(2, 260, 3, device="cuda", requires_grad=True)
 kivi_fast.kernel_kl(p, q).sum().backward()
 torch.ops.kivi_fast_testing.set_gemm_kernel_values(False)

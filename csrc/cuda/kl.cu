@@ -755,7 +755,7 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// kernel_block's GEMM variant (set_gemm_kernel_values): g [B, rows, cols] holds x_i . x_j of the
+// gram_kernel_block's pass (set_gemm_kernel_values): g [B, rows, cols] holds x_i . x_j of the
 // centred points' rows i in [r0, r0 + rows) and columns j in [c0, c0 + cols); in place, the kernel
 // values as kernel_block_kernel writes them, from D = |x_i|^2 + |x_j|^2 - 2 g (norms [B, N]) clamped at
 // 0 (NaN stays NaN), exactly 0 where i = j. blockIdx.y: the batch.
@@ -935,7 +935,8 @@ std::atomic<bool> two_blocks_per_sm{true};
 std::atomic<bool> paired_elimination{true};
 // set_gathered_selection's switch (benches: the median's gather against a pass for every digit).
 std::atomic<bool> gathered_selection{true};
-// set_gemm_kernel_values's switch (benches: kernel_block by a GEMM and one pass, against its tiles).
+// set_gemm_kernel_values's switch (benches: the generic path's kernel values by gram_kernel_block, a
+// GEMM and one pass, against kernel_block's tiles; generic.cpp's StackedDistances reads it once a fit).
 std::atomic<bool> gemm_kernel_values{false};
 // set_generic_kernels's switch (benches: the generic path's CUDA kernels against its ATen composition).
 std::atomic<bool> generic_kernels{true};
@@ -1184,10 +1185,6 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
   auto out = at::empty({B, rows, cols}, denom.options().dtype(at::kDouble));
   if (out.numel() == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream(denom.get_device());
-  if (gemm_kernel_values.load()) {
-    const auto [points, norms] = centred_points(denom, numer);
-    return gram_kernel_block(points, norms, r0, rows, c0, cols, scale, divisor, diagonal);
-  }
   const int64_t tiles_r = (rows + kTile - 1) / kTile, tiles_c = (cols + kTile - 1) / kTile;
   TORCH_CHECK(tiles_r <= kMaxGridYZ && tiles_c <= std::numeric_limits<int>::max(), "kivi_fast: kernel_block of ", rows,
               " x ", cols, " is too large");
