@@ -10,6 +10,8 @@ import pytest
 import kivi_fast
 from kivi_fast import _backend
 
+from conftest import bench_module
+
 
 def run_python(code, **env):
     full_env = dict(os.environ, **env)
@@ -109,35 +111,33 @@ def test_a_cuda_compiler_of_another_major_version_than_torchs_stops_the_build(tm
     assert f"nvcc of a CUDA {other}.x toolkit" in out and "-Ccmake.define.KIVI_FAST_CUDA=OFF" in out, out[-3000:]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("c++filt") is None,
+                    reason="no nvcc, or no c++filt, on this machine")
 def test_the_cuda_sources_compile_with_nvcc(tmp_path):
     """csrc/cuda/'s .cu files through nvcc's front end (host and device code to C++; no GPU needed),
-    against this torch's headers and with CMakeLists.txt's CUDA flags: a change that the CPU emulation
-    (g++) accepts must build with CUDA too. A CPU wheel of torch lacks one header a CUDA build
-    generates; it is stubbed here."""
+    against this torch's headers and with CMakeLists.txt's CUDA flags (bench/sass.py's, with the
+    header a CPU wheel of torch lacks stubbed): a change that the CPU emulation (g++) accepts must
+    build with CUDA too."""
     from pathlib import Path
 
-    import torch
-
+    sass = bench_module("sass")
     root = Path(__file__).resolve().parents[1]
-    torch_include = Path(torch.__file__).parent / "include"
-    stub = tmp_path / "include" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    flags = ["-std=c++20", "-arch=sm_90", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-             "-D__CUDA_NO_HALF2_OPERATORS__", "-DKIVI_FAST_WITH_CUDA",
-             "-I", str(tmp_path / "include"), "-isystem", str(torch_include),
-             "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"), "-I", str(root / "csrc")]
+    flags = sass.nvcc_flags(sass.write_stub_include(tmp_path / "include"))
     sources = sorted((root / "csrc" / "cuda").glob("*.cu"))
     assert [s.name for s in sources] == ["contrast.cu", "kl.cu", "median.cu"]
-    runs = [subprocess.Popen(["nvcc", *flags, "-cuda", str(s), "-o", str(tmp_path / (s.stem + ".ii"))],
+    runs = [subprocess.Popen(["nvcc", *flags, "--resource-usage", "-cuda", str(s), "-o", str(tmp_path / (s.stem + ".ii"))],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in sources]
+    kernels = set()
     for source, run in zip(sources, runs):
         out = run.communicate(timeout=600)[0]
         assert run.returncode == 0, f"{source.name}:\n{out[-4000:]}"
         assert "warning" not in out.lower(), f"{source.name}:\n{out[-4000:]}"
+        usage = sass.parse_ptxas(out)
+        assert all(u["registers"] > 0 for u in usage.values()), usage
+        kernels |= {sass.short_name(k) for k in usage}
+    # bench/sass.py reads ptxas's report of each kernel (both variants of the forward kernel)
+    assert {"kl_forward_kernel<float, 1>", "kl_forward_kernel<double, 2>", "standardize_kernel<float>",
+            "digit_histogram_kernel"} <= kernels, kernels
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
