@@ -869,8 +869,9 @@ def test_the_emulation_catches_the_bugs_it_is_for():
     a read of a neighbour's shared-memory write without a barrier, and a __shared__ total never set to
     0, give results that change with the seed (the threads' order, the poison); a barrier the threads
     reach at two calls, a shuffle half a warp never reaches, a write past the dynamic shared memory,
-    56 KB of shared memory without opting in, a launch from a kernel and a partial warp mask (not
-    emulated) are errors naming the place."""
+    56 KB of shared memory without opting in, a pointer to global memory assumed to point to shared
+    memory (kl.cu's assume_shared), a launch from a kernel and a partial warp mask (not emulated) are
+    errors naming the place."""
     right = (torch.arange(64, dtype=torch.float64) + 1) % 64
     outs, totals = [], []
     for seed in (1, 2, 3, 4):
@@ -885,6 +886,7 @@ def test_the_emulation_catches_the_bugs_it_is_for():
         ("write_past_shared", r"write_past_shared.*wrote past its 512 bytes of dynamic shared memory"),
         ("shared_beyond_48kb",
          r"shared_beyond_48kb.*uses 16384 bytes of static and 40960 of dynamic shared memory, above the 49152"),
+        ("global_assumed_shared", r"global_assumed_shared.*the assumption __isShared\(p\) is false"),
         ("launch_from_a_kernel", r"divergent_barrier launched from inside a kernel"),
         ("partial_warp_shuffle", r"__shfl_xor_sync with a partial warp mask"),
     ]:

@@ -97,6 +97,28 @@ struct Stacked {
   __device__ __forceinline__ const T* row(int c) const { return c < n_den ? den + c * d : num + (c - n_den) * d; }
 };
 
+// Tells the compiler that p points into shared memory, so that the accesses through it compile to
+// shared-memory instructions (LDS/STS on 32-bit addresses). A pointer that may point to either shared
+// or global memory compiles to generic loads and stores, whose window is resolved at run time. (A
+// false assumption is undefined behaviour; the CPU emulation checks each.)
+__device__ __forceinline__ void assume_shared(const void* p) { __builtin_assume(__isShared(p)); }
+
+// f(p), compiled twice where kTwice: for p in shared memory (taken when in_shared) and for p anywhere.
+// kl_forward_kernel's one-block variant writes the distances, reads them in the median's passes, and
+// reads and writes the system in its elimination, each thousands of times, through such calls. (The
+// two-blocks variant, within 64 registers, would spill 140 bytes of stores and 288 of loads where it
+// spills 56 and 80 with the second copies: it keeps one, through generic loads and stores.)
+template <bool kTwice, typename F>
+__device__ __forceinline__ auto in_shared_or_not(bool in_shared, double* p, F&& f) {
+  if constexpr (kTwice) {
+    if (in_shared) {
+      assume_shared(p);
+      return f(p);
+    }
+  }
+  return f(p);
+}
+
 __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -232,6 +254,13 @@ __device__ double median_distance(const double* dist, int64_t P, unsigned gather
   // the upper middle: the next key in the bin, else the least above it
   const uint64_t hi = !even ? lo : rank + 1 < static_cast<int64_t>(in_bin) ? s.middles[1] : s.min_gt;
   return median(radix::mean_of_roots(lo, hi));
+}
+
+// The element's bandwidth: the given one (sigma_in[b]) or the median distance; NaN where a distance is.
+__device__ __forceinline__ double bandwidth(const double* dist, int64_t P, const double* sigma_in, int b,
+                                            unsigned gather_keys, SelectShared& sel) {
+  if (sigma_in == nullptr) return median_distance(dist, P, gather_keys, sel);
+  return all_finite(dist, P) ? sigma_in[b] : NAN;
 }
 
 struct KlArgs {
@@ -476,9 +505,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         X[c * ldx + (e - c * d)] = static_cast<double>(pts.row(c)[e - c * d]);
       }
       __syncthreads();
-      for (int i = warp; i < N; i += kWarps) {
-        for (int j = i + 1 + lane; j < N; j += 32) dist[pair_index(i, j, N)] = sqdist(i, j);
-      }
+      in_shared_or_not<kBlocksPerSm == 1>(a.dist_in_shared, dist, [&](double* dd) {
+        for (int i = warp; i < N; i += kWarps) {
+          for (int j = i + 1 + lane; j < N; j += 32) dd[pair_index(i, j, N)] = sqdist(i, j);
+        }
+      });
       __syncthreads();
     } else if (a.dist_in_shared) {  // pair_sqdist_kernel's sums, staged
       for (int64_t p = tid; p < P; p += kThreads) dist[p] = dist_all[b * P + p];
@@ -487,30 +518,38 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stage_clock(a, b, 1);
 
     // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
-    double sigma = sigma_in == nullptr ? median_distance(dist, P, a.gather_keys, sel)
-                   : all_finite(dist, P)  ? sigma_in[b]
-                                          : NAN;
+    double sigma;
+    if constexpr (kBlocksPerSm == 1) {
+      sigma = in_shared_or_not<true>(a.dist_in_shared, dist, [&](const double* dd) {
+        return bandwidth(dd, P, sigma_in, b, a.gather_keys, sel);
+      });
+    } else {  // (through a lambda this variant spills 64 bytes where it spills 56)
+      sigma = bandwidth(dist, P, sigma_in, b, a.gather_keys, sel);
+    }
     if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
     stage_clock(a, b, 2);
     const double gamma = -0.5 / (sigma * sigma);
 
     // The system S = K_dd / n + lam I (its upper triangle, row-major) and the right-hand side
-    // K_dn 1 / (lam n n_num) in coef[0, n).
-    double* S = a.system_in_shared ? work : sys_all + static_cast<int64_t>(slot) * n * n;
+    // K_dn 1 / (lam n n_num) in coef[0, n), then its solution in coef.
     const double inv_n = 1.0 / n;
-    for (int i = warp; i < n; i += kWarps) {
-      for (int j = i + lane; j < n; j += 32) {
-        S[i * n + j] = exp(gamma * sqdist(i, j)) * inv_n + (i == j ? a.lam : 0.0);
+    const auto make_and_solve = [&](double* S) {
+      for (int i = warp; i < n; i += kWarps) {
+        for (int j = i + lane; j < n; j += 32) {
+          S[i * n + j] = exp(gamma * sqdist(i, j)) * inv_n + (i == j ? a.lam : 0.0);
+        }
+        double r = 0.0;
+        for (int c = n + lane; c < N; c += 32) r += exp(gamma * sqdist(i, c));
+        r = warp_sum(r);
+        if (lane == 0) coef[i] = r / (a.lam * n * static_cast<double>(a.n_num));
       }
-      double r = 0.0;
-      for (int c = n + lane; c < N; c += 32) r += exp(gamma * sqdist(i, c));
-      r = warp_sum(r);
-      if (lane == 0) coef[i] = r / (a.lam * n * static_cast<double>(a.n_num));
-    }
-    if (tid == 0) not_pd = 0;
-    __syncthreads();
-    stage_clock(a, b, 3);
-    solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);
+      if (tid == 0) not_pd = 0;
+      __syncthreads();
+      stage_clock(a, b, 3);
+      solve_spd<kBlocksPerSm == 1>(S, coef, n, &not_pd, a.paired_elimination);
+    };
+    double* S = a.system_in_shared ? work : sys_all + static_cast<int64_t>(slot) * n * n;
+    in_shared_or_not<kBlocksPerSm == 1>(a.system_in_shared, S, make_and_solve);
     stage_clock(a, b, 4);
     const bool bad = not_pd || isnan(sigma);
     const double beta = 1.0 / (a.lam * a.n_num);

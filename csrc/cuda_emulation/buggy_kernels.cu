@@ -56,6 +56,14 @@ __global__ void partial_warp_shuffle(double* out) {  // a mask the emulation doe
   out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, 1.0, 1);
 }
 
+__global__ void global_assumed_shared(double* out) {  // out is global memory; shared is not out's
+  extern __shared__ double shared[];
+  double* p = threadIdx.x < 32 ? shared : out;
+  __builtin_assume(__isShared(p));
+  p[threadIdx.x] = 1.0;
+  out[threadIdx.x] = 1.0;
+}
+
 __global__ void launch_from_a_kernel(double* out) {  // (dynamic parallelism, which kivi_fast does not use)
   if (threadIdx.x == 0) divergent_barrier<<<1, 64>>>(out);
 }
@@ -80,6 +88,8 @@ at::Tensor run_buggy_kernel(const std::string& name) {
     shared_beyond_48kb<<<1, 64, 40 * 1024>>>(o);
   } else if (name == "partial_warp_shuffle") {
     partial_warp_shuffle<<<1, 64>>>(o);
+  } else if (name == "global_assumed_shared") {
+    global_assumed_shared<<<1, 64, 64 * 8>>>(o);
   } else if (name == "launch_from_a_kernel") {
     launch_from_a_kernel<<<1, 64>>>(o);
   } else {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -294,6 +295,22 @@ uint3 block_index() { return scheduler().block; }
 dim3 block_dim() { return scheduler().block_dim; }
 dim3 grid_dim() { return scheduler().grid_dim; }
 void* dynamic_shared_memory() { return scheduler().shared.data(); }
+
+bool in_dynamic_shared_memory(const void* p) {
+  const Scheduler& s = scheduler();
+  const auto* begin = reinterpret_cast<const char*>(s.shared.data());
+  const auto* c = static_cast<const char*>(p);
+  return std::less_equal<>()(begin, c) && std::less<>()(c, begin + 8 * s.shared_doubles);
+}
+
+void check_assumption(bool holds, const char* what, const std::source_location& where) {
+  if (!holds) {
+    const Scheduler& s = scheduler();
+    throw std::runtime_error(block_name(s, launches().back().kernel.c_str()) + ", thread " +
+                             std::to_string(current_fiber().index.x) + ": the assumption " + what + " is false (" +
+                             where.file_name() + ":" + std::to_string(where.line()) + ")");
+  }
+}
 
 void poison_shared(void* variable, size_t bytes) {
   Scheduler& s = scheduler();

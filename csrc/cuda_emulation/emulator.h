@@ -92,6 +92,11 @@ uint3 block_index();
 dim3 block_dim();
 dim3 grid_dim();
 void* dynamic_shared_memory();
+// Whether p points into the block's dynamic shared memory (__shared__ variables are statics here,
+// outside it: the kernels never pass one on as a pointer).
+bool in_dynamic_shared_memory(const void* p);
+// nvcc's __builtin_assume: a false assumption is undefined behaviour there, an error here.
+void check_assumption(bool holds, const char* what, const std::source_location& where);
 // Fills a __shared__ variable with the poison the first time a thread of each block declares it.
 void poison_shared(void* variable, size_t bytes);
 
@@ -167,6 +172,8 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   emu::warp_exchange(0, "__syncwarp");
 }
 inline void __threadfence() {}
+inline unsigned __isShared(const void* p) { return emu::in_dynamic_shared_memory(p) ? 1u : 0u; }
+#define __builtin_assume(...) ::emu::check_assumption((__VA_ARGS__), #__VA_ARGS__, std::source_location::current())
 
 // The warp collectives take the types CUDA's overloads take (no other, so that code nvcc rejects is
 // rejected here too), and exchange their bits.
