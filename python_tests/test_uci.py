@@ -612,7 +612,8 @@ def test_batch_stopped_by_its_time_limit_resumes_from_the_checkpoints(tmp_path, 
         assert not (folder / "split_04.json").exists()
         stops.append(runs.load_checkpoint(folder / "checkpoint.pt", regression.CHECKPOINT_KEYS)["epoch"])
         log = (folder / "log.txt").read_text()[len(log_before):]
-    assert 0 < stops[0] < stops[1]
+    # (on a loaded machine the second process may reach its limit before an epoch of its own)
+    assert 0 < stops[0] <= stops[1]
     assert f" {stops[0]}/100000 [00:00" in log  # the second process's bar starts where the first stopped
 
 
