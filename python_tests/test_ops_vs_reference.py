@@ -778,3 +778,28 @@ def test_the_ops_take_a_0_dim_bandwidth_for_one_batch_element(compiled):
         alpha, sigma = ops.fit(p, q, 1e-3, s)
         assert used.shape == sigma.shape == (1,) and used.item() == sigma.item() == 1.5
         assert_close_rel(value, kivi_fast.kernel_kl(p, q, bandwidth=1.5), 1e-12)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_negated_views_give_the_results_of_their_values(batched):
+    """The kernels read raw memory; a negated view (torch._neg_view: the sign in a flag, as conj().imag
+    makes) reaches them resolved by the dispatcher's fallback for the Negative key, on every device their
+    ops are registered for by key (csrc/ops.cpp). Values and gradients equal those of the materialized
+    tensor's."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, 40, 3) if batched else (40, 3)
+    p = torch.randn(shape, dtype=torch.float64, generator=gen)
+    q0 = torch.randn(shape, dtype=torch.float64, generator=gen) + 0.5
+    results = []
+    for negate in (torch._neg_view, torch.neg):
+        q = q0.clone().requires_grad_()
+        nq, np_ = negate(q), negate(p)
+        assert nq.is_neg() == (negate is torch._neg_view)
+        kl = kivi_fast.kernel_kl(np_, nq).sum()
+        fit = kivi_fast.DensityRatio(lam=1e-3).fit(numer=np_, denom=nq.detach())
+        log_ratio = fit.log_ratio(nq).sum()
+        results.append([kl.detach(), *torch.autograd.grad(kl, q), log_ratio.detach(),
+                        *torch.autograd.grad(log_ratio, q), kivi_fast.rbf_gram(np_, nq.detach(), sigma=1.0),
+                        kivi_fast.median_bandwidth(nq.detach())])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
