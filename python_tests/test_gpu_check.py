@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDER = ["build", "tests", "bench", "profile", "steps", "compiled", "sanitizer", "bench64"]
+ORDER = ["build", "tests", "bench", "profile", "stalls", "steps", "compiled", "sanitizer", "bench64"]
 
 FAKE_PYTHON = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG"
@@ -24,12 +24,25 @@ exit 0
 """
 
 
-def gpu_check(tmp_path, **env):
-    """Runs gpu_check.sh into tmp_path/out with the stand-ins; (exit status, output, phases.tsv rows,
-    the fake python3's calls)."""
+# Nsight Compute's CLI: records its arguments, writes a raw metric to --log-file, runs the program
+FAKE_NCU = """#!/bin/bash
+echo "ncu $*" >> "$FAKE_LOG"
+while [ "$1" != python3 ]; do
+  if [ "$1" = --log-file ]; then echo "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio 4.2" > "$2"; fi
+  shift
+done
+exec "$@"
+"""
+
+
+def gpu_check(tmp_path, tools=(), **env):
+    """Runs gpu_check.sh into tmp_path/out with the stand-ins (and those of `tools`: "ncu"); (exit
+    status, output, phases.tsv rows, the fake tools' calls)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in {"python3": FAKE_PYTHON, "nvidia-smi": "#!/bin/bash\necho 'GPU 0: fake'\n"}.items():
+    stand_ins = {"python3": FAKE_PYTHON, "nvidia-smi": "#!/bin/bash\necho 'GPU 0: fake'\n"}
+    stand_ins.update({name: {"ncu": FAKE_NCU}[name] for name in tools})
+    for name, text in stand_ins.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "calls.log"
@@ -56,7 +69,7 @@ def test_every_phase_runs_in_order_and_is_logged(tmp_path):
     assert [c.split()[0] for c in scripts[2:]] == ["bench/gpu.py", "bench/gpu.py", "bench/train_steps.py",
                                                   "bench/train_steps.py", "bench/gpu.py", "bench/gpu.py"]
     assert "--profile" in scripts[3] and "--compiled" in scripts[6] and "float64" in scripts[7]
-    assert "no compute-sanitizer here" in output
+    assert "no compute-sanitizer here" in output and "no ncu (Nsight Compute) here" in output
     assert (tmp_path / "out" / "gpu_check.log").read_text().count("gpu_check: bench (") == 1
 
 
@@ -68,8 +81,9 @@ def test_a_budget_cuts_off_a_step_skips_the_rest_and_names_them(tmp_path):
     assert phases[0][:2] == ["build", "ok"]
     assert phases[1][:2] == ["tests", "cut off"] and int(phases[1][2]) <= 7
     assert "failed: tests (cut off by BUDGET_S)" in output
-    assert [p[1] for p in phases[2:]] == ["skipped"] * 6
-    assert "the rest: PHASES=tests,bench,profile,steps,compiled,sanitizer,bench64 bash scripts/gpu_check.sh" in output
+    assert [p[1] for p in phases[2:]] == ["skipped"] * 7
+    assert "the rest: PHASES=tests,bench,profile,stalls,steps,compiled,sanitizer,bench64 bash scripts/gpu_check.sh" \
+        in output
     assert not any(c.startswith("bench/") for c in calls)
 
 
@@ -88,3 +102,14 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, env, message):
     rc, output, phases, calls = gpu_check(tmp_path, **env)
     assert rc == 2 and message in output
     assert phases == [] and calls == []
+
+
+def test_the_stalls_phase_profiles_one_forward_launch_where_ncu_is_installed(tmp_path):
+    rc, output, phases, calls = gpu_check(tmp_path, tools=("ncu",), PHASES="stalls")
+    assert rc == 0 and phases == [["stalls", "ok", phases[0][2]]], output
+    (at,) = [i for i, c in enumerate(calls) if c.startswith("ncu ")]
+    ncu, after = calls[at], "\n".join(calls[at + 1:])  # (the program's lines follow each tool's call)
+    assert "--kernel-name regex:kl_forward_kernel" in ncu and "--launch-count 1" in ncu
+    assert f"--log-file {tmp_path / 'out' / 'stalls.txt'}" in ncu and "python3 -c" in ncu
+    assert after.count("kernel_kl(p, q)") == 2  # in ncu's arguments, then python3 ran the program
+    assert "stalled_barrier_per_issue_active.ratio 4.2" in output  # the stall metrics, in the log too

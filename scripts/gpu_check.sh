@@ -9,6 +9,8 @@
 #   profile   where the GPU time goes: kernels by GPU time, the host's share of a call, the forward
 #             kernel's stage clocks and the kernels' A/B switches (bench/gpu.py --profile), then the
 #             graphed training steps' kernels (bench/train_steps.py --profile)
+#   stalls    why the forward kernel's warps wait at 128 x (100, 8), by stall reason: Nsight Compute's
+#             warp-state and scheduler metrics of one launch (where ncu is installed; OUT_DIR/stalls.txt)
 #   steps     bench/train_steps.py: the VAE and MNIST steps, eager and graphed (train_steps.json)
 #   compiled  the pure sides and ours under torch.compile with CUDA graphs on the shapes where that can
 #             pay (bench/gpu.py --compiled: minutes of compiling; cuda_compiled.json)
@@ -32,9 +34,9 @@ cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
-ORDER=(build tests bench profile steps compiled sanitizer bench64)
-declare -A MIN_S=([build]=60 [tests]=60 [bench]=60 [profile]=60 [steps]=45 [compiled]=120 [sanitizer]=60
-                  [bench64]=30)
+ORDER=(build tests bench profile stalls steps compiled sanitizer bench64)
+declare -A MIN_S=([build]=60 [tests]=60 [bench]=60 [profile]=60 [stalls]=30 [steps]=45 [compiled]=120
+                  [sanitizer]=60 [bench64]=30)
 if [ -n "${MIN_S_ALL:-}" ]; then for p in "${ORDER[@]}"; do MIN_S[$p]=$MIN_S_ALL; done; fi  # (its test's)
 PHASES="${PHASES:-$(IFS=,; echo "${ORDER[*]}")}"
 for p in ${PHASES//,/ }; do
@@ -91,6 +93,22 @@ phase_profile() {
   step profile 600 python3 bench/gpu.py --profile --dtypes float32 \
     --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64
   step steps-profile 300 python3 bench/train_steps.py --profile
+}
+phase_stalls() {
+  if ! command -v ncu > /dev/null; then echo "gpu_check: no ncu (Nsight Compute) here"; return 0; fi
+  # the third launch (after warm-up) of the forward kernel at the VAE's shapes: the stall reasons' share
+  # of its warps' cycles (a barrier, the shared-memory and atomic pipe's throttle, a load's latency, ...)
+  # say which of the stages' designs to change; the raw page keeps every metric the sections collect
+  step stalls 180 ncu --kernel-name regex:kl_forward_kernel --launch-skip 2 --launch-count 1 \
+    --section WarpStateStats --section SchedulerStats --page raw --log-file "$out/stalls.txt" python3 -c '
+import torch, kivi_fast
+p = torch.randn(128, 100, 8, device="cuda")
+q = torch.randn(128, 100, 8, device="cuda", requires_grad=True)
+for _ in range(3):
+    kivi_fast.kernel_kl(p, q).sum().backward()
+torch.cuda.synchronize()
+'
+  grep -iE "stall|issue|warps_active" "$out/stalls.txt" | head -80
 }
 phase_steps() {
   step steps 600 python3 bench/train_steps.py --json "$out/train_steps.json"
