@@ -186,9 +186,10 @@ def median_ms(run, calls: int = 50) -> float:
 
 def floors(p, q) -> str:
     """What bounds a batched call of ours from below: the same call on a tiny problem, 1 x (3, 2) (the
-    host's work and the launches), the forward op alone, and the GPU's own batched Cholesky
-    (torch.linalg.cholesky_ex) of B float64 systems of the shape's size, the factorization that our
-    forward kernel does inside each block among its other stages."""
+    host's work and the launches), torch's own floor for such a call (autograd through ``q * 2`` on the
+    same tiny input: Python, the engine and four launches, none of them ours), the forward op alone,
+    and the GPU's own batched Cholesky (torch.linalg.cholesky_ex) of B float64 systems of the shape's
+    size, the factorization that our forward kernel does inside each block among its other stages."""
     ours = cpu_bench.IMPLS["ours"]
     b, n = p.shape[0], p.shape[1]
     tiny_p, tiny_q = p[:1, :3, :2].contiguous(), q[:1, :3, :2].contiguous()
@@ -196,6 +197,7 @@ def floors(p, q) -> str:
     spd = a @ a.mT / n + torch.eye(n, dtype=torch.float64, device=p.device)
     parts = {
         "ours fwd+bwd at 1 x (3, 2)": median_ms(lambda: cpu_bench.call(ours, tiny_p, tiny_q, True)),
+        "torch's fwd+bwd of q * 2 there": median_ms(lambda: cpu_bench.call(lambda _, x: x * 2, tiny_p, tiny_q, True)),
         "ours forward op alone": median_ms(lambda: torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, False, False)),
         f"torch.linalg.cholesky_ex of {b} x ({n}, {n}) float64": median_ms(lambda: torch.linalg.cholesky_ex(spd)),
     }

@@ -78,7 +78,7 @@ def test_the_profile_times_each_switch_both_ways_and_reads_the_stage_clocks():
     assert out.count("kl_forward_kernel, block 0: 500 cycles: distances 100 (20%)") == clocks[True]
     for line in ("set_paired_elimination: on", "set_gathered_selection: on", "set_two_blocks_per_sm: on",
                  "set_generic_kernels: on", "set_gemm_kernel_values: on", "(one column a step)", "(the median a pass for every digit)",
-                 "floors: ours fwd+bwd at 1 x (3, 2)", "host: "):
+                 "floors: ours fwd+bwd at 1 x (3, 2)", "torch's fwd+bwd of q * 2 there", "host: "):
         assert line in out, line
     steps = stand_in("train_steps", "--profile")
     assert steps.count("three replays of the step captured in a CUDA graph") == 3
