@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates (or reuses) .venv, installs torch 2.13.0 (CPU) and the
 # dependencies, builds the C++ ops into the package, then runs what was asked:
 #   bash scripts/run.sh main      the main job: BNN regression on UCI Boston, 3 splits x 500 epochs
-#                                 (a few minutes), printed beside the paper's Table 1; results in runs/
+#                                 (~1.5 minutes), printed beside the paper's Table 1; results in runs/
 #   bash scripts/run.sh toy       the 1-D Gaussian-mixture toy (Section 5.1)
 #   bash scripts/run.sh test      the test suite
 #   bash scripts/run.sh bench     the benchmarks of bench/ (prints the table of bench/README.md)

@@ -143,8 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KIVI's q samples per step (and as many prior samples)")
     parser.add_argument("--contrast", choices=("none",) + CONTRASTS, default="auto",
                         help="KIVI's KL term: adaptive_contrast_kl with this contrast (auto, the library's "
-                             "default, is full here), or none: kl against prior samples (the paper's setting "
-                             "for this experiment)")
+                             "default, is full here), or none: the paper's estimator, kernel_kl against prior "
+                             "samples (the paper's setting for this experiment)")
     parser.add_argument("--lam", type=kivi_lam, default=None,
                         help="KIVI's ridge coefficient lambda (default: 0.01, the library's, with adaptive "
                              "contrast; 0.1, the paper's, with --contrast none)")
