@@ -330,7 +330,10 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     # float64 throughout, as the kernel fits: the Gaussian terms cancel large parts of each other
     dtype, q64, p64 = q_z.dtype, q_z.double(), prior_z.detach().double()
     q_hat, log_r_q = gaussian_contrast(q64, contrast)
-    fit_p = GaussianFit(p64, contrast, name="prior_z")
+    # The prior's precision enters log r_p, and a sample covariance's inverse has a finite mean only for
+    # n_p > d + 2: just above d samples the plug-in precision reads q's quadratic form thousands of nats
+    # too high (q = p = N(0, I), d = 20, n = 21: ~2000). There the covariance is shrunk, as for n <= d.
+    fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 2 else "auto", name="prior_z")
     q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)
     kernel_q = kernel_kl(eps, q_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)

@@ -109,6 +109,11 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
         lam: ridge coefficient of the kernel fits, at least 1e-10.
         contrast: "auto" ("full" when both sides have more than d samples, else "diagonal"), "full"
             (full-covariance Gaussians), "diagonal" (per-dimension), or "none" (the paper's estimator).
+            The full contrast estimates d (d + 1) / 2 covariances a side, so with n only a little above
+            d its value is noisy: at q = p = N(0, I) in d = 20 (16 draws) n = 23 reads -3.2 in the
+            median and up to 21 nats off, n = 40 up to 1.9; "diagonal" there up to 0.8 and 0.3. With
+            n <= d + 2 prior samples the prior's covariance is shrunk toward its diagonal (its inverse
+            has no finite mean there).
         clip, reverse: as in :func:`kernel_kl` (``reverse`` applies to the posterior's kernel term).
         bandwidth: "median" or a number or tensor, as in :func:`kernel_kl`; with a contrast it is in
             the units of the whitened samples.

@@ -98,6 +98,19 @@ def test_invariant_to_a_shift_of_both_sample_sets(contrast):
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("d", [8, 20])
+def test_just_more_samples_than_dimensions_gives_a_kl_of_the_right_size(d):
+    """With n_p = d + 1 or d + 2 prior samples the full contrast's plug-in precision has no finite mean
+    (it read q = p = N(0, I) thousands of nats high: median 61 and 1501 at n = d + 1, up to 4587); the
+    prior's covariance is shrunk there. The KL is 0: a few nats, and up to ~15 at d = 8, are the full
+    contrast's noise at so few samples (the kl docstring)."""
+    for n in (d + 1, d + 2):
+        values = torch.stack([kivi_fast.kl(torch.randn(n, d, generator=gen(s), **f64),
+                                           torch.randn(n, d, generator=gen(s + 50), **f64), generator=gen(s + 100))
+                              for s in range(8)])
+        assert values.abs().median() < 4 and values.abs().max() < 25, (n, values)
+
+
 def test_bad_contrast_arguments_are_named():
     p, q = torch.randn(30, 2, **f64), torch.randn(30, 2, **f64)
     for kl in (kivi_fast.kl, reference.kl):
