@@ -74,12 +74,23 @@ def shrinks(shrink: str, n: int, d: int) -> bool:
     return shrink == "always" or (shrink == "auto" and n <= d)
 
 
-def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z"
+# A pivot of the covariance's Cholesky factor (a dimension's standard deviation given the earlier ones)
+# within this many units of rounding is rounding, not spread: samples on a subspace factor with such
+# pivots instead of failing, and whitening by them multiplies the rounding into values of order 1. Two
+# roundings bound it: the samples' own (their dtype's eps times the dimension's largest magnitude), and
+# the covariance's (its relative rounding eps of the variance, a pivot of sqrt(eps) times the std).
+SINGULAR_PIVOT_ROUNDINGS = 64.0
+
+
+def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample_eps: Optional[float] = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample mean [..., 1, d], Cholesky factor C [..., d, d] of the maximum-likelihood sample
     covariance, and the shrinkage intensity used [...]. ``shrink``: "auto" shrinks toward the diagonal
     (:func:`shrinkage_intensity`) only when n <= d, where the covariance is singular; "always";
-    "never". Mean and C keep their gradient w.r.t. q_z; the intensity is held fixed."""
+    "never". Mean and C keep their gradient w.r.t. q_z; the intensity is held fixed. ``sample_eps``:
+    the relative precision of the samples as the caller got them (float32's for float32 samples
+    converted to float64; default q_z's dtype's), which sets what counts as singular
+    (SINGULAR_PIVOT_ROUNDINGS)."""
     n, d = q_z.shape[-2], q_z.shape[-1]
     mean = q_z.mean(-2, keepdim=True)
     xc = q_z - mean
@@ -91,11 +102,18 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z"
     r = rho[..., None, None]
     cov = (1 - r) * cov + r * torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     chol, info = torch.linalg.cholesky_ex(cov)
+    ok = info == 0
+    if not shrinks(shrink, n, d):  # (a shrunk covariance is nonsingular by construction)
+        eps = torch.finfo(q_z.dtype).eps
+        samples = (eps if sample_eps is None else sample_eps) * q_z.detach().abs().amax(-2)
+        covariance = math.sqrt(eps) * cov.detach().diagonal(dim1=-2, dim2=-1).sqrt()
+        rounding = SINGULAR_PIVOT_ROUNDINGS * torch.maximum(samples, covariance)
+        ok = ok & (chol.detach().diagonal(dim1=-2, dim2=-1) > rounding).all(-1)
     # The checks of values here raise on the CPU only: on a GPU reading them back would stall every
     # call (and break CUDA-graph capture), so a bad fit gives NaN for its batch element instead.
     if not chol.is_cpu:
-        chol = torch.where((info == 0)[..., None, None], chol, math.nan)
-    elif bool((info != 0).any()):
+        chol = torch.where(ok[..., None, None], chol, math.nan)
+    elif not bool(ok.all()):
         raise ValueError(f"{name}'s sample covariance is singular (samples on a lower-dimensional subspace); "
                          'use contrast="diagonal" or more samples')
     return mean, chol, rho
@@ -229,7 +247,8 @@ class GaussianFit:
     """The maximum-likelihood Gaussian N(mean, S) of samples [..., n, d], S = diag(std^2) or C C^T;
     its parameters keep their gradient w.r.t. the samples."""
 
-    def __init__(self, x: torch.Tensor, contrast: str, shrink: str = "auto", name: str = "q_z"):
+    def __init__(self, x: torch.Tensor, contrast: str, shrink: str = "auto", name: str = "q_z",
+                 sample_eps: Optional[float] = None):
         self.diagonal = contrast == "diagonal"
         self.n, self.d = x.shape[-2], x.shape[-1]
         if self.diagonal:
@@ -237,7 +256,7 @@ class GaussianFit:
             self.std, self.mean = torch.std_mean(x, -2, correction=0, keepdim=True)
             check_std(self.std, name)
         else:
-            self.mean, self.chol, _ = whitening(x, shrink, name)
+            self.mean, self.chol, _ = whitening(x, shrink, name, sample_eps)
         self.shrunk = not self.diagonal and shrinks(shrink, self.n, self.d)
 
     def whiten(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,12 +295,12 @@ def _log_det_bias(n: int, d: int, diagonal: bool) -> float:
     return 0.5 * (torch.special.digamma(half).sum().item() + d * math.log(2 / n))
 
 
-def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "auto"
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "auto",
+                      sample_eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(z_hat, E_q[log r]): the samples mapped by the whitening of the Gaussian r fitted to them, and the
     mean of r's log-density at them ([...]), its log-determinant corrected for the plug-in bias
     (:meth:`GaussianFit.log_det_bias`), so that it estimates E_q[log r] without that bias. Both keep
-    their gradient w.r.t. q_z. ``shrink``: see :func:`whitening` (full contrast only). The fit is by
+    their gradient w.r.t. q_z. ``shrink``, ``sample_eps``: see :func:`whitening` (full contrast only). The fit is by
     maximum likelihood, so the whitened samples' mean square is exactly d, unless the covariance was
     shrunk: then it is summed."""
     n, d = q_z.shape[-2], q_z.shape[-1]
@@ -290,7 +309,7 @@ def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "
         z_hat, neg_log_det = _DiagonalContrast.apply(q_z, "q_z")
         mean_square, bias = float(d), _log_det_bias(n, d, True)
     else:
-        fit = GaussianFit(q_z, contrast, shrink)
+        fit = GaussianFit(q_z, contrast, shrink, sample_eps=sample_eps)
         z_hat, neg_log_det = fit.whiten(q_z), -fit.log_det_scale()[..., 0]
         mean_square = z_hat.pow(2).sum(-1).mean(-1) if fit.shrunk else float(d)
         bias = fit.log_det_bias()
@@ -329,11 +348,12 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     contrast = resolve_contrast(contrast, n, d)
     # float64 throughout, as the kernel fits: the Gaussian terms cancel large parts of each other
     dtype, q64, p64 = q_z.dtype, q_z.double(), prior_z.detach().double()
-    q_hat, log_r_q = gaussian_contrast(q64, contrast)
+    q_hat, log_r_q = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(dtype).eps)
     # The prior's precision enters log r_p, and a sample covariance's inverse has a finite mean only for
     # n_p > d + 2: just above d samples the plug-in precision reads q's quadratic form thousands of nats
     # too high (q = p = N(0, I), d = 20, n = 21: ~2000). There the covariance is shrunk, as for n <= d.
-    fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 2 else "auto", name="prior_z")
+    fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 2 else "auto", name="prior_z",
+                        sample_eps=torch.finfo(prior_z.dtype).eps)
     q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)
     kernel_q = kernel_kl(eps, q_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
@@ -384,7 +404,7 @@ def adaptive_contrast_kl(
         z_hat, gaussian_part = _DiagonalContrast.apply(q_z, "q_z", True, _log_det_bias(n, d, True))
     else:
         q64 = q_z.double()
-        z_hat, gaussian_part = gaussian_contrast(q64, contrast)  # E_q[log r]
+        z_hat, gaussian_part = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(q_z.dtype).eps)  # E_q[log r]
 
     if reference_z is None:
         shape = list(q_z.shape)
