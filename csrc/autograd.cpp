@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include "kivi.h"
@@ -98,6 +99,51 @@ class RatioFunction : public torch::autograd::Function<RatioFunction> {
   }
 };
 
+// The backwards' own ops, kl_grad and weighted_grad, are differentiable once: differentiating their
+// result (a second derivative, as torch.autograd.grad(..., create_graph=True) then a second grad
+// asks) raises this, where without an autograd kernel torch would warn and give no gradient or a
+// partial one, silently wrong.
+constexpr const char* kNoSecondDerivative =
+    "kivi_fast: second derivatives of the KIVI estimators are not supported (their gradient is the paper's "
+    "Eq. 8, the fitted ratio held fixed, computed by the op ";
+
+template <class Signature>
+class OnceDifferentiable : public torch::autograd::Function<OnceDifferentiable<Signature>> {
+ public:
+  static constexpr bool is_traceable = true;
+
+  template <class... Args>
+  static variable_list forward(AutogradContext* ctx, const char* name, Args&&... args) {
+    ctx->saved_data["name"] = std::string(name);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return {op_handle<Signature>(name).call(std::forward<Args>(args)...)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, kNoSecondDerivative, ctx->saved_data["name"].toStringRef(), ")");
+    return {};
+  }
+};
+
+Tensor weighted_grad_autograd(const Tensor& row_scale, const Tensor& state, const Tensor& z, const Tensor& numer,
+                              const Tensor& denom) {
+  if (!torch::autograd::compute_requires_grad(row_scale, state, z, numer, denom)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return weighted_grad(row_scale, state, z, numer, denom);
+  }
+  return OnceDifferentiable<WeightedGradSignature>::apply("kivi_fast::weighted_grad", row_scale, state, z, numer,
+                                                          denom)[0];
+}
+
+Tensor kl_grad_autograd(const Tensor& grad_kl, const Tensor& state, const Tensor& q_z, const Tensor& prior_z,
+                        bool reverse) {
+  if (!torch::autograd::compute_requires_grad(grad_kl, state, q_z, prior_z)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return kl_grad(grad_kl, state, q_z, prior_z, reverse);
+  }
+  return OnceDifferentiable<KlGradSignature>::apply("kivi_fast::kl_grad", grad_kl, state, q_z, prior_z, reverse)[0];
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> kl_autograd(const Tensor& prior_z, const Tensor& q_z, double lam,
                                                        double clip, const std::optional<Tensor>& sigma, bool reverse,
                                                        bool grad_state) {
@@ -128,6 +174,8 @@ std::tuple<Tensor, Tensor> ratio_autograd(const Tensor& z, const Tensor& numer, 
 TORCH_LIBRARY_IMPL(kivi_fast, Autograd, m) {
   m.impl("kl", &kl_autograd);
   m.impl("ratio", &ratio_autograd);
+  m.impl("kl_grad", &kl_grad_autograd);
+  m.impl("weighted_grad", &weighted_grad_autograd);
 }
 
 }  // namespace kivi_fast

@@ -37,6 +37,10 @@ inline constexpr char kNotPositiveDefiniteMessage[] =
     "the kernel system K/n + lam I is not positive definite in float64 (lam is too small for these samples); "
     "increase lam";
 
+// The smallest bandwidth the kernels take: its square is a normal float64 (from 1e-154 it underflows,
+// and exp(-d^2 / (2 sigma^2)) turns to NaN at d = 0). kivi_fast/_validate.py's MIN_BANDWIDTH is the same.
+inline constexpr double kMinBandwidth = 1e-150;
+
 // Which argument names to use in error messages for the two sample sets of a fit.
 struct Names {
   const char* numer;

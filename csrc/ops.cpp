@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cmath>
 
 #include "kivi.h"
 
@@ -94,14 +95,36 @@ void check_pair(const char* op, const char* name_a, const Tensor& a, const char*
                     a.device(), " and ", b.scalar_type(), " on ", b.device());
 }
 
-// A given bandwidth: one value per batch element (the kernels read sigma[b]), on the samples' device
-// (a kernel reads it there).
+// A given bandwidth: one value per batch element (the kernels read sigma[b]; `or_one`: or one for all),
+// on the samples' device (a kernel reads it there), and on the CPU, where reading it is free, each at
+// least kMinBandwidth and finite (on a GPU one that is not gives NaN for its batch element).
+void check_sigma(const char* op, const Tensor& sigma, int64_t batch, const at::Device& device, bool or_one = false) {
+  TORCH_CHECK_VALUE(sigma.dim() <= 1 && (sigma.numel() == batch || (or_one && sigma.numel() == 1)), "kivi_fast::", op,
+                    ": sigma must hold one bandwidth per batch element (", batch, ")", or_one ? " or one for all" : "",
+                    ", got shape ", sigma.sizes());
+  TORCH_CHECK_VALUE(sigma.device() == device, "kivi_fast::", op, ": sigma must be on the samples' device ", device,
+                    ", got ", sigma.device());
+  TORCH_CHECK_VALUE(at::isFloatingType(sigma.scalar_type()), "kivi_fast::", op,
+                    ": sigma must be a floating-point tensor, got ", sigma.scalar_type());
+  if (sigma.is_cpu()) {  // (a loop over the B values: no ATen calls on a path taken at every step)
+    const auto s = sigma.to(at::kDouble).contiguous();
+    const double* v = s.data_ptr<double>();
+    for (int64_t b = 0; b < s.numel(); ++b) {
+      TORCH_CHECK_VALUE(v[b] >= kMinBandwidth && std::isfinite(v[b]), "kivi_fast::", op,
+                        ": sigma must be finite and at least ", kMinBandwidth, " (its square a normal float64), got ",
+                        v[b], " for batch element ", b);
+    }
+  }
+}
+
 void check_sigma(const char* op, const std::optional<Tensor>& sigma, int64_t batch, const at::Device& device) {
-  if (!sigma.has_value()) return;
-  TORCH_CHECK_VALUE(sigma->dim() <= 1 && sigma->numel() == batch, "kivi_fast::", op,
-                    ": sigma must hold one bandwidth per batch element (", batch, "), got shape ", sigma->sizes());
-  TORCH_CHECK_VALUE(sigma->device() == device, "kivi_fast::", op, ": sigma must be on the samples' device ", device,
-                    ", got ", sigma->device());
+  if (sigma.has_value()) check_sigma(op, *sigma, batch, device);
+}
+
+// The fit's ridge coefficient and the clip, as the kernels need them (kivi_fast/_validate.py holds the
+// public API's stricter lam floor, which is about accuracy, not validity).
+void check_lam(const char* op, double lam) {
+  TORCH_CHECK_VALUE(lam > 0.0 && std::isfinite(lam), "kivi_fast::", op, ": lam must be positive and finite, got ", lam);
 }
 
 template <bool kCpu>
@@ -112,6 +135,8 @@ Tensor sqdist_op(const Tensor& x, const Tensor& y) {
 
 template <bool kCpu>
 Tensor rbf_gram_op(const Tensor& x, const Tensor& y, const Tensor& sigma) {
+  check_pair("rbf_gram", "x", x, "y", y);
+  check_sigma("rbf_gram", sigma, x.size(0), x.device(), /*or_one=*/true);
   auto s = sigma.to(at::kDouble).view({-1, 1, 1});
   return at::exp(sqdist_op<kCpu>(x, y) / (s * s * -2.0)).to(x.scalar_type());
 }
@@ -143,6 +168,7 @@ std::tuple<Tensor, Tensor> fit_op(const Tensor& numer, const Tensor& denom, doub
                                   const std::optional<Tensor>& sigma) {
   check_pair("fit", "numer", numer, "denom", denom);
   check_sigma("fit", sigma, numer.size(0), numer.device());
+  check_lam("fit", lam);
   auto f = fit_any<kCpu>(numer, denom, lam, sigma, {"numer", "denom"});
   return {f.coef.narrow(1, 0, denom.size(1)).contiguous(), f.sigma};
 }
@@ -172,9 +198,7 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
   TORCH_CHECK_VALUE(alpha.dim() == 2 && alpha.size(0) == batch && alpha.size(1) == denom.size(1),
                     "kivi_fast::ratio: alpha must have shape [B, n_denom] = [", batch, ", ", denom.size(1),
                     "], got ", alpha.sizes());
-  TORCH_CHECK_VALUE(sigma.dim() <= 1 && (sigma.numel() == batch || sigma.numel() == 1),
-                    "kivi_fast::ratio: sigma must hold one bandwidth per batch element (", batch,
-                    ") or one for all, got shape ", sigma.sizes());
+  check_sigma("ratio", sigma, batch, z.device(), /*or_one=*/true);
   auto s = sigma.to(at::kDouble).reshape({-1}).expand({batch}).contiguous();
   auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta,
                                                        alpha.options().dtype(at::kDouble))}, 1);
@@ -199,6 +223,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl_op(const Tensor& prior_z_in, const
   const bool single = q_z_in.dim() == 2;
   const Tensor prior_z = batched(prior_z_in, single), q_z = batched(q_z_in, single);
   check_sigma("kl", sigma, q_z.size(0), q_z.device());
+  check_lam("kl", lam);
+  TORCH_CHECK_VALUE(clip > 0.0 && clip < 1.0, "kivi_fast::kl: clip must lie in (0, 1), got ", clip);
   const auto s = owned_double(sigma);
   const Backend backend = resolve(kB, [&] {
     return cuda::handles_kl(prior_z.size(1) + q_z.size(1), q_z.size(2), q_z.size(0), q_z.get_device());
@@ -247,8 +273,9 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
               "kivi_fast::kl_grad: state must be the float64 ", at::IntArrayRef(expected),
               " grad state of kl (called with grad_state=True), got ", state_in.scalar_type(), " ", state_in.sizes());
   const Tensor state = batched(state_in, single);
-  TORCH_CHECK(grad_kl.numel() == q_z.size(0), "kivi_fast::kl_grad: grad_kl must have ", q_z.size(0),
-              " elements, got ", grad_kl.sizes());
+  TORCH_CHECK_VALUE(grad_kl.numel() == q_z.size(0) && at::isFloatingType(grad_kl.scalar_type()),
+                    "kivi_fast::kl_grad: grad_kl must be a floating-point tensor of ", q_z.size(0),
+                    " elements, got ", grad_kl.scalar_type(), " ", grad_kl.sizes());
   TORCH_CHECK(state.device() == q_z.device() && grad_kl.device() == q_z.device(),
               "kivi_fast::kl_grad: state and grad_kl must be on q_z's device ", q_z.device(), ", got ",
               state.device(), " and ", grad_kl.device());

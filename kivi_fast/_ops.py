@@ -22,13 +22,26 @@ from __future__ import annotations
 import torch
 
 
+def _one_device(op: str, **tensors) -> None:
+    """Every tensor argument on one device. One argument on 'meta' among real ones sends the call to
+    these fake kernels (the dispatcher ranks the Meta key first), which would return uninitialized
+    memory on the real device as the result."""
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"kivi_fast::{op}: {name} must be on {first_name}'s device {first}, got {device}")
+
+
 @torch.library.register_fake("kivi_fast::sqdist")
 def _(x, y):
+    _one_device("sqdist", x=x, y=y)
     return x.new_empty((x.shape[0], x.shape[1], y.shape[1]), dtype=torch.float64)
 
 
 @torch.library.register_fake("kivi_fast::rbf_gram")
 def _(x, y, sigma):
+    _one_device("rbf_gram", x=x, y=y, sigma=sigma)
     return x.new_empty((x.shape[0], x.shape[1], y.shape[1]))
 
 
@@ -39,6 +52,7 @@ def _(x):
 
 @torch.library.register_fake("kivi_fast::fit")
 def _(numer, denom, lam, sigma):
+    _one_device("fit", numer=numer, denom=denom, sigma=sigma)
     b = numer.shape[0]
     return numer.new_empty((b, denom.shape[1]), dtype=torch.float64), numer.new_empty((b,), dtype=torch.float64)
 
@@ -50,6 +64,7 @@ def state_width(n: int, d: int) -> int:
 
 @torch.library.register_fake("kivi_fast::ratio")
 def _(z, numer, denom, alpha, beta, sigma, grad_state=True):
+    _one_device("ratio", z=z, numer=numer, denom=denom, alpha=alpha, sigma=sigma)
     b, m, d = z.shape
     width = state_width(numer.shape[1] + denom.shape[1], d) if grad_state else 0
     return z.new_empty((b, m)), z.new_empty((b, m, width), dtype=torch.float64)
@@ -57,6 +72,7 @@ def _(z, numer, denom, alpha, beta, sigma, grad_state=True):
 
 @torch.library.register_fake("kivi_fast::kl")
 def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
+    _one_device("kl", prior_z=prior_z, q_z=q_z, sigma=sigma)
     torch._check(q_z.dim() in (2, 3) and prior_z.dim() == q_z.dim(),
                  lambda: f"kivi_fast::kl: prior_z and q_z must both be [n, d] or both [B, n, d], "
                          f"got shapes {tuple(prior_z.shape)} and {tuple(q_z.shape)}")
@@ -70,11 +86,13 @@ def _(prior_z, q_z, lam, clip, sigma, reverse, grad_state=True):
 
 @torch.library.register_fake("kivi_fast::weighted_grad")
 def _(row_scale, state, z, numer, denom):
+    _one_device("weighted_grad", row_scale=row_scale, state=state, z=z, numer=numer, denom=denom)
     return torch.empty_like(z)
 
 
 @torch.library.register_fake("kivi_fast::kl_grad")
 def _(grad_kl, state, q_z, prior_z, reverse):
+    _one_device("kl_grad", grad_kl=grad_kl, state=state, q_z=q_z, prior_z=prior_z)
     return torch.empty_like(q_z, memory_format=torch.contiguous_format)
 
 
@@ -88,4 +106,5 @@ def _(x, to_standard_normal, bias):
 
 @torch.library.register_fake("kivi_fast::standardize_grad")
 def _(grad_z, grad_t, z, std, x, to_standard_normal):
+    _one_device("standardize_grad", grad_z=grad_z, grad_t=grad_t, z=z, std=std, x=x)
     return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -21,6 +21,10 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 # sign (bench/lam_floor.py). python_tests/test_errors.py checks the floor against that oracle.
 MIN_LAM = 1e-10
 
+# The smallest bandwidth: its square is a normal float64 (below ~1e-154 it underflows to 0, and the
+# kernel exp(-d^2 / (2 sigma^2)) turns to NaN at d = 0). csrc/kivi.h's kMinBandwidth is the same.
+MIN_BANDWIDTH = 1e-150
+
 
 def check_samples(name: str, x) -> None:
     """A sample tensor: [n, d] or [B, n, d], float32/float64."""
@@ -59,7 +63,8 @@ def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> No
 
 
 def check_finite(name: str, x: torch.Tensor) -> None:
-    """NaN/Inf check for the reference backend (the compiled ops check while they read the data)."""
+    """NaN/Inf check where no compiled op reads the data first (the reference backend, the contrast's
+    CPU fits); the compiled ops check while they read it."""
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf")
 
@@ -69,8 +74,9 @@ def check_positive(name: str, value) -> float:
     if type(value) is float and 0.0 < value < math.inf:  # the common case, without the checks below
         return value
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"{name} must be a positive number, got a tensor of shape {tuple(value.shape)}")
+        if value.numel() != 1 or value.device.type == "meta":
+            raise TypeError(f"{name} must be a positive number, got a tensor of shape {tuple(value.shape)} on "
+                            f"{value.device}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a positive number, got {type(value).__name__}")
@@ -138,10 +144,14 @@ def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.
                 f"bandwidth must be a scalar or have shape [B] = [{rows}], got shape {tuple(bandwidth.shape)}"
             )
         sigma = bandwidth.detach().to(device=like.device, dtype=torch.float64).reshape(-1)
-        # Checked where reading the values is free (CPU); on a GPU the read would stall every call,
-        # and a bandwidth that is not positive and finite gives NaN for its batch element instead.
-        if sigma.is_cpu and not bool((torch.isfinite(sigma) & (sigma > 0)).all()):
-            raise ValueError(f"bandwidth must be positive and finite, got {bandwidth}")
+        # Checked where reading the values is free (CPU, eagerly; the compiled ops check them again); on
+        # a GPU the read would stall every call, and a bandwidth that is not positive and finite gives
+        # NaN for its batch element instead.
+        if sigma.is_cpu and not torch.compiler.is_compiling() and \
+                not bool((torch.isfinite(sigma) & (sigma >= MIN_BANDWIDTH)).all()):
+            raise ValueError(f"bandwidth must be finite and at least {MIN_BANDWIDTH:g}, got {bandwidth}")
         return sigma.expand(rows).contiguous()
     value = check_positive("bandwidth", bandwidth)
+    if value < MIN_BANDWIDTH:
+        raise ValueError(f"bandwidth must be at least {MIN_BANDWIDTH:g} (its square a normal float64), got {value:g}")
     return torch.full((rows,), value, dtype=torch.float64, device=like.device)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -101,6 +102,8 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
         rho = torch.zeros(q_z.shape[:-2], dtype=q_z.dtype, device=q_z.device)
     r = rho[..., None, None]
     cov = (1 - r) * cov + r * torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
+    if q_z.is_cpu:  # (else NaN, as below)
+        _validate.check_finite(name, q_z)
     chol, info = torch.linalg.cholesky_ex(cov)
     ok = info == 0
     if not shrinks(shrink, n, d):  # (a shrunk covariance is nonsingular by construction)
@@ -320,15 +323,25 @@ def reference_draws(shape, contrast: str, device, generator: Optional[torch.Gene
     """N(0, I) draws [..., n, d] in float64, whitened by their own fitted Gaussian like the samples
     they are compared with: both sets then have exactly zero mean and unit covariance (or variances),
     and the kernel fit does not mistake the whitening for a difference between the laws."""
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        try:
+            on = generator.device
+        except RuntimeError:  # (torch raises for a generator of a device that draws nothing, 'meta')
+            on = "a device that cannot draw"
+        if not isinstance(on, torch.device) or on.type != torch.device(device).type:
+            raise ValueError(f"generator must be on q_z's device ({device}), got a generator on {on}")
     return whiten_reference(torch.randn(shape, dtype=torch.float64, device=device, generator=generator), contrast)
 
 
-def whiten_reference(eps: torch.Tensor, contrast: str) -> torch.Tensor:
-    """N(0, I) draws whitened by their own fitted Gaussian (see :func:`reference_draws`), in float64."""
+def whiten_reference(eps: torch.Tensor, contrast: str, name: str = "the N(0, I) draws") -> torch.Tensor:
+    """N(0, I) draws whitened by their own fitted Gaussian (see :func:`reference_draws`), in float64;
+    ``name`` is theirs in error messages (the caller's ``reference_z``)."""
     if contrast == "diagonal":
-        return standardize(eps, "the N(0, I) draws")[0]
+        return standardize(eps, name)[0]
     eps = eps.double()
-    return GaussianFit(eps, contrast, name="the N(0, I) draws").whiten(eps)
+    return GaussianFit(eps, contrast, name=name).whiten(eps)
 
 
 def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, contrast: str, clip: float,
@@ -394,8 +407,10 @@ def adaptive_contrast_kl(
     n = q_z.shape[-2]
     if n < 2:
         raise ValueError(f"q_z must hold at least 2 samples to standardize them, got shape {tuple(q_z.shape)}")
-    if n_prior is not None and (isinstance(n_prior, bool) or not isinstance(n_prior, int) or n_prior < 2):
-        raise ValueError(f"n_prior must be an integer >= 2 (the number of N(0, I) samples), got {n_prior!r}")
+    if n_prior is not None:
+        if isinstance(n_prior, bool) or not isinstance(n_prior, numbers.Integral) or n_prior < 2:
+            raise ValueError(f"n_prior must be an integer >= 2 (the number of N(0, I) samples), got {n_prior!r}")
+        n_prior = int(n_prior)
     # float64 throughout, as the kernel fit; the N(0, I) draws do not depend on q_z's dtype
     d = q_z.shape[-1]
     resolved = resolve_contrast(contrast, n, d)
@@ -414,11 +429,15 @@ def adaptive_contrast_kl(
         if n_prior is not None or generator is not None:
             raise ValueError("pass either reference_z or n_prior/generator, not both")
         _validate.check_pair("reference_z", reference_z, "q_z", q_z)
-        eps = whiten_reference(reference_z.detach(), resolved)
+        _validate.check_min_samples("reference_z", reference_z, 2, "(N(0, I) draws to whiten)")
+        eps = whiten_reference(reference_z.detach(), resolved, "reference_z")
     kl_whitened = kl_fn(eps, z_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
 
     if not closed_form:
         log_p = standard_normal_log_prob(q64) if log_prior is None else log_prior(q_z)
+        if not isinstance(log_p, torch.Tensor) or not log_p.is_floating_point() or log_p.device != q_z.device:
+            got = f"{log_p.dtype} on {log_p.device}" if isinstance(log_p, torch.Tensor) else type(log_p).__name__
+            raise TypeError(f"log_prior must return a floating-point tensor on q_z's device ({q_z.device}), got {got}")
         if log_p.shape != q_z.shape[:-1]:
             raise ValueError(
                 f"log_prior must map samples of shape {tuple(q_z.shape)} to shape {tuple(q_z.shape[:-1])}, "

@@ -141,7 +141,9 @@ class DensityRatio:
     The fitted function is r(z) = sum_i alpha_i k(denom_i, z) + beta sum_j k(numer_j, z) with an RBF
     kernel of bandwidth ``sigma``; it is the same fit that :func:`kl` uses. After ``fit``: ``alpha``
     (float64, [n_denom] or [B, n_denom]), ``beta`` = 1 / (lam n_numer) and ``sigma`` (float64, [] or
-    [B]). ``ratio`` and ``log_ratio`` are differentiable w.r.t. their argument only.
+    [B]). ``ratio`` and ``log_ratio`` are differentiable w.r.t. their argument only. The fit keeps
+    ``numer`` and ``denom`` as given (detached, not copied: r's centres): changing them in place
+    afterwards changes the ratio, so refit after updating them.
     """
 
     def __init__(self, lam: float = 1e-3, bandwidth="median"):
@@ -157,18 +159,23 @@ class DensityRatio:
         self._numer, self._denom = num, den
         return self
 
+    def _fitted(self, what: str) -> None:
+        if not hasattr(self, "_alpha"):
+            raise RuntimeError(f"call fit(numer, denom) before {what}")
+
     @property
     def alpha(self) -> torch.Tensor:
+        self._fitted("reading alpha")
         return self._alpha if self.batched else self._alpha[0]
 
     @property
     def sigma(self) -> torch.Tensor:
+        self._fitted("reading sigma")
         return self._sigma if self.batched else self._sigma[0]
 
     def ratio(self, z: torch.Tensor) -> torch.Tensor:
         """The fitted ratio at ``z`` ([m, d] -> [m], [B, m, d] -> [B, m]); differentiable w.r.t. z."""
-        if not hasattr(self, "_alpha"):
-            raise RuntimeError("call fit(numer, denom) before evaluating the ratio")
+        self._fitted("evaluating the ratio")
         _validate.check_pair("z", z, "the fitted samples", self._denom if self.batched else self._denom[0])
         r = impl().ratio(_batched(z), self._numer, self._denom, self._alpha, self.beta, self._sigma)
         return r if self.batched else r[0]

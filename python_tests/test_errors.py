@@ -80,7 +80,11 @@ def test_two_samples_on_each_side_is_the_smallest_valid_input(impl):
     ("lam 1e-30", dict(lam=1e-30), ValueError, "lam must be at least 1e-10.*increase lam"),
     ("lam 1e-300", dict(lam=1e-300), ValueError, "lam must be at least 1e-10"),
     ("bandwidth zero", dict(bandwidth=0.0), ValueError, "bandwidth must be positive"),
-    ("bandwidth negative tensor", dict(bandwidth=torch.tensor(-1.0)), ValueError, "bandwidth must be positive"),
+    ("bandwidth negative tensor", dict(bandwidth=torch.tensor(-1.0)), ValueError, "bandwidth must be finite and at least"),
+    # its square would underflow: exp(-0 / 0) is NaN where the points coincide
+    ("bandwidth 1e-200", dict(bandwidth=1e-200), ValueError, "bandwidth must be at least 1e-150"),
+    ("bandwidth tensor 1e-200", dict(bandwidth=torch.tensor(1e-200, dtype=torch.float64)), ValueError,
+     "bandwidth must be finite and at least 1e-150"),
     ("bandwidth name", dict(bandwidth="mean"), ValueError, 'bandwidth must be "median"'),
     ("bandwidth shape", dict(bandwidth=torch.ones(3)), ValueError, "bandwidth must be a scalar or have shape"),
 ])
@@ -164,6 +168,11 @@ def test_density_ratio_errors(impl):
         kivi_fast.DensityRatio(lam=1e-30)
     with pytest.raises(RuntimeError, match="call fit"):
         kivi_fast.DensityRatio().ratio(P)
+    for attribute in ("alpha", "sigma"):
+        with pytest.raises(RuntimeError, match=f"call fit\\(numer, denom\\) before reading {attribute}"):
+            getattr(kivi_fast.DensityRatio(), attribute)
+    with pytest.raises(ValueError, match="bandwidth must be at least 1e-150"):
+        kivi_fast.DensityRatio(bandwidth=1e-200).fit(P, Q)
     with pytest.raises(ValueError, match="lam must be positive"):
         kivi_fast.DensityRatio(lam=0)
     with pytest.raises(ValueError, match="numer contains NaN"):
@@ -181,6 +190,27 @@ def test_adaptive_contrast_errors(impl):
         kivi_fast.adaptive_contrast_kl(Q, lambda z: z.sum())
     with pytest.raises(ValueError, match="n_prior must be an integer >= 2"):
         kivi_fast.adaptive_contrast_kl(Q, n_prior=1)
+    assert torch.isfinite(kivi_fast.adaptive_contrast_kl(Q, n_prior=__import__("numpy").int64(6)))
+    with pytest.raises(ValueError, match="reference_z must hold at least 2 samples"):  # (was a ZeroDivisionError)
+        kivi_fast.adaptive_contrast_kl(Q, reference_z=P[:1])
+    with pytest.raises(ValueError, match="reference_z contains NaN or Inf"):
+        kivi_fast.adaptive_contrast_kl(Q, reference_z=with_value(P, (0, 0), float("nan")))
+    for returned in (lambda z: 1.0, lambda z: torch.ones(z.shape[:-1], dtype=torch.bool)):
+        with pytest.raises(TypeError, match="log_prior must return a floating-point tensor on q_z's device"):
+            kivi_fast.adaptive_contrast_kl(Q, returned)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator, got int"):
+        kivi_fast.adaptive_contrast_kl(Q, generator=3)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        kivi_fast.kl(P, Q, generator="seed")
+
+
+def test_nan_under_the_full_contrast_is_named_as_nan(impl):
+    """Not as a singular covariance, which NaN makes of it."""
+    for kl in (lambda q: kivi_fast.kl(P, q, contrast="full"), lambda q: kivi_fast.adaptive_contrast_kl(q, contrast="full")):
+        with pytest.raises(ValueError, match="q_z contains NaN or Inf"):
+            kl(with_value(Q, (2, 1), float("nan")))
+    with pytest.raises(ValueError, match="prior_z contains NaN or Inf"):
+        kivi_fast.kl(with_value(P, (2, 1), float("inf")), Q, contrast="full")
 
 
 def test_primitives_reject_nan(impl):
@@ -227,3 +257,42 @@ def test_ops_called_directly_check_their_samples():
         ops.median_bandwidth(torch.randn(1, 1, 3, **f64))
     with pytest.raises(ValueError, match="fit: numer must be a float32 or float64 \\[B, n, d\\] tensor"):
         ops.fit(torch.randn(4, 3, **f64), torch.randn(1, 4, 3, **f64), 1e-3, None)
+
+
+def test_ops_called_directly_check_their_other_arguments():
+    """The scalars and bandwidths the kernels read, checked by the ops themselves: lam, clip and a
+    bandwidth that is not finite or whose square underflows gave NaN; a bandwidth on 'meta' sent the
+    call to the fake kernels, which returned uninitialized memory. (One sample a side is the public
+    API's refusal, not the ops': the emulation's tests eliminate a one-row system through them.)"""
+    kivi_fast.backend()
+    ops = torch.ops.kivi_fast
+    f64 = dict(dtype=torch.float64)
+    p, q = torch.randn(2, 10, 3, **f64), torch.randn(2, 12, 3, **f64)
+    one = torch.ones(2, **f64)
+    for lam in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="kl: lam must be positive and finite"):
+            ops.kl(p, q, lam, 1e-8, None, True)
+        with pytest.raises(ValueError, match="fit: lam must be positive and finite"):
+            ops.fit(p, q, lam, None)
+    for clip in (0.0, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="kl: clip must lie in \\(0, 1\\)"):
+            ops.kl(p, q, 1e-3, clip, None, True)
+    for bad in (-1.0, 0.0, 1e-200, float("inf"), float("nan")):
+        sigma = torch.tensor([1.0, bad], **f64)
+        for call in (lambda: ops.kl(p, q, 1e-3, 1e-8, sigma, True), lambda: ops.fit(p, q, 1e-3, sigma),
+                     lambda: ops.rbf_gram(p, q, sigma), lambda: ops.ratio(q, p, q, torch.zeros(2, 12, **f64), 1.0, sigma)):
+            with pytest.raises(ValueError, match="sigma must be finite and at least 1e-150 .* for batch element 1"):
+                call()
+    with pytest.raises(ValueError, match="rbf_gram: sigma must hold one bandwidth per batch element \\(2\\) or one"):
+        ops.rbf_gram(p, q, torch.ones(3, **f64))
+    meta = torch.ones(2, device="meta", **f64)
+    with pytest.raises(ValueError, match="kl: sigma must be on prior_z's device cpu, got meta"):
+        ops.kl(p, q, 1e-3, 1e-8, meta, True)
+    with pytest.raises(ValueError, match="rbf_gram: sigma must be on x's device cpu, got meta"):
+        ops.rbf_gram(p, q, meta)
+    with pytest.raises(ValueError, match="fit: sigma must be on numer's device"):
+        ops.fit(p, q, 1e-3, meta)
+    state = ops.kl(p, q, 1e-3, 1e-8, None, True)[1]
+    with pytest.raises(ValueError, match="kl_grad: grad_kl must be a floating-point tensor of 2 elements"):
+        ops.kl_grad(torch.tensor([1, 2]), state, q, p, True)
+    torch.testing.assert_close(ops.rbf_gram(p, q, one), ops.rbf_gram(p, q, one[:1]))  # one for all

@@ -124,6 +124,27 @@ def test_clipped_points_get_zero_gradient(impl):
     assert (grad[~clipped].abs().sum(-1) > 0).all()
 
 
+def test_a_second_derivative_is_refused_by_name_and_the_first_is_unchanged(compiled):
+    """The ops' gradients (Eq. 8, the fitted ratio held fixed) are differentiable once: a gradient taken
+    with create_graph=True equals the plain one, and differentiating it raises. Without an autograd
+    kernel for the backwards' ops, torch gave no second derivative or a partial one, with a warning."""
+    g = torch.Generator().manual_seed(12)
+    p = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
+    fit = kivi_fast.DensityRatio(lam=1e-2).fit(p, q)
+    estimates = {"kernel_kl": lambda z: kivi_fast.kernel_kl(p, z).sum(),
+                 "kl": lambda z: kivi_fast.kl(p, z, generator=torch.Generator().manual_seed(1)).sum(),
+                 "ratio": lambda z: fit.log_ratio(z).sum()}
+    for name, estimate in estimates.items():
+        z = q.clone().requires_grad_()
+        (first,) = torch.autograd.grad(estimate(z), z, create_graph=True)
+        z2 = q.clone().requires_grad_()
+        (plain,) = torch.autograd.grad(estimate(z2), z2)
+        torch.testing.assert_close(first.detach(), plain, rtol=0, atol=0, msg=name)
+        with pytest.raises(NotImplementedError, match="second derivatives of the KIVI estimators are not supported"):
+            torch.autograd.grad(first.square().sum(), z)
+
+
 def test_an_undefined_output_gradient_gives_no_gradient(compiled):
     """The autograd formula with no gradient for the estimate (what torch.autograd.gradcheck's
     check_undefined_grad sends): no gradient for q_z, not zeros made up or an error."""
