@@ -14,7 +14,7 @@ BAD_ARGUMENTS = {
     "uci": "--splits=25 | --splits=abc | --splits=5-3 | --epochs=0 | --epochs=-5 | --epochs=1.5 | --samples=1 | "
            "--lam=0 | --lam=1e-12 | --lr=-1 | --lr=nan | --batch-size=0 | --eval-every=0 | --threads=0 | --checkpoint-seconds=-1 | "
            "--dataset=year | --dataset=mnist | --seed=-1 | --n-hidden=0 | --eval-samples=0",
-    "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --clip=1 | --bandwidth=-1 | "
+    "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --clip=1 | --bandwidth=-1 | --bandwidth=1e-200 | "
            "--bandwidth=abc | --grad-clip=-1 | --eval-samples=1 | --bin-width=0 | --threads=0",
     "uci-batch": "yacht:kivi --workers=0 | yacht:kivi --minutes=0 | yacht:kivi --checkpoint-seconds=-1 | "
                  "boston:kivi:25 | mnist:kivi | boston:svgd | boston | year:kivi",

@@ -74,6 +74,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import kivi_fast
+from kivi_fast._validate import MIN_BANDWIDTH
 
 from ..nn import FactorizedGaussian, MLPGenerator
 from . import runs
@@ -294,8 +295,8 @@ def _bandwidth(text: str):
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"bandwidth must be 'median' or a positive number, got {text!r}")
+    if not MIN_BANDWIDTH <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"bandwidth must be 'median' or a number >= {MIN_BANDWIDTH:g}, got {text!r}")
     return value
 
 
