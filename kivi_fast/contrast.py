@@ -76,11 +76,14 @@ def shrinks(shrink: str, n: int, d: int) -> bool:
 
 
 # A pivot of the covariance's Cholesky factor (a dimension's standard deviation given the earlier ones)
-# within this many units of rounding is rounding, not spread: samples on a subspace factor with such
-# pivots instead of failing, and whitening by them multiplies the rounding into values of order 1. Two
-# roundings bound it: the samples' own (their dtype's eps times the dimension's largest magnitude), and
-# the covariance's (its relative rounding eps of the variance, a pivot of sqrt(eps) times the std).
-SINGULAR_PIVOT_ROUNDINGS = 64.0
+# within rounding is rounding, not spread: samples on a subspace factor with such pivots instead of
+# failing, and whitening by them multiplies the rounding into values of order 1. Two roundings bound
+# it: the samples' own, their dtype's eps times the dimension's largest magnitude (over 900 draws of
+# samples on a line the largest such pivot was 0.35 of it in float32, 1.6 in float64), and the
+# covariance's, whose relative rounding eps of the variances leaves a pivot of ~sqrt(eps) times the
+# std, growing with d (rank 255 in d = 256: 2.1e-5 of the std, 1.4 sqrt(d eps)). Margins of 8 and 64:
+# float32 samples at 1e5 standard deviations from the origin still have 16 rounding steps per std.
+SAMPLE_ROUNDINGS, COVARIANCE_ROUNDINGS = 8.0, 64.0
 
 
 def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample_eps: Optional[float] = None
@@ -91,7 +94,7 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
     "never". Mean and C keep their gradient w.r.t. q_z; the intensity is held fixed. ``sample_eps``:
     the relative precision of the samples as the caller got them (float32's for float32 samples
     converted to float64; default q_z's dtype's), which sets what counts as singular
-    (SINGULAR_PIVOT_ROUNDINGS)."""
+    (SAMPLE_ROUNDINGS)."""
     n, d = q_z.shape[-2], q_z.shape[-1]
     mean = q_z.mean(-2, keepdim=True)
     xc = q_z - mean
@@ -108,9 +111,9 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
     ok = info == 0
     if not shrinks(shrink, n, d):  # (a shrunk covariance is nonsingular by construction)
         eps = torch.finfo(q_z.dtype).eps
-        samples = (eps if sample_eps is None else sample_eps) * q_z.detach().abs().amax(-2)
-        covariance = math.sqrt(eps) * cov.detach().diagonal(dim1=-2, dim2=-1).sqrt()
-        rounding = SINGULAR_PIVOT_ROUNDINGS * torch.maximum(samples, covariance)
+        samples = SAMPLE_ROUNDINGS * (eps if sample_eps is None else sample_eps) * q_z.detach().abs().amax(-2)
+        covariance = COVARIANCE_ROUNDINGS * math.sqrt(d * eps) * cov.detach().diagonal(dim1=-2, dim2=-1).sqrt()
+        rounding = torch.maximum(samples, covariance)
         ok = ok & (chol.detach().diagonal(dim1=-2, dim2=-1) > rounding).all(-1)
     # The checks of values here raise on the CPU only: on a GPU reading them back would stall every
     # call (and break CUDA-graph capture), so a bad fit gives NaN for its batch element instead.
@@ -274,9 +277,9 @@ class GaussianFit:
     def precision_factor(self) -> float:
         """c with E[c S_hat^{-1}] = S^{-1} for n Gaussian samples (inverse-Wishart mean): the plug-in
         precision is too large by n / (n - d - 2) (full) or n / (n - 3) (diagonal); 1 where that is
-        undefined."""
+        undefined, or the covariance shrunk (the formula is for the plug-in one)."""
         k = 3 if self.diagonal else self.d + 2
-        return (self.n - k) / self.n if self.n > k else 1.0
+        return (self.n - k) / self.n if self.n > k and not self.shrunk else 1.0
 
     def log_det_bias(self) -> float:
         """E[log |det S_hat^{1/2}|] - log |det S^{1/2}| for n Gaussian samples: the plug-in covariance
@@ -340,8 +343,9 @@ def whiten_reference(eps: torch.Tensor, contrast: str, name: str = "the N(0, I) 
     ``name`` is theirs in error messages (the caller's ``reference_z``)."""
     if contrast == "diagonal":
         return standardize(eps, name)[0]
+    sample_eps = torch.finfo(eps.dtype).eps
     eps = eps.double()
-    return GaussianFit(eps, contrast, name=name).whiten(eps)
+    return GaussianFit(eps, contrast, name=name, sample_eps=sample_eps).whiten(eps)
 
 
 def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, contrast: str, clip: float,
@@ -363,9 +367,10 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     dtype, q64, p64 = q_z.dtype, q_z.double(), prior_z.detach().double()
     q_hat, log_r_q = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(dtype).eps)
     # The prior's precision enters log r_p, and a sample covariance's inverse has a finite mean only for
-    # n_p > d + 2: just above d samples the plug-in precision reads q's quadratic form thousands of nats
-    # too high (q = p = N(0, I), d = 20, n = 21: ~2000). There the covariance is shrunk, as for n <= d.
-    fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 2 else "auto", name="prior_z",
+    # n_p > d + 2 and a finite variance for n_p > d + 4: just above d samples the plug-in precision read
+    # q's quadratic form thousands of nats too high (q = p = N(0, I), d = 20, n = 21: ~2000), and at
+    # n = d + 3, d + 4 up to 60 off. There the covariance is shrunk, as for n <= d (within 4 nats).
+    fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 4 else "auto", name="prior_z",
                         sample_eps=torch.finfo(prior_z.dtype).eps)
     q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)

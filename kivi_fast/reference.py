@@ -40,10 +40,10 @@ def _median64(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-2]
     rows, cols = torch.triu_indices(n, n, offset=1, device=x.device)
     sigma = torch.quantile(_sqdist(x64, x64)[..., rows, cols].sqrt(), 0.5, dim=-1)
-    if bool((sigma == 0).any()):
+    if bool((sigma < _validate.MIN_BANDWIDTH).any()):
         raise ValueError(
-            "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
-            "pass an explicit bandwidth=..."
+            "the median pairwise distance of the samples is 0 (at least half of the pairs coincide) or below "
+            "1e-150 (rescale samples that small); pass an explicit bandwidth=..."
         )
     return sigma
 

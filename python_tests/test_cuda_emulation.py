@@ -401,17 +401,19 @@ def host_reads(fn) -> tuple[list, object]:
 def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d):
     """As test_cuda.py's test on a GPU: a NaN in q_z, every distance 0 (a zero median), an Inf in
     prior_z (with an explicit bandwidth too, where no median is taken), a bandwidth that is not
-    positive; the other elements equal the CPU kernels'. Nothing is read back to the host, where the
-    generic path's CPU build reads its checks' results (which shows the profiler sees such reads)."""
-    p, q = seeded_samples(5, n, n, d, torch.float64, n + d, 1.0, 0.0)
+    positive, samples so small that their median is below 1e-150 (its square would underflow); the
+    other elements equal the CPU kernels'. Nothing is read back to the host, where the generic path's
+    CPU build reads its checks' results (which shows the profiler sees such reads)."""
+    p, q = seeded_samples(6, n, n, d, torch.float64, n + d, 1.0, 0.0)
     q[1, 3, 1] = float("nan")
     p[2], q[2] = 0.0, 0.0
     p[3, 2, 0] = float("inf")
-    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0], dtype=torch.float64) * d ** 0.5
+    p[5], q[5] = p[5] * 1e-160, q[5] * 1e-160
+    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0], dtype=torch.float64) * d ** 0.5
     reads, ((value, _, sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False))
     given_reads, ((given, _, given_sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False, sigma=bandwidth))
     assert reads == given_reads == []
-    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3]].isnan().all() and sigma[[1, 2, 3]].isnan().all()
+    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3, 5]].isnan().all() and sigma[[1, 2, 3, 5]].isnan().all()
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
     assert given_sigma[[0, 2]].isfinite().all() and given_sigma[[1, 3, 4]].isnan().all(), given_sigma
     good = [0, 4]

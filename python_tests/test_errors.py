@@ -102,6 +102,19 @@ def test_all_points_equal_asks_for_a_bandwidth(impl):
     assert torch.isfinite(kivi_fast.kernel_kl(same, same.clone(), bandwidth=1.0))
 
 
+def test_samples_too_small_for_a_median_bandwidth_ask_to_be_rescaled(impl):
+    """A median distance below 1e-150 would be a bandwidth whose square underflows (the check a given
+    bandwidth gets): refused as a zero median is, where the median is taken."""
+    tiny = P * 1e-160
+    with pytest.raises(ValueError, match="median pairwise distance .* below 1e-150 \\(rescale"):
+        kivi_fast.kernel_kl(tiny, Q * 1e-160)
+    with pytest.raises(ValueError, match="median pairwise distance .* below 1e-150"):
+        kivi_fast.DensityRatio().fit(tiny, Q * 1e-160)
+    with pytest.raises(ValueError, match="median pairwise distance .* below 1e-150"):
+        kivi_fast.median_bandwidth(tiny)
+    assert torch.isfinite(kivi_fast.kernel_kl(P * 1e-140, Q * 1e-140))  # (a median of ~1e-140 is fine)
+
+
 def test_system_that_float64_cannot_factor_raises(impl):
     """The guard behind the lam floor: the public API rejects lam < 1e-10 first, so the factorization's
     own error is reached through the backends' fit directly (torch.ops.kivi_fast for the ops)."""
@@ -168,7 +181,7 @@ def test_density_ratio_errors(impl):
         kivi_fast.DensityRatio(lam=1e-30)
     with pytest.raises(RuntimeError, match="call fit"):
         kivi_fast.DensityRatio().ratio(P)
-    for attribute in ("alpha", "sigma"):
+    for attribute in ("alpha", "beta", "sigma"):
         with pytest.raises(RuntimeError, match=f"call fit\\(numer, denom\\) before reading {attribute}"):
             getattr(kivi_fast.DensityRatio(), attribute)
     with pytest.raises(ValueError, match="bandwidth must be at least 1e-150"):

@@ -100,11 +100,11 @@ def test_invariant_to_a_shift_of_both_sample_sets(contrast):
 
 @pytest.mark.parametrize("d", [8, 20])
 def test_just_more_samples_than_dimensions_gives_a_kl_of_the_right_size(d):
-    """With n_p = d + 1 or d + 2 prior samples the full contrast's plug-in precision has no finite mean
-    (it read q = p = N(0, I) thousands of nats high: median 61 and 1501 at n = d + 1, up to 4587); the
-    prior's covariance is shrunk there. The KL is 0: a few nats, and up to ~15 at d = 8, are the full
+    """With n_p = d + 1 to d + 4 prior samples the full contrast's plug-in precision has no finite mean
+    or variance (it read q = p = N(0, I) thousands of nats high: median 61 and 1501 at n = d + 1, up to
+    4587; at d + 3 and d + 4 up to 60); the prior's covariance is shrunk there. The KL is 0: a few nats, and up to ~15 at d = 8, are the full
     contrast's noise at so few samples (the kl docstring)."""
-    for n in (d + 1, d + 2):
+    for n in (d + 1, d + 2, d + 3, d + 4):
         values = torch.stack([kivi_fast.kl(torch.randn(n, d, generator=gen(s), **f64),
                                            torch.randn(n, d, generator=gen(s + 50), **f64), generator=gen(s + 100))
                               for s in range(8)])
@@ -115,8 +115,8 @@ def test_just_more_samples_than_dimensions_gives_a_kl_of_the_right_size(d):
 def test_samples_on_a_line_have_a_singular_covariance_on_every_draw(dtype):
     """Rounding lets a rank-1 covariance factor with tiny pivots (before: a ValueError on 26 of 40 draws,
     else a finite number up to 7.8e15); a pivot within 64 roundings (the samples' or the covariance's:
-    contrast.SINGULAR_PIVOT_ROUNDINGS) is singular. Scales from 1e-3 to 1e3 together, and a spread of
-    1e-2 at 10, are not."""
+    contrast.SAMPLE_ROUNDINGS) is singular. Scales from 1e-3 to 1e3 together, a spread of 1e-2 at 10,
+    and float32 samples 1e5 standard deviations from the origin, are not."""
     direction = torch.tensor([1.0, 2.0, 3.0], dtype=dtype)
     for seed in range(10):
         line = torch.randn(20, 1, generator=gen(seed), dtype=dtype) * direction
@@ -127,9 +127,26 @@ def test_samples_on_a_line_have_a_singular_covariance_on_every_draw(dtype):
         with pytest.raises(ValueError, match="q_z's sample covariance is singular"):
             kivi_fast.adaptive_contrast_kl(line, None, contrast="full", generator=gen(seed))
     scales = torch.tensor([1e3, 1.0, 1e-3], dtype=dtype)
-    for spread, mean in ((scales, 0.0), (1e-2, 10.0)):
+    for spread, mean in ((scales, 0.0), (1e-2, 10.0), (1.0, 1e5)):
         p, q = (torch.randn(100, 3, generator=gen(s), dtype=dtype) * spread + mean for s in (1, 2))
         assert torch.isfinite(kivi_fast.kl(p, q, contrast="full", generator=gen(3)))
+
+
+def test_a_hyperplane_in_64_dimensions_is_singular_and_just_more_samples_are_not():
+    """The covariance's rounding grows with d (contrast.COVARIANCE_ROUNDINGS scales with sqrt(d eps)):
+    samples on a hyperplane of d = 64 (float64, and rounded to float32) are singular on every draw,
+    d + 1 draws of N(0, I), the fewest that span, on none."""
+    from kivi_fast import contrast
+
+    d = 64
+    for seed in range(5):
+        basis = torch.linalg.qr(torch.randn(d, d - 1, generator=gen(seed + 500), **f64))[0]
+        plane = torch.randn(2 * d, d - 1, generator=gen(seed), **f64) @ basis.T
+        for x, eps in ((plane, None), (plane.float().double(), torch.finfo(torch.float32).eps)):
+            with pytest.raises(ValueError, match="sample covariance is singular"):
+                contrast.whitening(x, "never", "x", eps)
+    for seed in range(20):
+        contrast.whitening(torch.randn(d + 1, d, generator=gen(seed), **f64), "never", "x")
 
 
 def test_bad_contrast_arguments_are_named():

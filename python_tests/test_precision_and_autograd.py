@@ -370,6 +370,23 @@ def op_cases():
     ]
 
 
+def test_opcheck_of_the_backwards_ops_with_a_gradient_to_come(compiled):
+    """kl_grad and weighted_grad with inputs that require grad run their Autograd kernels (differentiable
+    once): schema, registration and fake-tensor checks hold. opcheck's test_aot_dispatch_dynamic,
+    which differentiates them, is left out: a second derivative raises by design (above)."""
+    ops = torch.ops.kivi_fast
+    p, q = op_samples()
+    _, qg = op_samples(requires_grad=True)
+    alpha, sig = ops.fit(p, q, 1e-2, None)
+    _, state_r = ops.ratio(q, p, q, alpha, 3.0, sig)
+    _, state, _, _ = ops.kl(p, q, 1e-3, 1e-8, None, True)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    grad_kl = torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(ops.kl_grad.default, (grad_kl, state, qg, p, True), test_utils=checks)
+    torch.library.opcheck(ops.weighted_grad.default, (torch.ones(2, 7, dtype=torch.float64), state_r, qg, p, q),
+                          test_utils=checks)
+
+
 @pytest.mark.parametrize("case", range(20))
 def test_opcheck(compiled, case):
     name, op, args = op_cases()[case]

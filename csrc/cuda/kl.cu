@@ -526,7 +526,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     } else {  // (through a lambda this variant spills 64 bytes where it spills 56)
       sigma = bandwidth(dist, P, sigma_in, b, a.gather_keys, sel);
     }
-    if (!(sigma > 0.0) || isinf(sigma)) sigma = NAN;
+    if (!(sigma >= kMinBandwidth) || isinf(sigma)) sigma = NAN;
     stage_clock(a, b, 2);
     const double gamma = -0.5 / (sigma * sigma);
 
