@@ -91,10 +91,8 @@ Tensor median_of_pairs(const Tensor& pairs) {
   auto sigma = (lo.clamp_min(0).sqrt() + hi.clamp_min(0).sqrt()) * 0.5;
   // NaN for a zero median, and for non-finite pairs, whose median the selection may still find finite
   // (as cuda/median.cu and kl.cu give)
-  if (!reads_back(sigma)) {
-    return at::where(sigma.ge(kMinBandwidth).logical_and_(pairs.isfinite().all(1)), sigma, NAN);
-  }
-  TORCH_CHECK_VALUE((sigma >= kMinBandwidth).all().item<bool>(), kZeroMedianMessage);
+  if (!reads_back(sigma)) return at::where(sigma.gt(0).logical_and_(pairs.isfinite().all(1)), sigma, NAN);
+  TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(), kZeroMedianMessage);
   return sigma;
 }
 
@@ -319,12 +317,18 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
                       Names names) {
   if (dist.checks_read_back()) check_finite_rows(dist.norms(), n_den, names);
   auto s = sigma.has_value() ? *sigma : median_of_pairs(dist.pairs());
-  // A given bandwidth: NaN where it is not positive and finite, and for non-finite samples, which the
-  // norms mark (also coordinates whose squares overflow, as the CPU's check; the median marks
-  // non-finite distances, as kl.cu)
+  // A given bandwidth: NaN where it is not at least kMinBandwidth and finite, and for non-finite
+  // samples, which the norms mark (also coordinates whose squares overflow, as the CPU's check; the
+  // median marks non-finite distances, as kl.cu). A median below the floor: refused, or NaN.
   if (sigma.has_value() && !reads_back(s)) {
-    auto ok = s.gt(0).logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
+    auto ok = s.ge(kMinBandwidth).logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
     s = at::where(ok, s, NAN);
+  } else if (!sigma.has_value()) {
+    if (!reads_back(s)) {
+      s = at::where(s.ge(kMinBandwidth), s, NAN);
+    } else {
+      TORCH_CHECK_VALUE((s >= kMinBandwidth).all().item<bool>(), kSmallMedianMessage);
+    }
   }
   const int64_t budget = 8 * dist.B * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});

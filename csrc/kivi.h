@@ -31,15 +31,18 @@ using at::Tensor;
 // Error messages shared by both backends (and matched by the tests).
 inline constexpr char kNotFiniteMessage[] = " contains NaN or Inf (or values too large to square)";
 inline constexpr char kZeroMedianMessage[] =
-    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide) or below 1e-150 "
-    "(rescale samples that small); pass an explicit bandwidth=...";
+    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
+    "pass an explicit bandwidth=...";
+inline constexpr char kSmallMedianMessage[] =
+    "the median pairwise distance of the samples is below 1e-150, too small a bandwidth (its square would "
+    "underflow); rescale samples that small";
 inline constexpr char kNotPositiveDefiniteMessage[] =
     "the kernel system K/n + lam I is not positive definite in float64 (lam is too small for these samples); "
     "increase lam";
 
 // The smallest bandwidth the kernels take, given or the median's: its square is a normal float64 (from
 // 1e-154 it underflows, and exp(-d^2 / (2 sigma^2)) turns to NaN at d = 0). kivi_fast/_validate.py's
-// MIN_BANDWIDTH is the same; kZeroMedianMessage names it.
+// MIN_BANDWIDTH is the same; kSmallMedianMessage names it. (median_bandwidth, a statistic, refuses 0 only.)
 inline constexpr double kMinBandwidth = 1e-150;
 
 // Which argument names to use in error messages for the two sample sets of a fit.

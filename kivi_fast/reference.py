@@ -40,10 +40,10 @@ def _median64(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-2]
     rows, cols = torch.triu_indices(n, n, offset=1, device=x.device)
     sigma = torch.quantile(_sqdist(x64, x64)[..., rows, cols].sqrt(), 0.5, dim=-1)
-    if bool((sigma < _validate.MIN_BANDWIDTH).any()):
+    if bool((sigma == 0).any()):
         raise ValueError(
-            "the median pairwise distance of the samples is 0 (at least half of the pairs coincide) or below "
-            "1e-150 (rescale samples that small); pass an explicit bandwidth=..."
+            "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
+            "pass an explicit bandwidth=..."
         )
     return sigma
 
@@ -55,6 +55,9 @@ def _fit64(num: torch.Tensor, den: torch.Tensor, lam: float, sigma: torch.Tensor
     num, den = num.double(), den.double()
     if sigma is None:
         sigma = _median64(torch.cat([den, num], dim=1))
+        if bool((sigma < _validate.MIN_BANDWIDTH).any()):
+            raise ValueError("the median pairwise distance of the samples is below 1e-150, too small a bandwidth "
+                             "(its square would underflow); rescale samples that small")
     n_num, n_den = num.shape[1], den.shape[1]
     system = _gram64(den, den, sigma) / n_den + lam * torch.eye(n_den, dtype=torch.float64, device=num.device)
     chol, info = torch.linalg.cholesky_ex(system)

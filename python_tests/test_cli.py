@@ -51,6 +51,19 @@ def test_bad_values_in_a_real_process_print_no_traceback(tmp_path):
         assert done.stdout == "" and not any(tmp_path.iterdir())
 
 
+def test_an_estimator_refusing_its_samples_ends_a_run_with_one_line(tmp_path):
+    """Boston's second-layer generator (30 hidden units for 51 weights) puts its samples on a subspace,
+    which kl's full contrast refuses: the run ends with the estimator's message and what to use
+    instead, not a traceback."""
+    done = subprocess.run([sys.executable, "-m", "kivi_fast.cli", "uci", "--dataset", "boston", "--method",
+                           "kivi-contrast", "--splits", "0", "--quick", "--no-progress", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "kivi-fast uci: error: the weight KL failed: q_z's sample covariance is singular" in done.stderr
+    assert "use --method kivi-ac" in done.stderr
+
+
 def test_every_option_says_what_it_is_and_its_default():
     _, subparsers = cli.build_parser()
     assert set(subparsers) == set(cli.COMMANDS)

@@ -80,6 +80,7 @@ double fit_one(const Stack& s, int64_t b, int64_t n_den, int64_t kernel_rows, bo
   distances_one(s, b, sq, norms, parallel, work, sigma_given == nullptr ? &middle : nullptr);
   check_finite(norms, n_den, n, names);
   const double sigma = sigma_given != nullptr ? sigma_given[b] : checked_median(sq, n, parallel, middle);
+  TORCH_CHECK_VALUE(sigma_given != nullptr || sigma >= kMinBandwidth, kSmallMedianMessage);
   float* const system32 = uses_refined_solve(n_den) ? system32_buffer(work.system, n_den) : nullptr;
   kernel_rows_from_upper(sq, n, kernel_rows, sigma, parallel, {n_den, lam, coef, system32}, lower);
   solve_alpha_one(sq, n, n_den, lam, coef, work, parallel, system32 != nullptr);

@@ -266,7 +266,7 @@ void finish_tally(std::optional<BracketTally>& tally, Middle* middle) {
 
 double checked_median(const double* sq, int64_t n, bool parallel, const Middle& middle) {
   const double sigma = median_of_pairs(sq, n, parallel, middle);
-  TORCH_CHECK_VALUE(sigma >= kMinBandwidth, kZeroMedianMessage);
+  TORCH_CHECK_VALUE(sigma > 0, kZeroMedianMessage);
   return sigma;
 }
 

@@ -67,11 +67,11 @@ __device__ bool last_block_of_element(Selection& sel) {
   return last;
 }
 
-// The bandwidth from the selection: NaN for NaN/Inf distances or a median below kMinBandwidth (0).
+// The bandwidth from the selection: NaN for NaN/Inf distances or a zero median.
 __device__ double bandwidth_of(uint64_t lo, int64_t P, unsigned long long count_le, unsigned long long min_gt,
                                unsigned long long not_finite) {
   const double s = radix::median_of_middles(lo, P, count_le, min_gt);
-  return (not_finite || !(s >= kMinBandwidth)) ? NAN : s;
+  return (not_finite || !(s > 0.0)) ? NAN : s;
 }
 
 // The gather (Selection::stage kGathering): the in_bin keys that match the digits found so far go to
@@ -112,7 +112,7 @@ __device__ void gather_and_rank(const double* pairs, int64_t P, Selection& sel, 
   if (tid == 0) {
     const uint64_t lo = middles[0], hi = !even ? lo : rank + 1 < n ? middles[1] : __ldcg(&sel.min_gt);
     const double s = radix::mean_of_roots(lo, hi);
-    sigma[blockIdx.y] = (__ldcg(&sel.not_finite) || !(s >= kMinBandwidth)) ? NAN : s;
+    sigma[blockIdx.y] = (__ldcg(&sel.not_finite) || !(s > 0.0)) ? NAN : s;
     sel.stage = kDone;
   }
 }
