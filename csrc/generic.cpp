@@ -90,7 +90,7 @@ Tensor median_of_pairs(const Tensor& pairs) {
   }
   auto sigma = (lo.clamp_min(0).sqrt() + hi.clamp_min(0).sqrt()) * 0.5;
   // NaN for a zero median, and for non-finite pairs, whose median the selection may still find finite
-  // (as cuda/median.cu and kl.cu give)
+  // (as cuda/median.cu gives; a fit's floor, kMinBandwidth, is fit_stacked's)
   if (!reads_back(sigma)) return at::where(sigma.gt(0).logical_and_(pairs.isfinite().all(1)), sigma, NAN);
   TORCH_CHECK_VALUE((sigma > 0).all().item<bool>(), kZeroMedianMessage);
   return sigma;

@@ -31,8 +31,8 @@ using at::Tensor;
 // Error messages shared by both backends (and matched by the tests).
 inline constexpr char kNotFiniteMessage[] = " contains NaN or Inf (or values too large to square)";
 inline constexpr char kZeroMedianMessage[] =
-    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
-    "pass an explicit bandwidth=...";
+    "the median pairwise distance of the samples is 0 (at least half of the pairs coincide, or their "
+    "squared distances underflow: rescale samples that small); pass an explicit bandwidth=...";
 inline constexpr char kSmallMedianMessage[] =
     "the median pairwise distance of the samples is below 1e-150, too small a bandwidth (its square would "
     "underflow); rescale samples that small";
@@ -165,8 +165,8 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
 // shapes take generic::.
 // Arguments as generic::kl and generic::kl_grad, except that kl's KL comes in the samples' dtype and
 // kl_grad reads grad_kl as it is (each is then one launch at the VAE's shapes). No value is read back to
-// the host, so bad values (NaN/Inf samples, a zero median, a bandwidth <= 0, a system that is not
-// positive definite) give NaN for their batch element instead of an error.
+// the host, so bad values (NaN/Inf samples, a median or bandwidth below kMinBandwidth, a system that is
+// not positive definite) give NaN for their batch element instead of an error.
 namespace cuda {
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device);  // device: its shared memory
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch);

@@ -75,8 +75,8 @@ def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, cl
     terms of size ~1/lam; float32 inputs give float32 results within 1e-3 of float64's.
 
     On a GPU nothing is read back to the host (a training step can be captured in a CUDA graph): NaN/Inf
-    samples, a zero median distance, a bandwidth tensor that is not positive, or a fit that fails give
-    NaN for that batch element, where CPU tensors raise ValueError.
+    samples, a median distance or a bandwidth tensor below 1e-150 (0 included) or not finite, or a fit
+    that fails give NaN for that batch element, where CPU tensors raise ValueError.
     """
     lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     if not isinstance(reverse, bool):

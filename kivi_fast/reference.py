@@ -42,8 +42,8 @@ def _median64(x: torch.Tensor) -> torch.Tensor:
     sigma = torch.quantile(_sqdist(x64, x64)[..., rows, cols].sqrt(), 0.5, dim=-1)
     if bool((sigma == 0).any()):
         raise ValueError(
-            "the median pairwise distance of the samples is 0 (at least half of the pairs coincide); "
-            "pass an explicit bandwidth=..."
+            "the median pairwise distance of the samples is 0 (at least half of the pairs coincide, or their "
+            "squared distances underflow: rescale samples that small); pass an explicit bandwidth=..."
         )
     return sigma
 

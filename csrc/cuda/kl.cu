@@ -19,8 +19,8 @@
 // then cuda/median.cu) and its blocks of kernel values (kernel_block), and kl_finish ends its forward.
 //
 // Nothing here reads a value back to the host: bad values give NaN for their batch element instead
-// of the CPU's errors (NaN/Inf samples, a zero median, a bandwidth that is not positive, a system
-// that is not positive definite), so that a training step neither stalls nor breaks CUDA-graph capture.
+// of the CPU's errors (NaN/Inf samples, a median or a bandwidth below kMinBandwidth or not finite, a
+// system that is not positive definite), so that a training step neither stalls nor breaks CUDA-graph capture.
 //
 // One block per element is latency-bound: ~0.27 ms per (100, 8) element on an H200, mostly the
 // elimination and the median's passes over shared memory (bench/README.md, "GPU").
@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     }
     stage_clock(a, b, 1);
 
-    // NaN for the whole element: bad samples, a zero median, a bandwidth not positive and finite
+    // NaN for the whole element: bad samples, a median or bandwidth below kMinBandwidth or not finite
     double sigma;
     if constexpr (kBlocksPerSm == 1) {
       sigma = in_shared_or_not<true>(a.dist_in_shared, dist, [&](const double* dd) {
