@@ -131,9 +131,14 @@ def whiten(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Ten
 
 
 def check_std(std: torch.Tensor, name: str) -> None:
-    """A zero standard deviation raises on the CPU (elsewhere it gives NaN: see whitening)."""
-    if std.is_cpu and bool((std == 0).any()):
+    """A zero standard deviation, or a NaN one (NaN/Inf samples), raises on the CPU (elsewhere it gives
+    NaN: see whitening)."""
+    if not std.is_cpu:
+        return
+    if bool((std == 0).any()):
         raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
+    if bool(std.isnan().any()):
+        raise ValueError(f"{name} contains NaN or Inf")
 
 
 def check_kl_contrast(contrast: str) -> str:

@@ -58,7 +58,7 @@ class DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
     """The ops called inside, by name, less those that would not launch on a device: views,
     allocations, and the CPU's value checks (on a GPU each op left is a launch)."""
     HOST_OR_VIEW = ("detach", "expand", "unsqueeze", "view", "select.int", "as_strided", "_local_scalar_dense",
-                    "any.default", "eq.Scalar", "max.default", "_reshape_alias", "alias", "empty")
+                    "any.default", "eq.Scalar", "isnan.default", "max.default", "_reshape_alias", "alias", "empty")
 
     def __init__(self):
         super().__init__()

@@ -206,8 +206,9 @@ def test_adaptive_contrast_errors(impl):
     assert torch.isfinite(kivi_fast.adaptive_contrast_kl(Q, n_prior=__import__("numpy").int64(6)))
     with pytest.raises(ValueError, match="reference_z must hold at least 2 samples"):  # (was a ZeroDivisionError)
         kivi_fast.adaptive_contrast_kl(Q, reference_z=P[:1])
-    with pytest.raises(ValueError, match="reference_z contains NaN or Inf"):
-        kivi_fast.adaptive_contrast_kl(Q, reference_z=with_value(P, (0, 0), float("nan")))
+    for contrast in ("full", "diagonal"):
+        with pytest.raises(ValueError, match="reference_z contains NaN or Inf"):
+            kivi_fast.adaptive_contrast_kl(Q, reference_z=with_value(P, (0, 0), float("nan")), contrast=contrast)
     for returned in (lambda z: 1.0, lambda z: torch.ones(z.shape[:-1], dtype=torch.bool)):
         with pytest.raises(TypeError, match="log_prior must return a floating-point tensor on q_z's device"):
             kivi_fast.adaptive_contrast_kl(Q, returned)
