@@ -320,15 +320,12 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
   // A given bandwidth: NaN where it is not at least kMinBandwidth and finite, and for non-finite
   // samples, which the norms mark (also coordinates whose squares overflow, as the CPU's check; the
   // median marks non-finite distances, as kl.cu). A median below the floor: refused, or NaN.
-  if (sigma.has_value() && !reads_back(s)) {
-    auto ok = s.ge(kMinBandwidth).logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
+  if (!reads_back(s)) {
+    auto ok = s.ge(kMinBandwidth);
+    if (sigma.has_value()) ok.logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
     s = at::where(ok, s, NAN);
-  } else if (!sigma.has_value()) {
-    if (!reads_back(s)) {
-      s = at::where(s.ge(kMinBandwidth), s, NAN);
-    } else {
-      TORCH_CHECK_VALUE((s >= kMinBandwidth).all().item<bool>(), kSmallMedianMessage);
-    }
+  } else if (!sigma.has_value()) {  // (a given one: checked by the op)
+    TORCH_CHECK_VALUE((s >= kMinBandwidth).all().item<bool>(), kSmallMedianMessage);
   }
   const int64_t budget = 8 * dist.B * n_den * n_den;
   const auto scale = (s * s * -2.0).view({-1, 1, 1});

@@ -121,8 +121,8 @@ void check_sigma(const char* op, const std::optional<Tensor>& sigma, int64_t bat
   if (sigma.has_value()) check_sigma(op, *sigma, batch, device);
 }
 
-// The fit's ridge coefficient and the clip, as the kernels need them (kivi_fast/_validate.py holds the
-// public API's stricter lam floor, which is about accuracy, not validity).
+// The fit's ridge coefficient, as the kernels need it (kivi_fast/_validate.py holds the public API's
+// stricter lam floor, which is about accuracy, not validity).
 void check_lam(const char* op, double lam) {
   TORCH_CHECK_VALUE(lam > 0.0 && std::isfinite(lam), "kivi_fast::", op, ": lam must be positive and finite, got ", lam);
 }
@@ -135,10 +135,10 @@ Tensor sqdist_op(const Tensor& x, const Tensor& y) {
 
 template <bool kCpu>
 Tensor rbf_gram_op(const Tensor& x, const Tensor& y, const Tensor& sigma) {
-  check_pair("rbf_gram", "x", x, "y", y);
+  auto sq = sqdist_op<kCpu>(x, y);  // (its check_pair first: x is then [B, n, d])
   check_sigma("rbf_gram", sigma, x.size(0), x.device(), /*or_one=*/true);
   auto s = sigma.to(at::kDouble).view({-1, 1, 1});
-  return at::exp(sqdist_op<kCpu>(x, y) / (s * s * -2.0)).to(x.scalar_type());
+  return at::exp(sq / (s * s * -2.0)).to(x.scalar_type());
 }
 
 template <bool kCpu>

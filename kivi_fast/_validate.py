@@ -145,7 +145,7 @@ def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.
             )
         sigma = bandwidth.detach().to(device=like.device, dtype=torch.float64).reshape(-1)
         # Checked where reading the values is free (CPU, eagerly; the compiled ops check them again); on
-        # a GPU the read would stall every call, and a bandwidth that is not positive and finite gives
+        # a GPU the read would stall every call, and a bandwidth below MIN_BANDWIDTH or not finite gives
         # NaN for its batch element instead.
         if sigma.is_cpu and not torch.compiler.is_compiling() and \
                 not bool((torch.isfinite(sigma) & (sigma >= MIN_BANDWIDTH)).all()):

@@ -376,7 +376,7 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     # q's quadratic form thousands of nats too high (q = p = N(0, I), d = 20, n = 21: ~2000), and at
     # n = d + 3, d + 4 up to 60 off. There the covariance is shrunk, as for n <= d (within 4 nats).
     fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 4 else "auto", name="prior_z",
-                        sample_eps=torch.finfo(prior_z.dtype).eps)
+                        sample_eps=torch.finfo(dtype).eps)  # (prior_z has q_z's dtype: checked)
     q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)
     kernel_q = kernel_kl(eps, q_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
