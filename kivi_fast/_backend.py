@@ -59,6 +59,9 @@ def _load() -> str:
     return "cpp"
 
 
+# Under torch.compile the first call may come while dynamo traces the caller: the library's loading
+# (file globbing, dlopen) cannot be traced, so dynamo runs this eagerly and takes its result as a constant.
+@torch.compiler.assume_constant_result
 def backend() -> str:
     """The implementation in use: ``"cpp"`` (compiled torch ops) or ``"reference"`` (pure PyTorch)."""
     if "name" not in _state:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -26,12 +27,20 @@ MIN_LAM = 1e-10
 MIN_BANDWIDTH = 1e-150
 
 
+def upcast_half(x):
+    """float16/bfloat16 samples (a network's output under torch.autocast) as float32, exactly: the fit
+    runs in float64 whatever the samples' dtype, and the gradient flows back in their own. Anything
+    else is returned as it is, for the checks to judge."""
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def check_samples(name: str, x) -> None:
     """A sample tensor: [n, d] or [B, n, d], float32/float64."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [n, d] or [B, n, d], got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32 or float64, got {x.dtype}")
+        raise TypeError(f"{name} must have dtype float32 or float64 (or float16/bfloat16, taken as float32), "
+                        f"got {x.dtype}")
     shape = x.shape
     if len(shape) not in (2, 3):
         raise ValueError(f"{name} must have shape [n, d] or [B, n, d], got shape {tuple(shape)}")
@@ -39,6 +48,28 @@ def check_samples(name: str, x) -> None:
         raise ValueError(f"{name} must have at least one dimension per sample (d >= 1), got shape {tuple(shape)}")
     if shape[-2] < 1:
         raise ValueError(f"{name} must hold at least one sample, got shape {tuple(shape)}")
+
+
+def check_no_transforms(fn: str) -> None:
+    """Refuse torch.func's transforms (vmap, grad, jacrev, ...) by name. The compiled ops' gradient is a
+    C++ autograd formula, which those transforms cannot run, and the checks on CPU read values, which
+    vmap cannot; without this the user gets torch's internal error about one or the other."""
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"kivi_fast.{fn} does not run under torch.func transforms (vmap, grad, jacrev, ...): pass "
+            "batched samples [B, n, d] for B estimates in place of vmap, and take gradients with "
+            "torch.autograd (loss.backward() or torch.autograd.grad)")
+
+
+def warn_if_ungraded(name: str, x: torch.Tensor, fn: str) -> None:
+    """Warn where a tensor asks for a gradient that the estimator does not give it (the fitted ratio is
+    held fixed, the paper's Eq. 8), so that, e.g., a learned prior's sampler does not silently train
+    on nothing. Python shows it once per call site."""
+    if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        warnings.warn(
+            f"kivi_fast.{fn}: {name} requires grad but gets no gradient (the estimator's gradient flows "
+            f"through q_z only, the fitted ratio held fixed: the paper's Eq. 8); pass {name}.detach() "
+            "to silence this", UserWarning, stacklevel=3)
 
 
 def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:

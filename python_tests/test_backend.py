@@ -28,6 +28,25 @@ def test_environment_variable_forces_the_reference():
     assert out.stdout.strip() == "reference"
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_a_compiled_call_can_be_the_first_call(backend):
+    """torch.compile(fullgraph=True) as a process's first use: the backend is then chosen while dynamo
+    traces (it used to fail there, on the library's file search). Same value and gradient as eager.
+    (The reference reads the samples' values in its checks: graph breaks, so not fullgraph there.)"""
+    code = f"""
+import torch, kivi_fast
+p, q = torch.randn(30, 3, dtype=torch.float64), torch.randn(30, 3, dtype=torch.float64, requires_grad=True)
+f = torch.compile(lambda a, b: kivi_fast.kernel_kl(a, b), fullgraph={backend == "cpp"}, backend="eager")
+value = f(p, q); (grad,) = torch.autograd.grad(value, q)
+eager = kivi_fast.kernel_kl(p, q); (eager_grad,) = torch.autograd.grad(eager, q)
+torch.testing.assert_close(value, eager); torch.testing.assert_close(grad, eager_grad)
+print(kivi_fast.backend())
+"""
+    out = run_python(code, KIVI_FAST_BACKEND=backend)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == backend
+
+
 def test_bad_environment_variable_is_an_error():
     out = run_python("import kivi_fast; kivi_fast.backend()", KIVI_FAST_BACKEND="fortran")
     assert out.returncode != 0 and "KIVI_FAST_BACKEND" in out.stderr

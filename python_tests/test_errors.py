@@ -29,7 +29,7 @@ BAD_SAMPLES = [
     ("empty prior", dict(prior_z=P[:0], q_z=Q), ValueError, "prior_z must hold at least one sample"),
     ("int", dict(prior_z=P.long(), q_z=Q.long()), TypeError, "prior_z must have dtype float32 or float64"),
     ("complex", dict(prior_z=P, q_z=Q.to(torch.complex128)), TypeError, "q_z must have dtype"),
-    ("half", dict(prior_z=P.half(), q_z=Q.half()), TypeError, "float32 or float64"),
+    ("half and double", dict(prior_z=P.half(), q_z=Q), TypeError, "same dtype"),
     ("mixed dtype", dict(prior_z=P, q_z=Q.float()), TypeError, "same dtype"),
     ("device", dict(prior_z=P, q_z=Q.to("meta")), ValueError, "same device"),
     ("not a tensor", dict(prior_z=P.numpy(), q_z=Q), TypeError, "prior_z must be a torch.Tensor"),
@@ -167,6 +167,51 @@ def test_mostly_clipped_ratios_warn(impl):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kivi_fast.kernel_kl(p, q, lam=1e-3)  # q = p: at most 7% clipped over 200 draws, no warning
+
+
+def test_prior_samples_that_ask_for_a_gradient_are_told_they_get_none(impl):
+    """The gradient flows through q_z only (Eq. 8): a prior sampler with parameters would silently train
+    on nothing. One warning per call (kl with contrast="none" calls kernel_kl: still one), none when
+    prior_z is detached or grad mode is off; the gradient w.r.t. q_z is unchanged."""
+    q = Q.clone().requires_grad_()
+    p = P.clone().requires_grad_()
+    def seeded_kl(a, b):  # the same N(0, I) draws at every call
+        return kivi_fast.kl(a, b, generator=torch.Generator().manual_seed(0))
+
+    for estimate in (seeded_kl, kivi_fast.kernel_kl, lambda a, b: kivi_fast.kl(a, b, contrast="none")):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            value = estimate(p, q)
+        messages = [str(w.message) for w in seen if w.category is UserWarning]
+        assert len(messages) == 1 and "prior_z requires grad but gets no gradient" in messages[0], messages
+        grad_p, grad_q = torch.autograd.grad(value, [p, q], allow_unused=True)
+        assert grad_p is None
+        torch.testing.assert_close(grad_q, torch.autograd.grad(estimate(P, q), q)[0], rtol=0, atol=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            estimate(p.detach(), q)
+            with torch.no_grad():
+                estimate(p, q)
+
+
+def test_torch_func_transforms_are_refused_by_name(impl):
+    """vmap and torch.func.grad cannot run kivi_fast (a C++ autograd formula; the checks read the
+    data): every public function names itself and what to use instead, not torch's internals."""
+    from torch.func import grad, vmap
+
+    pb, qb = P.expand(3, -1, -1), Q.expand(3, -1, -1) + torch.arange(3.0, dtype=torch.float64)[:, None, None]
+    ratio = kivi_fast.DensityRatio().fit(P, Q)
+    calls = {"kl": lambda p, q: kivi_fast.kl(p, q), "kernel_kl": lambda p, q: kivi_fast.kernel_kl(p, q),
+             "adaptive_contrast_kl": lambda p, q: kivi_fast.adaptive_contrast_kl(q),
+             "DensityRatio.fit": lambda p, q: kivi_fast.DensityRatio().fit(p, q).alpha.sum(),
+             "DensityRatio.ratio": lambda p, q: ratio.ratio(q).sum(),
+             "median_bandwidth": lambda p, q: kivi_fast.median_bandwidth(q),
+             "rbf_gram": lambda p, q: kivi_fast.rbf_gram(p, q, 0.7).sum()}
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=f"kivi_fast.{name} does not run under torch.func"):
+            vmap(call)(pb, qb)
+        with pytest.raises(NotImplementedError, match=f"kivi_fast.{name} does not run under torch.func"):
+            grad(call, argnums=1)(P, Q)
 
 
 def test_density_ratio_errors(impl):

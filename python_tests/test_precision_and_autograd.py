@@ -194,8 +194,48 @@ def test_the_ratios_backward_makes_no_gradient_for_its_state(compiled):
 def test_prior_samples_get_no_gradient(impl):
     p = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
     q = torch.randn(20, 2, dtype=torch.float64, requires_grad=True)
-    kivi_fast.kernel_kl(p, q).backward()
+    with pytest.warns(UserWarning, match="prior_z requires grad but gets no gradient"):
+        kivi_fast.kernel_kl(p, q).backward()
     assert p.grad is None and q.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_samples_are_taken_as_float32(impl, dtype):
+    """float16/bfloat16 samples (a network's output under torch.autocast) give exactly what their float32
+    values give, in float32, with the gradient in their own dtype: every public function."""
+    g = torch.Generator().manual_seed(3)
+    p, q = (torch.randn(60, 4, generator=g).to(dtype) for _ in range(2))
+    p32, q32 = p.float(), q.float()
+    for estimate in (kivi_fast.kernel_kl,
+                     lambda a, b: kivi_fast.kl(a, b, generator=torch.Generator().manual_seed(0)),
+                     lambda a, b: kivi_fast.adaptive_contrast_kl(b, reference_z=a.float())):
+        q_half = q.clone().requires_grad_()
+        value = estimate(p, q_half)
+        value.backward()
+        q_single = q32.clone().requires_grad_()
+        expected = estimate(p32, q_single)
+        expected.backward()
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)
+        assert q_half.grad.dtype == dtype
+        torch.testing.assert_close(q_half.grad, q_single.grad.to(dtype), rtol=0, atol=0)
+    ratio = kivi_fast.DensityRatio().fit(p, q)
+    torch.testing.assert_close(ratio.ratio(q), kivi_fast.DensityRatio().fit(p32, q32).ratio(q32), rtol=0, atol=0)
+    torch.testing.assert_close(kivi_fast.median_bandwidth(q), kivi_fast.median_bandwidth(q32), rtol=0, atol=0)
+    torch.testing.assert_close(kivi_fast.rbf_gram(p, q, 0.9), kivi_fast.rbf_gram(p32, q32, 0.9), rtol=0, atol=0)
+
+
+def test_a_generator_under_autocast_trains_through_kl():
+    """The use the half-precision inputs are for: a generator's bfloat16 output under CPU autocast."""
+    torch.manual_seed(0)
+    generator = torch.nn.Linear(4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        samples = generator(torch.randn(50, 4))
+        assert samples.dtype == torch.bfloat16
+        value = kivi_fast.kl(torch.randn(50, 3), samples)
+    value.backward()
+    assert value.dtype == torch.float32 and torch.isfinite(generator.weight.grad).all()
+    assert generator.weight.grad.abs().sum() > 0
 
 
 # Gradients of 128 KB and more come from buffers kept between calls (csrc/cpu/kept_outputs.h): while held,
