@@ -19,7 +19,8 @@ prior's Gaussian misses. The choices of r:
   contrast leaves correlations to the kernel term, which cannot carry them.
 - ``contrast="auto"`` (the default): "full" when n > d, else "diagonal". With n <= d the shrunk full
   covariance measured no better than the diagonal one and costs O(d^2) memory, which a BNN layer of
-  10^5-10^6 weights cannot hold.
+  10^5-10^6 weights cannot hold. A batch element whose samples lie on a subspace (an implicit
+  posterior with fewer noise dimensions than d), where "full" is singular, takes its diagonal.
 
 The default lam is 1e-2, not the paper's 1e-3, and the values are corrected for the biases of
 fitting and whitening with sample moments (the N(0, I) draws are whitened too; the plug-in
@@ -86,15 +87,16 @@ def shrinks(shrink: str, n: int, d: int) -> bool:
 SAMPLE_ROUNDINGS, COVARIANCE_ROUNDINGS = 8.0, 64.0
 
 
-def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample_eps: Optional[float] = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample_eps: Optional[float] = None,
+              fallback: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample mean [..., 1, d], Cholesky factor C [..., d, d] of the maximum-likelihood sample
     covariance, and the shrinkage intensity used [...]. ``shrink``: "auto" shrinks toward the diagonal
     (:func:`shrinkage_intensity`) only when n <= d, where the covariance is singular; "always";
     "never". Mean and C keep their gradient w.r.t. q_z; the intensity is held fixed. ``sample_eps``:
     the relative precision of the samples as the caller got them (float32's for float32 samples
     converted to float64; default q_z's dtype's), which sets what counts as singular
-    (SAMPLE_ROUNDINGS)."""
+    (SAMPLE_ROUNDINGS). A singular covariance raises on the CPU (NaN elsewhere), unless ``fallback``
+    (``contrast="auto"``'s): then that batch element takes its diagonal, an intensity of 1."""
     n, d = q_z.shape[-2], q_z.shape[-1]
     mean = q_z.mean(-2, keepdim=True)
     xc = q_z - mean
@@ -115,13 +117,24 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
         covariance = COVARIANCE_ROUNDINGS * math.sqrt(d * eps) * cov.detach().diagonal(dim1=-2, dim2=-1).sqrt()
         rounding = torch.maximum(samples, covariance)
         ok = ok & (chol.detach().diagonal(dim1=-2, dim2=-1) > rounding).all(-1)
+        # Samples on a subspace (a generator with fewer noise dimensions than d) under "auto": the
+        # diagonal covariance for them, factored anew for the whole batch (a failed factor's backward
+        # would put NaN into the element's gradient even where its value is not selected). On the CPU
+        # only when an element needs it; elsewhere always, as knowing would read ok back.
+        if fallback and (not q_z.is_cpu or not bool(ok.all())):
+            cov = torch.where(ok[..., None, None], cov, torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1)))
+            rho = torch.where(ok, rho, 1.0)
+            chol, info = torch.linalg.cholesky_ex(cov)
+            ok = info == 0
     # The checks of values here raise on the CPU only: on a GPU reading them back would stall every
     # call (and break CUDA-graph capture), so a bad fit gives NaN for its batch element instead.
     if not chol.is_cpu:
         chol = torch.where(ok[..., None, None], chol, math.nan)
     elif not bool(ok.all()):
+        if fallback:  # (a diagonal that does not factor)
+            raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
         raise ValueError(f"{name}'s sample covariance is singular (samples on a lower-dimensional subspace); "
-                         'use contrast="diagonal" or more samples')
+                         'use contrast="diagonal" (or "auto") or more samples')
     return mean, chol, rho
 
 
@@ -259,16 +272,21 @@ class GaussianFit:
     its parameters keep their gradient w.r.t. the samples."""
 
     def __init__(self, x: torch.Tensor, contrast: str, shrink: str = "auto", name: str = "q_z",
-                 sample_eps: Optional[float] = None):
+                 sample_eps: Optional[float] = None, fallback: bool = False):
         self.diagonal = contrast == "diagonal"
         self.n, self.d = x.shape[-2], x.shape[-1]
+        self.shrunk = not self.diagonal and shrinks(shrink, self.n, self.d)
+        # batch elements whose singular covariance fell back to its diagonal (whitening's fallback),
+        # [...] bool, or None where none can: they are diagonal fits, with the diagonal's corrections
+        self.fell_back = None
         if self.diagonal:
             # correction 0 divides by n: the maximum-likelihood fit
             self.std, self.mean = torch.std_mean(x, -2, correction=0, keepdim=True)
             check_std(self.std, name)
         else:
-            self.mean, self.chol, _ = whitening(x, shrink, name, sample_eps)
-        self.shrunk = not self.diagonal and shrinks(shrink, self.n, self.d)
+            self.mean, self.chol, rho = whitening(x, shrink, name, sample_eps, fallback)
+            if fallback and not self.shrunk:
+                self.fell_back = rho == 1.0
 
     def whiten(self, x: torch.Tensor) -> torch.Tensor:
         """S^{-1/2} (x - mean) per row: the map under which the fitted Gaussian is N(0, I)."""
@@ -279,21 +297,38 @@ class GaussianFit:
         scale = self.std[..., 0, :] if self.diagonal else self.chol.diagonal(dim1=-2, dim2=-1)
         return scale.log().sum(-1, keepdim=True)
 
-    def precision_factor(self) -> float:
+    def precision_factor(self) -> float | torch.Tensor:
         """c with E[c S_hat^{-1}] = S^{-1} for n Gaussian samples (inverse-Wishart mean): the plug-in
         precision is too large by n / (n - d - 2) (full) or n / (n - 3) (diagonal); 1 where that is
-        undefined, or the covariance shrunk (the formula is for the plug-in one)."""
+        undefined, or the covariance shrunk (the formula is for the plug-in one). Per batch element
+        ([...]) where elements can have fallen back to their diagonal."""
         k = 3 if self.diagonal else self.d + 2
-        return (self.n - k) / self.n if self.n > k and not self.shrunk else 1.0
+        factor = (self.n - k) / self.n if self.n > k and not self.shrunk else 1.0
+        if self.fell_back is None:
+            return factor
+        return _per_element(self.fell_back, (self.n - 3) / self.n if self.n > 3 else 1.0, factor)
 
-    def log_det_bias(self) -> float:
+    def log_det_bias(self) -> float | torch.Tensor:
         """E[log |det S_hat^{1/2}|] - log |det S^{1/2}| for n Gaussian samples: the plug-in covariance
         is too small in log-determinant (n S_hat ~ Wishart(n - 1, S)), so a KL that uses it reads high
         by ~d (d + 1) / (4 n) nats (full) or ~d / (2 n) (diagonal). A constant: the gradient is
-        unchanged. 0 where the formula does not hold (a shrunk covariance, n <= d)."""
+        unchanged. 0 where the formula does not hold (a shrunk covariance, n <= d). Per batch element
+        ([...]) where elements can have fallen back to their diagonal."""
         if not self.diagonal and (self.shrunk or self.n <= self.d):
             return 0.0
-        return _log_det_bias(self.n, self.d, self.diagonal)
+        if self.fell_back is None:
+            return _log_det_bias(self.n, self.d, self.diagonal)
+        return _per_element(self.fell_back, _log_det_bias(self.n, self.d, True), _log_det_bias(self.n, self.d, False))
+
+
+def _rows(x: float | torch.Tensor) -> float | torch.Tensor:
+    """A per-element value [...] as [..., 1], to broadcast over the element's rows; a float as it is."""
+    return x[..., None] if isinstance(x, torch.Tensor) else x
+
+
+def _per_element(where: torch.Tensor, then: float, otherwise: float) -> torch.Tensor:
+    """[...] float64: ``then`` where ``where``, else ``otherwise`` (a Python float per case)."""
+    return otherwise + (then - otherwise) * where.to(torch.float64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -307,20 +342,23 @@ def _log_det_bias(n: int, d: int, diagonal: bool) -> float:
 
 
 def gaussian_contrast(q_z: torch.Tensor, contrast: str = "auto", shrink: str = "auto",
-                      sample_eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sample_eps: Optional[float] = None, fallback: Optional[bool] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(z_hat, E_q[log r]): the samples mapped by the whitening of the Gaussian r fitted to them, and the
     mean of r's log-density at them ([...]), its log-determinant corrected for the plug-in bias
     (:meth:`GaussianFit.log_det_bias`), so that it estimates E_q[log r] without that bias. Both keep
-    their gradient w.r.t. q_z. ``shrink``, ``sample_eps``: see :func:`whitening` (full contrast only). The fit is by
-    maximum likelihood, so the whitened samples' mean square is exactly d, unless the covariance was
-    shrunk: then it is summed."""
+    their gradient w.r.t. q_z. ``shrink``, ``sample_eps``, ``fallback``: see :func:`whitening` (full
+    contrast only; ``fallback`` defaults to whether ``contrast`` is "auto"). The fit is by maximum
+    likelihood, so the whitened samples' mean square is exactly d (a diagonal fit's too), unless the
+    covariance was shrunk: then it is summed."""
     n, d = q_z.shape[-2], q_z.shape[-1]
+    fallback = contrast == "auto" if fallback is None else fallback
     contrast = resolve_contrast(contrast, n, d)
     if contrast == "diagonal":
         z_hat, neg_log_det = _DiagonalContrast.apply(q_z, "q_z")
         mean_square, bias = float(d), _log_det_bias(n, d, True)
     else:
-        fit = GaussianFit(q_z, contrast, shrink, sample_eps=sample_eps)
+        fit = GaussianFit(q_z, contrast, shrink, sample_eps=sample_eps, fallback=fallback)
         z_hat, neg_log_det = fit.whiten(q_z), -fit.log_det_scale()[..., 0]
         mean_square = z_hat.pow(2).sum(-1).mean(-1) if fit.shrunk else float(d)
         bias = fit.log_det_bias()
@@ -367,23 +405,25 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     p the last is zero up to noise, so the Gaussian part of the gradient is exact; the kernel fits
     only see what is not Gaussian. The prior samples get no gradient."""
     n, d = min(prior_z.shape[-2], q_z.shape[-2]), q_z.shape[-1]
+    # "auto": a side whose covariance is singular (samples on a subspace) is whitened by its diagonal
+    fallback = contrast == "auto"
     contrast = resolve_contrast(contrast, n, d)
     # float64 throughout, as the kernel fits: the Gaussian terms cancel large parts of each other
     dtype, q64, p64 = q_z.dtype, q_z.double(), prior_z.detach().double()
-    q_hat, log_r_q = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(dtype).eps)
+    q_hat, log_r_q = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(dtype).eps, fallback=fallback)
     # The prior's precision enters log r_p, and a sample covariance's inverse has a finite mean only for
     # n_p > d + 2 and a finite variance for n_p > d + 4: just above d samples the plug-in precision read
     # q's quadratic form thousands of nats too high (q = p = N(0, I), d = 20, n = 21: ~2000), and at
     # n = d + 3, d + 4 up to 60 off. There the covariance is shrunk, as for n <= d (within 4 nats).
     fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 4 else "auto", name="prior_z",
-                        sample_eps=torch.finfo(dtype).eps)  # (prior_z has q_z's dtype: checked)
+                        sample_eps=torch.finfo(dtype).eps, fallback=fallback)  # (prior_z has q_z's dtype: checked)
     q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)
     kernel_q = kernel_kl(eps, q_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
     # E_q[log r_p] with r_p's true moments, estimated without the plug-in biases of S_hat's inverse,
     # of its log-determinant and of m_hat (whose error adds d / n_p to the quadratic form)
-    quad = fit_p.precision_factor() * q_in_p.pow(2).sum(-1) - d / fit_p.n
-    log_r_p = -0.5 * quad - 0.5 * d * math.log(2 * math.pi) - fit_p.log_det_scale() + fit_p.log_det_bias()
+    quad = _rows(fit_p.precision_factor()) * q_in_p.pow(2).sum(-1) - d / fit_p.n
+    log_r_p = -0.5 * quad - 0.5 * d * math.log(2 * math.pi) - fit_p.log_det_scale() + _rows(fit_p.log_det_bias())
     prior_rest = density_ratio(lam, bandwidth).fit(fit_p.whiten(p64), eps).log_ratio(q_in_p, clip)
     return (kernel_q + log_r_q - (log_r_p + prior_rest).mean(-1)).to(dtype)
 
@@ -407,8 +447,9 @@ def adaptive_contrast_kl(
     q_z: [n, d] or [B, n, d] samples of q (B independent posteriors, e.g. one per data point).
     log_prior: callable mapping [..., n, d] to [..., n], the prior's log-density; None means N(0, I).
     lam: the ridge coefficient of the kernel term (default 1e-2; the paper's is 1e-3).
-    contrast: "auto" (default: "full" when n > d, else "diagonal"), "diagonal" (per-dimension
-        Gaussian, the paper's) or "full" (full-covariance Gaussian).
+    contrast: "auto" (default: "full" when n > d, else "diagonal"; "diagonal" for a batch element
+        whose samples lie on a subspace), "diagonal" (per-dimension Gaussian, the paper's) or "full"
+        (full-covariance Gaussian).
     n_prior: number of N(0, I) samples contrasted with the whitened q samples (default n).
     reference_z: those N(0, I) samples [..., n_prior, d], drawn by the caller (e.g. one stream of draws
         shared by several processes); default: drawn here with ``generator``. Whitened like the q samples.

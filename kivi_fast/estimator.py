@@ -112,8 +112,10 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
         prior_z, q_z: samples [n_p, d] and [n_q, d], or [B, n_p, d] and [B, n_q, d] for B independent
             estimates; at least 2 on each side (with a full contrast, more than d on each side).
         lam: ridge coefficient of the kernel fits, at least 1e-10.
-        contrast: "auto" ("full" when both sides have more than d samples, else "diagonal"), "full"
-            (full-covariance Gaussians), "diagonal" (per-dimension), or "none" (the paper's estimator).
+        contrast: "auto" ("full" when both sides have more than d samples, else "diagonal"; and
+            "diagonal" for a side of a batch element whose samples lie on a subspace, where "full"
+            is singular), "full" (full-covariance Gaussians; a singular covariance raises, on a GPU
+            gives NaN), "diagonal" (per-dimension), or "none" (the paper's estimator).
             The full contrast estimates d (d + 1) / 2 covariances a side, so with n only a little above
             d its value is noisy: at q = p = N(0, I) in d = 20 (48 draws each) n = 25 reads up to 29
             nats off, n = 30 up to 10, n = 40 up to 5.5, n = 60 up to 1.6; "diagonal" within 1.4 at
@@ -242,7 +244,8 @@ def adaptive_contrast_kl(q_z, log_prior=None, lam: float = DEFAULT_LAM, **kwargs
     KL(q || p) = KIVI(N(0, I) samples, whitened q_z) + E_q[log r(z) - log p(z)], with r the Gaussian
     fitted to ``q_z`` (per batch element), whose moments keep their gradient. By default
     (``contrast="auto"``, lam = 1e-2) r has a full covariance when n > d, for which the gradient on a
-    Gaussian q equals the true ratio's, and a diagonal one otherwise; ``contrast="diagonal",
+    Gaussian q equals the true ratio's, and a diagonal one otherwise (and for a batch element whose
+    samples lie on a subspace); ``contrast="diagonal",
     lam=1e-3`` is the paper's form. The defaults come from the grad-accuracy and amortized studies
     (results/diagnostics/README.md). ``log_prior`` maps [..., n, d] to [..., n]; None means N(0, I).
     Keyword arguments: ``contrast``, ``n_prior``, ``clip``, ``bandwidth``, ``reverse``, ``generator``,

@@ -408,6 +408,21 @@ def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
 
 
+def test_auto_contrast_of_samples_on_a_subspace_on_cuda_equals_the_cpu():
+    """"auto" whitens a batch element whose samples lie on a subspace by its diagonal: on a GPU too,
+    without reading back which element that is (the CPU knows it; the GPU factors the batch anew)."""
+    from kivi_fast.contrast import gaussian_contrast
+
+    g = torch.Generator().manual_seed(0)
+    subspace = torch.randn(40, 3, generator=g, dtype=torch.float64) @ torch.randn(3, 6, generator=g, dtype=torch.float64)
+    batch = torch.stack([torch.randn(40, 6, generator=g, dtype=torch.float64), subspace])
+    on_cpu = gaussian_contrast(batch, "auto")
+    with no_host_sync():
+        on_gpu = gaussian_contrast(batch.to(CUDA), "auto")
+    for cpu, gpu in zip(on_cpu, on_gpu):
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-9, atol=1e-9)
+
+
 def test_direct_op_calls_with_arguments_on_another_device_raise():
     p, q = torch.randn(2, 10, 3, device=CUDA), torch.randn(2, 10, 3, device=CUDA)
     with pytest.raises(ValueError, match="sigma must be on the samples' device"):

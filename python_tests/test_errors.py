@@ -243,6 +243,8 @@ def test_adaptive_contrast_errors(impl):
     with pytest.raises(ValueError, match="zero standard deviation"):
         kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64), contrast="diagonal")
     with pytest.raises(ValueError, match="q_z's sample covariance is singular"):
+        kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64), contrast="full")
+    with pytest.raises(ValueError, match="zero standard deviation"):  # "auto": its diagonal, which has none
         kivi_fast.adaptive_contrast_kl(torch.ones(5, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="log_prior must map"):
         kivi_fast.adaptive_contrast_kl(Q, lambda z: z.sum())

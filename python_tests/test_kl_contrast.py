@@ -132,6 +132,45 @@ def test_samples_on_a_line_have_a_singular_covariance_on_every_draw(dtype):
         assert torch.isfinite(kivi_fast.kl(p, q, contrast="full", generator=gen(3)))
 
 
+def test_auto_takes_the_diagonal_of_a_batch_element_whose_samples_lie_on_a_subspace():
+    """A generator with fewer noise dimensions than d puts its samples on a subspace, whose covariance
+    "full" refuses. "auto" whitens that batch element by its diagonal: its whitened samples, E_q[log r]
+    and their gradients are the diagonal contrast's (the oracle), the other elements' the full
+    contrast's, and no gradient is NaN. kl and adaptive_contrast_kl are then finite."""
+    from kivi_fast.contrast import GaussianFit, gaussian_contrast
+
+    d = 6
+    for seed in range(4):
+        subspace = torch.randn(40, 3, generator=gen(seed), **f64) @ torch.randn(3, d, generator=gen(seed + 9), **f64)
+        spread = torch.randn(40, d, generator=gen(seed + 20), **f64)
+        batch = torch.stack([spread, subspace]).requires_grad_()
+        z_hat, log_r = gaussian_contrast(batch, "auto")
+        weights = torch.randn(2, 40, d, generator=gen(seed + 30), **f64)
+        (grad,) = torch.autograd.grad((z_hat * weights).sum() + log_r.sum(), batch)
+        assert torch.isfinite(grad).all()
+        for element, oracle in ((0, "full"), (1, "diagonal")):
+            x = batch[element].detach().clone().requires_grad_()
+            z_o, log_r_o = gaussian_contrast(x, oracle)
+            (grad_o,) = torch.autograd.grad((z_o * weights[element]).sum() + log_r_o, x)
+            torch.testing.assert_close(z_hat[element], z_o, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(log_r[element], log_r_o, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad[element], grad_o, rtol=1e-9, atol=1e-9)
+        fit, diagonal = GaussianFit(batch.detach(), "full", fallback=True), GaussianFit(subspace, "diagonal")
+        assert fit.fell_back.tolist() == [False, True]
+        assert fit.precision_factor()[1].item() == diagonal.precision_factor()
+        assert fit.log_det_bias()[1].item() == diagonal.log_det_bias()
+        assert fit.precision_factor()[0].item() == GaussianFit(spread, "full").precision_factor()
+        with pytest.raises(ValueError, match="q_z's sample covariance is singular"):
+            gaussian_contrast(subspace, "full")
+        q = subspace.clone().requires_grad_()
+        for estimate in (kivi_fast.kl(torch.randn(50, d, generator=gen(seed), **f64), q, generator=gen(seed)),
+                         kivi_fast.kl(subspace, spread, generator=gen(seed)),  # the prior's side
+                         kivi_fast.adaptive_contrast_kl(q, generator=gen(seed))):
+            assert torch.isfinite(estimate)
+            if estimate.requires_grad:
+                assert torch.isfinite(torch.autograd.grad(estimate, q)[0]).all()
+
+
 def test_a_hyperplane_in_64_dimensions_is_singular_and_just_more_samples_are_not():
     """The covariance's rounding grows with d (contrast.COVARIANCE_ROUNDINGS scales with sqrt(d eps)):
     samples on a hyperplane of d = 64 (float64, and rounded to float32) are singular on every draw,

@@ -128,14 +128,6 @@ def evaluate(model, data: datasets.Split, n_samples: int, seed: int) -> dict[str
                             float(data.y_scaler.std), n_samples)
 
 
-def _kl_hint(method: str, err: ValueError) -> str:
-    if method != "kivi-contrast" or "sample covariance is singular" not in str(err):
-        return ""
-    return ("; kivi-contrast's default (full) contrast needs each layer's weight samples to span the layer's "
-            "weights, which a generator whose last hidden layer has fewer units than that cannot (at the "
-            "default --n-hidden, Boston's, Concrete's and Wine's second layers): use --method kivi-ac")
-
-
 def train_epoch(model, opt, data: datasets.Split, batch_size: int, n_samples: int,
                 kl_weight: float = 1.0) -> dict[str, float]:
     """One pass over a random permutation of the training set; returns the mean ELBO terms per point.
@@ -150,7 +142,7 @@ def train_epoch(model, opt, data: datasets.Split, batch_size: int, n_samples: in
         try:
             terms = model.elbo(data.x_train[idx], data.y_train[idx], n, n_samples)
         except ValueError as err:  # the estimator refusing its samples: said once, not as a traceback
-            raise runs.RunError(f"the weight KL failed: {err}{_kl_hint(model.kl_method, err)}") from err
+            raise runs.RunError(f"the weight KL failed: {err}") from err
         opt.zero_grad(set_to_none=True)
         loss = terms["log_lik"] - kl_weight * terms["kl_weights"] - terms["kl_precision"]  # = elbo at weight 1
         (-loss / n).backward()  # per data point, so lr means the same for every set
