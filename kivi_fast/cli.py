@@ -64,8 +64,13 @@ def main(argv=None) -> int:
     except UsageError as err:
         subparsers[args.command].error(str(err))  # prints the usage, exits with status 2
     except RunError as err:
-        print(f"kivi-fast {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        code = getattr(err, "exit_code", 1)
+        print(f"kivi-fast {args.command}: {'error: ' if code == 1 else ''}{err}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:  # outside a trainer's loop (which saves first: runs.Interrupted)
+        print(f"kivi-fast {args.command}: interrupted; a run resumes from its last checkpoint when rerun",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -78,6 +78,14 @@ def test_an_estimator_refusing_its_samples_ends_a_run_with_one_line(tmp_path, mo
     assert "kivi-fast uci: error: the weight KL failed: q_z contains NaN or Inf" in err and "Traceback" not in err
 
 
+def test_a_diverged_toy_run_ends_with_one_line(tmp_path, capsys):
+    """lr 1e6 sends the implicit posterior's samples to NaN/Inf: the estimator's refusal (or the loss's
+    non-finite value) ends the run with one line naming --lr, not a traceback."""
+    assert cli.main(["toy", "--quick", "--lr", "1e6", "--no-progress", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "kivi-fast toy: error:" in err and "try a smaller --lr" in err and "Traceback" not in err
+
+
 def test_every_option_says_what_it_is_and_its_default():
     _, subparsers = cli.build_parser()
     assert set(subparsers) == set(cli.COMMANDS)

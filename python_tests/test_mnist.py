@@ -128,6 +128,24 @@ def test_an_interrupted_run_resumes_exactly(method, tmp_path, one_thread):
     assert result["epochs"] == 2 and 0 <= result["test_error"] <= 1
 
 
+def test_how_often_it_evaluates_does_not_move_the_training(tmp_path, one_thread):
+    """The evaluation's weight draws come from their own stream: --eval-every 1 and 2 train the same
+    parameters (they drew from the training's generator: the lower bounds differed in the 6th digit)."""
+    for every in (1, 2):
+        mnist_cmd.train(mnist_args(tmp_path / str(every), method="bbb", eval_every=every), tmp_path / str(every))
+    a = runs.load_checkpoint(tmp_path / "1" / "checkpoint.pt")["model"]
+    b = runs.load_checkpoint(tmp_path / "2" / "checkpoint.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, one_thread):
+    with pytest.raises(runs.RunError, match="lower bound became|KL estimate failed|parameters became NaN or Inf"):
+        mnist_cmd.train(mnist_args(tmp_path, method="bbb", lr=1e6, checkpoint_every=0), tmp_path)
+    if (tmp_path / "checkpoint.pt").exists():
+        state = runs.load_checkpoint(tmp_path / "checkpoint.pt")
+        assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
 def test_two_processes_keep_equal_parameters(tmp_path):
     common = ["--hidden", "16", "--mmnn-hidden", "12", "--train-images", "80", "--batch", "20", "--epochs", "1",
               "--samples", "4", "--n-p", "4", "--eval-images", "50", "--no-progress"]

@@ -530,6 +530,25 @@ def test_batch_jobs_expand_to_one_task_per_split_and_reject_bad_names():
             uci_batch.parse_job(bad)
 
 
+def test_batch_refuses_uci_args_it_sets_itself_before_any_split_starts(tmp_path, capsys):
+    """--uci-args "--splits 3" put split 3's results in the folders of splits 0 and 1; a quote left open
+    was a traceback after the first split's folder existed. Both are usage errors, and nothing is made."""
+    from kivi_fast import cli
+
+    for uci_args, message in (("--splits 3", "--splits is set by uci-batch"),
+                              ("--epochs 2 --dataset=boston", "--dataset is set by uci-batch"),
+                              ("--epochs 'x", "--uci-args: No closing quotation")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch"), "--uci-args", uci_args])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        assert not (tmp_path / "batch").exists()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["uci-batch", "yacht:kivi:0", "--out", str(a_file)])
+    assert exit_info.value.code == 2 and "--out: cannot make the folder" in capsys.readouterr().err
+
+
 def test_batch_splits_pooled_by_the_report_equal_one_sequential_run(tmp_path):
     """Each split's seed is the run seed and the split number, so running splits in separate processes
     and folders, then pooling them, gives the numbers of one sequential run."""

@@ -188,6 +188,94 @@ def test_resuming_with_other_settings_is_refused(tmp_path, one_thread):
     assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=2), tmp_path)["epochs"] == 2
 
 
+@pytest.mark.parametrize("method", ["gaussian", "kivi-ac"])
+def test_a_diverged_run_ends_in_one_line_and_keeps_the_last_good_checkpoint(method, tmp_path, one_thread):
+    """lr 1e3: the ELBO (gaussian) or the implicit posterior's samples (kivi-ac: the estimator refuses
+    NaN) blow up. The run ends with a RunError (one line from the CLI), and the checkpoint on disk,
+    saved at every step here, holds finite parameters: the broken state never overwrites it."""
+    args = vae_args(tmp_path, method=method, lr=1e3, checkpoint_every=0)
+    with pytest.raises(runs.RunError, match="the ELBO became|the KL estimate failed|parameters became NaN or Inf"):
+        vae_cmd.train(args, tmp_path)
+    if (tmp_path / "checkpoint.pt").exists():
+        assert all(torch.isfinite(v).all() for v in final_params(tmp_path).values())
+
+
+def test_a_finished_run_is_not_retrained_and_not_continued_past_epochs(tmp_path, one_thread):
+    """Rerunning a finished run returns its results (results.json untouched); asking for fewer epochs
+    than it trained is refused (results.json said 3 epochs and config.json 2)."""
+    first = vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
+    written = (tmp_path / "results.json").stat().st_mtime_ns
+    assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path) == first
+    assert (tmp_path / "results.json").stat().st_mtime_ns == written
+    assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=2), tmp_path)["epochs"] == 2  # continued
+    with pytest.raises(runs.RunError, match="has trained 2 epochs, more than --epochs 1"):
+        vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
+
+
+def test_ctrl_c_saves_at_the_steps_end_and_the_rerun_finishes_the_same_run(tmp_path):
+    """SIGINT (and SIGTERM) mid-run: the trainer saves at the end of the step, says so and exits with 130;
+    rerunning finishes the run with the uninterrupted run's weights. A second signal interrupts at once."""
+    import signal
+    import time
+
+    common = ["-m", "kivi_fast.cli", "vae", "--train-images", "96", "--batch", "32", "--n-q", "10", "--n-p", "10",
+              "--epochs", "60", "--eval-images", "16", "--eval-every", "60", "--no-progress", "--threads", "1",
+              "--method", "gaussian"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    done = subprocess.run([sys.executable, *common, "--run-dir", str(straight)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, *common, "--run-dir", str(stopped)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (stopped / "config.json").exists() and time.monotonic() < deadline:  # (training has begun)
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted (SIGINT); checkpoint saved" in err and "Traceback" not in err, err[-2000:]
+    assert not (stopped / "results.json").exists()
+    done = subprocess.run([sys.executable, *common, "--run-dir", str(stopped)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = final_params(straight), final_params(stopped)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_run_folders_and_checkpoints_end_in_one_line(tmp_path, capsys):
+    """A --run-dir that is a file, an --out under a file: usage errors; a truncated checkpoint: a
+    RunError naming it (torch.load raised OSError)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for argv in (["--run-dir", str(a_file)], ["--out", str(a_file / "below")]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["vae", "--quick", "--no-progress", *argv])
+        assert exit_info.value.code == 2 and "cannot make the folder" in capsys.readouterr().err
+    good = tmp_path / "good"
+    vae_cmd.train(vae_args(good, method="gaussian", epochs=1), good)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "checkpoint.pt").write_bytes((good / "checkpoint.pt").read_bytes()[:5000])
+    with pytest.raises(runs.CheckpointError, match="checkpoint.pt is not a kivi_fast checkpoint"):
+        vae_cmd.train(vae_args(damaged, method="gaussian", epochs=1), damaged)
+
+
+def test_the_report_refuses_an_ais_of_an_earlier_epoch_and_a_folder_of_another_command(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["vae", "--quick", "--method", "gaussian", "--no-progress", "--run-dir", str(run_dir)]) == 0
+    assert cli.main(["vae-ais", "--quick", "--no-progress", str(run_dir)]) == 0
+    ais_file = run_dir / "ais.json"
+    ais_file.write_text(json.dumps({**json.loads(ais_file.read_text()), "epoch": 0}))  # the run went on after it
+    assert cli.main(["vae-report", str(run_dir), "--results", str(tmp_path / "r")]) == 1
+    assert "ais.json is of epoch 0, the run ended at epoch 1: rerun kivi-fast vae-ais" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text(json.dumps({"epochs": 1, "test_error": 0.1}))
+    (other / "history.json").write_text("[]")
+    assert cli.main(["vae-report", str(other), "--results", str(tmp_path / "r2")]) == 1
+    assert "is not a kivi-fast vae run's" in capsys.readouterr().err
+
+
 def test_set_lr_writes_a_tensor_learning_rate_in_place():
     """A step captured in a CUDA graph reads Adam's learning rate from its tensor: the schedule must write
     that tensor, not replace it; a number stays a number."""
@@ -263,6 +351,7 @@ def test_the_command_lines_write_their_files(tmp_path, capsys):
     (["vae", "--method", "avb"], "invalid choice"),
     (["vae", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs a GPU"),
     (["vae", "--tf32"], "--tf32 needs a GPU"),
+    (["vae", "--eval-images", "20000"], "--eval-images: at most the training images (50000) and the 10000"),
 ])
 def test_bad_values_are_usage_errors(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -46,7 +46,8 @@ from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import trainer_adam, trainer_step
 from .training import (POSITION, Checkpoints, Distributed, add_gpu_options, add_device_options,
-                       add_training_options, check_gpu_options, config_of, device_of, halved_lr, kl_share, timed,
+                       add_training_options, check_gpu_options, config_of, device_of, diverged_as_run_error,
+                       finished_run, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start, stopped_message)
 
 NAME = "mnist"
@@ -95,7 +96,7 @@ def run(args) -> int:
     if args.eval_images > 10000:
         raise UsageError(f"--eval-images: the validation and test sets have 10000 images, got {args.eval_images}")
     check_gpu_options(args)
-    comm, run_dir = start(args, QUICK, f"{NAME}-{args.hidden}-{args.method}")
+    comm, run_dir = start(args, QUICK, lambda a: f"{NAME}-{a.hidden}-{a.method}")  # (named after --quick's L)
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
         print(f"mnist L = {args.hidden} {args.method}: {result['epochs']} epochs, test error "
@@ -154,6 +155,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
         earlier_peak = state["peak_memory_gib"]
         epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         set_rng_state(state["rng"][comm.rank] if comm.world > 1 else state["rng"], device)
+        finished = finished_run(run_dir, epoch, args.epochs)
+        if finished is not None:  # (every rank reads the same checkpoint: all return here)
+            return finished if comm.main else None
     if comm.main:
         runs.write_json(run_dir / "config.json", {**config, "epochs": args.epochs, "device": str(device),
                                                   "weights": n_weights((784, args.hidden, args.hidden, 10)),
@@ -176,7 +180,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     if state is not None:
         epoch_sums.update(state["epoch_sums"])
     total = args.epochs * steps_per_epoch
-    done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm, args.minutes)
+    done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step), unit="step",
                desc=f"mnist L={args.hidden} {args.method}", disable=args.no_progress or not comm.main)
     while epoch < args.epochs:
@@ -187,14 +191,15 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             if max_steps is not None and done_here >= max_steps:
                 save()
                 bar.close()
+                checkpoints.close()
                 return None
             t0 = time.perf_counter()
             idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
-            out = run_step({"x": x_train[idx], "y": y_train[idx]})
+            with diverged_as_run_error(epoch, step, run_dir):
+                out = run_step({"x": x_train[idx], "y": y_train[idx]})
             # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
             elbo, log_lik, kl = (v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS]))
-            if not math.isfinite(elbo):
-                save()
+            if not math.isfinite(elbo):  # (no save: the last checkpoint is the last good state)
                 raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "
                                     f"checkpoint is in {run_dir}")
             train_seconds += time.perf_counter() - t0
@@ -217,8 +222,13 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                      "lower_bound": epoch_sums["elbo"] / n, "log_lik": epoch_sums["log_lik"] / n,
                      "kl": epoch_sums["kl"] / n}
             if epoch % args.eval_every == 0 or epoch == args.epochs:
-                for s, (x, y) in evals.items():
-                    entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
+                # the evaluation's weight draws from their own stream: how often it runs must not move
+                # the training's samples (torch's generator of the device)
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                           device_type=device.type):
+                    torch.manual_seed(args.seed + 7)
+                    for s, (x, y) in evals.items():
+                        entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
                 if not args.no_progress:
                     bar.write(f"epoch {epoch}: lower bound {entry['lower_bound']:.4f} per image, validation error "
                               f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
@@ -228,6 +238,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             bar.close()
             return None
     bar.close()
+    checkpoints.close()
     # DistributedDataParallel averages the gradients, so every process must hold the same parameters
     checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))
     if not comm.main:

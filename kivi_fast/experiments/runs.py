@@ -17,6 +17,11 @@ class RunError(Exception):
     command line prints the message, without a traceback, and exits with status 1."""
 
 
+class Interrupted(RunError):
+    """A run stopped by Ctrl-C or SIGTERM after saving its checkpoint: exit status 130, as for Ctrl-C."""
+    exit_code = 130
+
+
 class CheckpointError(RunError):
     """A checkpoint file that is not a kivi_fast checkpoint or cannot be loaded safely."""
 
@@ -34,8 +39,22 @@ def begin(args, name: str, quick: dict) -> Path:
 def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) -> Path:
     """``explicit`` if given (reused, so a run can resume), else ``root/name-YYYYmmdd-HHMMSS``."""
     path = Path(explicit) if explicit else Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
+    make_folder(path, "--run-dir" if explicit else "--out")
     return path
+
+
+def make_folder(path: Path, option: str) -> None:
+    """``path`` and its parents, or a usage error naming ``option`` (a file in the way, no permission)."""
+    from .options import UsageError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"{option}: cannot make the folder {path}: {err.strerror or err}") from None
+
+
+def read_json(path: str | os.PathLike):
+    return json.loads(Path(path).read_text())
 
 
 def write_json(path: str | os.PathLike, data) -> None:
@@ -68,7 +87,7 @@ def load_checkpoint(path: str | os.PathLike, keys=()) -> dict | None:
         return None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:  # (OSError: truncated)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"{path} is not a kivi_fast checkpoint that can be loaded safely: it holds something other than "

@@ -170,7 +170,12 @@ def train(name: str, model: nn.Module, objective, args, generator: torch.Generat
     bar = tqdm(range(args.steps), desc=f"{name:<11}", disable=not progress, dynamic_ncols=True,
                file=sys.stderr, mininterval=0.25)
     for step in bar:
-        loss = objective(model, generator)
+        try:
+            loss = objective(model, generator)
+        except ValueError as err:  # the KL estimator refusing a diverged posterior's samples: one line
+            raise runs.RunError(f"{name}: the KL estimate failed at step {step}: {err} (try a smaller --lr)") from err
+        if not math.isfinite(loss.item()):
+            raise runs.RunError(f"{name}: the objective became {loss.item()} at step {step} (try a smaller --lr)")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip else float("inf"))

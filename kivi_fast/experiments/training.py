@@ -8,8 +8,12 @@ GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the s
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -21,10 +25,11 @@ from . import runs
 from .runs import CheckpointError
 
 
-def start(args, quick: dict, folder_name: str, train_images: int = 50000) -> tuple["Distributed", Path]:
+def start(args, quick: dict, folder_name, train_images: int = 50000) -> tuple["Distributed", Path]:
     """A trainer's first steps: ``--quick``'s settings, the checks of ``--train-images`` (at most
     ``train_images``) and ``--batch``, the torch threads, the process group and the run folder (rank 0's,
-    on every rank: every rank resumes from it)."""
+    on every rank: every rank resumes from it), named ``folder_name`` (or ``folder_name(args)``, with
+    ``--quick``'s settings in args)."""
     apply_quick(args, quick)
     if args.train_images > train_images:
         raise UsageError(f"--train-images: the training set has {train_images} images, got {args.train_images}")
@@ -36,7 +41,8 @@ def start(args, quick: dict, folder_name: str, train_images: int = 50000) -> tup
     comm = Distributed(device_of(args.device))
     if args.batch % comm.world:
         raise UsageError(f"--batch {args.batch} must be divisible by the number of processes ({comm.world})")
-    folder = runs.run_folder(args.out, folder_name, args.run_dir) if comm.main else None
+    name = folder_name(args) if callable(folder_name) else folder_name
+    folder = runs.run_folder(args.out, name, args.run_dir) if comm.main else None
     return comm, Path(comm.share(str(folder) if folder else None))
 
 
@@ -50,21 +56,66 @@ class Checkpoints:
     0), or when forced (the end of a run). With ``minutes`` (``--minutes``), :meth:`tick` also says when
     this call has trained that long: it saves then, and the trainer stops (rerunning continues). Rank 0's
     clock decides for every rank, so that a ``save`` that gathers from all processes is called by all of
-    them at the same step, and all of them stop there."""
+    them at the same step, and all of them stop there.
 
-    def __init__(self, save, every: float, comm: "Distributed", minutes: float = 0.0):
+    Ctrl-C (SIGINT) and SIGTERM (a job scheduler's stop) while it is open are held until the next
+    :meth:`tick`, a step's end: it saves and raises :class:`runs.Interrupted`, so that the run resumes
+    exactly from there; a second signal interrupts at once. :meth:`close` (also when :meth:`tick` says
+    stop) gives the signals back their handlers."""
+
+    def __init__(self, save, every: float, comm: "Distributed", minutes: float = 0.0, run_dir=None):
         self.save, self.every, self.comm, self.last = save, every, comm, time.monotonic()
         self.deadline = self.last + 60.0 * minutes if minutes > 0 else None
+        self.run_dir, self.signalled, self.previous = run_dir, None, {}
+        if threading.current_thread() is threading.main_thread():  # (signal handlers live there only)
+            me = weakref.ref(self)
+            previous = {}
+
+            def hold(signum, frame):
+                owner = me()
+                if owner is None or owner.signalled is not None:  # closed without close(), or a second one
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+                    raise KeyboardInterrupt
+                owner.signalled = signum
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, hold)
+            self.previous = previous
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
 
     def tick(self, force: bool = False) -> bool:
         """Saves when it is time; returns whether the trainer must stop (``--minutes`` have passed)."""
         now = time.monotonic()
         stop = self.deadline is not None and now >= self.deadline
-        save, stop = self.comm.share((force or stop or now - self.last >= self.every, stop))
+        save, stop, signalled = self.comm.share(
+            (force or stop or self.signalled is not None or now - self.last >= self.every, stop, self.signalled))
         if save:
             self.save()
             self.last = time.monotonic()
+        if signalled is not None:
+            self.close()
+            where = f" in {self.run_dir}" if self.run_dir is not None else ""
+            raise runs.Interrupted(f"interrupted ({signal.Signals(signalled).name}); checkpoint saved{where}: rerun "
+                                   "the same command to continue")
+        if stop:
+            self.close()
         return stop
+
+
+@contextlib.contextmanager
+def diverged_as_run_error(epoch: int, step: int, run_dir):
+    """A training step whose KL estimator refuses its samples (NaN/Inf from a diverged posterior, on the
+    CPU; a GPU gives a NaN loss, which the trainers check) ends the run with one line, not a traceback."""
+    try:
+        yield
+    except ValueError as err:
+        raise runs.RunError(f"the KL estimate failed at epoch {epoch}, step {step}: {err}; the last checkpoint "
+                            f"is in {run_dir}") from err
 
 
 def stopped_message(command: str, minutes: float, run_dir) -> str:
@@ -126,9 +177,28 @@ def restore(path, config: dict, model, optimizer, data_rng: torch.Generator, ext
     return state
 
 
+def finished_run(run_dir, epoch: int, epochs: int) -> dict | None:
+    """A resumed run's position against ``--epochs``: past it is refused (continuing would not give a
+    run of ``epochs``, and the results would mix the two); at it, with results.json written, the run is
+    finished and that is its result (not retrained, re-timed or redrawn); otherwise None: train on."""
+    if epoch > epochs:
+        raise runs.RunError(f"{Path(run_dir) / 'checkpoint.pt'} has trained {epoch} epochs, more than --epochs "
+                            f"{epochs}: pass --epochs {epoch} or more to continue it, or use another --run-dir")
+    results = Path(run_dir) / "results.json"
+    if epoch == epochs and results.exists():
+        return runs.read_json(results)
+    return None
+
+
 def save_resumable(path, history_path, *, config: dict, model, optimizer, data_rng: torch.Generator, epoch: int,
                    step: int, perm, history: list, train_seconds: float, **extra) -> None:
-    """Write what :func:`restore` reads (and ``extra``), and the history as JSON beside it."""
+    """Write what :func:`restore` reads (and ``extra``), and the history as JSON beside it. Parameters that
+    are not finite (an update that diverged; its loss is seen at the next step) are not saved over the
+    last good checkpoint: a RunError instead."""
+    if not all(bool(v.isfinite().all()) for v in model.state_dict().values() if v.is_floating_point()):
+        kept = f"; {path} keeps the last good state" if Path(path).exists() else ""
+        raise runs.RunError(f"the parameters became NaN or Inf at epoch {epoch}, step {step} (training diverged: "
+                            f"try a smaller --lr){kept}")
     runs.save_checkpoint(path, {
         "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
         "step": step, "perm": perm, "data_rng": data_rng.get_state(), "history": history,

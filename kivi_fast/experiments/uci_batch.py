@@ -66,7 +66,26 @@ def split_command(args, dataset: str, method: str, split: int, folder: Path) -> 
         cmd.append("--quick")
     if args.no_progress:
         cmd.append("--no-progress")
-    return cmd + shlex.split(args.uci_args)
+    return cmd + uci_arguments(args.uci_args)
+
+
+# what the batch sets for each split itself (a different value through --uci-args would put another
+# split's, set's or method's results in the split's folder)
+BATCH_OPTIONS = ("--dataset", "--method", "--splits", "--run-dir", "--out", "--threads", "--checkpoint-seconds",
+                 "--data-dir", "--quick", "--no-progress", "--no-profile")
+
+
+def uci_arguments(text: str) -> list[str]:
+    """--uci-args split as a shell would, without the options the batch sets (a usage error)."""
+    try:
+        words = shlex.split(text)
+    except ValueError as err:
+        raise UsageError(f"--uci-args: {err} in {text!r}") from None
+    taken = sorted({w.split("=", 1)[0] for w in words} & set(BATCH_OPTIONS))
+    if taken:
+        raise UsageError(f"--uci-args: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by uci-batch for "
+                         "each split (use its own options, or the job's dataset:method:splits)")
+    return words
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,10 +140,12 @@ def _interrupt(*_):
 
 def run(args) -> int:
     try:
-        tasks = [t for job in args.jobs for t in parse_job(job, args.data_dir)]
+        tasks = list(dict.fromkeys(t for job in args.jobs for t in parse_job(job, args.data_dir)))  # (once each)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    uci_arguments(args.uci_args)  # (checked before any split starts)
     out = Path(args.out)
+    runs.make_folder(out, "--out")
     # Every split gets a process, finished ones too: it only rereads its result, and refuses (exit 2)
     # a folder made with other settings, so a changed command never passes old results off as new.
     todo = list(tasks)
@@ -140,7 +161,7 @@ def run(args) -> int:
         if proc.returncode == 0:
             done.append(task)
             bar.update(1)
-        elif not (stopping and proc.returncode == -signal.SIGTERM):
+        elif not (stopping and proc.returncode in (-signal.SIGTERM, 130)):  # (130: stopped by a signal it caught)
             failed.append(task)
             tqdm.write(f"{task}: exit {proc.returncode}, see {split_folder(out, *task) / 'log.txt'}", file=sys.stderr)
 
@@ -151,7 +172,7 @@ def run(args) -> int:
             while todo and len(running) < args.workers and (deadline is None or time.time() < deadline):
                 task = todo.pop(0)
                 folder = split_folder(out, *task)
-                folder.mkdir(parents=True, exist_ok=True)
+                runs.make_folder(folder, "--out")
                 lock = _lock(folder)
                 if lock is None:
                     busy.append(task)

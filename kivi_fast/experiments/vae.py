@@ -51,9 +51,10 @@ from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import trainer_adam, trainer_step
 from .training import (POSITION, Checkpoints, Distributed, add_gpu_options, add_device_options,
-                       add_training_options, check_gpu_options, config_of, device_of, halved_lr, kl_share, timed,
+                       add_training_options, check_gpu_options, config_of, device_of, diverged_as_run_error,
+                       finished_run, halved_lr, kl_share, timed,
                        restore, save_resumable, set_lr, start, stopped_message)
-from .options import UsageError, add_common, int_at_least, positive_int
+from .options import UsageError, add_common, apply_quick, int_at_least, positive_int
 
 NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
@@ -98,6 +99,10 @@ def run(args) -> int:
     if args.method == "kivi-ac" and args.contrast == "full" and args.n_q <= 8:
         raise UsageError("--contrast full needs --n-q > 8 (the latent dimension)")
     check_gpu_options(args)
+    apply_quick(args, QUICK)  # (start applies it too: the same values)
+    if args.eval_images > min(args.train_images, 10000):
+        raise UsageError(f"--eval-images: at most the training images ({args.train_images}) and the 10000 test "
+                         f"images, got {args.eval_images}")
     comm, run_dir = start(args, QUICK, f"{NAME}-{args.method}")
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
@@ -152,6 +157,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     if state is not None:
         epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         draw_rng.set_state(state["draw_rng"])
+        finished = finished_run(run_dir, epoch, args.epochs)
+        if finished is not None:  # (every rank reads the same checkpoint: all return here)
+            return finished if comm.main else None
     if comm.main:
         runs.write_json(run_dir / "config.json", {**config, "epochs": args.epochs, "device": str(device),
                                                   "machine": runs.machine()})
@@ -167,7 +175,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     total = args.epochs * steps_per_epoch
     done_here = 0
-    checkpoints = Checkpoints(save, args.checkpoint_every, comm, args.minutes)
+    checkpoints = Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step),
                desc=f"vae {args.method}", disable=args.no_progress or not comm.main, unit="step")
     running = None
@@ -180,14 +188,15 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             if max_steps is not None and done_here >= max_steps:
                 save()
                 bar.close()
+                checkpoints.close()
                 return None
             t0 = time.perf_counter()
             idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
             draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
-            loss = run_step({"x": x_train[idx], **draws})
+            with diverged_as_run_error(epoch, step, run_dir):
+                loss = run_step({"x": x_train[idx], **draws})
             value, = comm.mean([-loss])  # also waits for the device: the step's time is its own
-            if not math.isfinite(value):
-                save()
+            if not math.isfinite(value):  # (no save: the last checkpoint is the last good state)
                 raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last checkpoint "
                                     f"is in {run_dir}")
             train_seconds += time.perf_counter() - t0
@@ -213,6 +222,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
             bar.close()
             return None
     bar.close()
+    checkpoints.close()
     comm.barrier()
     if not comm.main:
         return None
