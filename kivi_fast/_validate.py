@@ -27,6 +27,13 @@ MIN_LAM = 1e-10
 MIN_BANDWIDTH = 1e-150
 
 
+def precision_of(*xs) -> float | None:
+    """The coarsest dtype eps of the tensors among ``xs`` (None if none is a floating-point tensor): what
+    the contrast's singularity check must allow for, taken before :func:`upcast_half`."""
+    eps = [torch.finfo(x.dtype).eps for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return max(eps) if eps else None
+
+
 def upcast_half(x):
     """float16/bfloat16 samples (a network's output under torch.autocast) as float32, exactly: the fit
     runs in float64 whatever the samples' dtype, and the gradient flows back in their own. Anything

@@ -327,8 +327,8 @@ def _rows(x: float | torch.Tensor) -> float | torch.Tensor:
 
 
 def _per_element(where: torch.Tensor, then: float, otherwise: float) -> torch.Tensor:
-    """[...] float64: ``then`` where ``where``, else ``otherwise`` (a Python float per case)."""
-    return otherwise + (then - otherwise) * where.to(torch.float64)
+    """[...] float64: ``then`` where ``where``, else ``otherwise`` (a Python float per case), exactly."""
+    return torch.full(where.shape, otherwise, dtype=torch.float64, device=where.device).masked_fill(where, then)
 
 
 @functools.lru_cache(maxsize=64)
@@ -393,7 +393,8 @@ def whiten_reference(eps: torch.Tensor, contrast: str, name: str = "the N(0, I) 
 
 def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, contrast: str, clip: float,
                        bandwidth, reverse: bool, generator: Optional[torch.Generator],
-                       kernel_kl: Callable[..., torch.Tensor], density_ratio) -> torch.Tensor:
+                       kernel_kl: Callable[..., torch.Tensor], density_ratio,
+                       sample_eps: Optional[float] = None) -> torch.Tensor:
     """KL(q || p) from samples of both, with a Gaussian contrast on each side (``kivi_fast.kl``'s default):
 
         KL(q || p) = KL(q_hat || N(0, I)) + E_q[log r_q(z) - log r_p(z)] - E_q[log (p_hat / N(0, I))(T_p z)],
@@ -403,20 +404,23 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     samples and N(0, I) samples (``kernel_kl``, and ``density_ratio`` evaluated at q's points), the
     middle one is analytic. For a Gaussian q the first term carries no gradient and for a Gaussian
     p the last is zero up to noise, so the Gaussian part of the gradient is exact; the kernel fits
-    only see what is not Gaussian. The prior samples get no gradient."""
+    only see what is not Gaussian. The prior samples get no gradient. ``sample_eps``: the samples'
+    precision as the user gave them (float16's for float16 samples taken as float32; default the
+    dtype's), which sets what counts as a singular covariance (:func:`whitening`)."""
     n, d = min(prior_z.shape[-2], q_z.shape[-2]), q_z.shape[-1]
     # "auto": a side whose covariance is singular (samples on a subspace) is whitened by its diagonal
     fallback = contrast == "auto"
     contrast = resolve_contrast(contrast, n, d)
     # float64 throughout, as the kernel fits: the Gaussian terms cancel large parts of each other
     dtype, q64, p64 = q_z.dtype, q_z.double(), prior_z.detach().double()
-    q_hat, log_r_q = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(dtype).eps, fallback=fallback)
+    sample_eps = torch.finfo(dtype).eps if sample_eps is None else sample_eps
+    q_hat, log_r_q = gaussian_contrast(q64, contrast, sample_eps=sample_eps, fallback=fallback)
     # The prior's precision enters log r_p, and a sample covariance's inverse has a finite mean only for
     # n_p > d + 2 and a finite variance for n_p > d + 4: just above d samples the plug-in precision read
     # q's quadratic form thousands of nats too high (q = p = N(0, I), d = 20, n = 21: ~2000), and at
     # n = d + 3, d + 4 up to 60 off. There the covariance is shrunk, as for n <= d (within 4 nats).
     fit_p = GaussianFit(p64, contrast, "always" if p64.shape[-2] <= d + 4 else "auto", name="prior_z",
-                        sample_eps=torch.finfo(dtype).eps, fallback=fallback)  # (prior_z has q_z's dtype: checked)
+                        sample_eps=sample_eps, fallback=fallback)  # (prior_z has q_z's dtype: checked)
     q_in_p = fit_p.whiten(q64)
     eps = reference_draws(p64.shape, contrast, q_z.device, generator)
     kernel_q = kernel_kl(eps, q_hat, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
@@ -441,6 +445,7 @@ def adaptive_contrast_kl(
     generator: Optional[torch.Generator] = None,
     reference_z: Optional[torch.Tensor] = None,
     kl_fn: Callable[..., torch.Tensor],
+    sample_eps: Optional[float] = None,
 ) -> torch.Tensor:
     """KL(q || p) with adaptive contrast; ``kl_fn`` is the KIVI estimator to use for the first term.
 
@@ -453,6 +458,7 @@ def adaptive_contrast_kl(
     n_prior: number of N(0, I) samples contrasted with the whitened q samples (default n).
     reference_z: those N(0, I) samples [..., n_prior, d], drawn by the caller (e.g. one stream of draws
         shared by several processes); default: drawn here with ``generator``. Whitened like the q samples.
+    sample_eps: as in :func:`sample_contrast_kl`.
     """
     _validate.check_samples("q_z", q_z)
     n = q_z.shape[-2]
@@ -470,7 +476,7 @@ def adaptive_contrast_kl(
         z_hat, gaussian_part = _DiagonalContrast.apply(q_z, "q_z", True, _log_det_bias(n, d, True))
     else:
         q64 = q_z.double()
-        z_hat, gaussian_part = gaussian_contrast(q64, contrast, sample_eps=torch.finfo(q_z.dtype).eps)  # E_q[log r]
+        z_hat, gaussian_part = gaussian_contrast(q64, contrast, sample_eps=sample_eps or torch.finfo(q_z.dtype).eps)
 
     if reference_z is None:
         shape = list(q_z.shape)

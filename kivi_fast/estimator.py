@@ -135,13 +135,15 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
     :func:`adaptive_contrast_kl`, given p's density, has no such term.
     """
     _validate.check_no_transforms("kl")
+    sample_eps = _validate.precision_of(prior_z, q_z)  # (half samples: their own, not float32's)
     prior_z, q_z = _validate.upcast_half(prior_z), _validate.upcast_half(q_z)
     lam, clip, _ = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     _validate.warn_if_ungraded("prior_z", prior_z, "kl")
     if check_kl_contrast(contrast) == "none":  # (prior_z detached: warned once, here)
         return kernel_kl(prior_z.detach(), q_z, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
     return sample_contrast_kl(prior_z, q_z, lam, contrast=contrast, clip=clip, bandwidth=bandwidth, reverse=reverse,
-                              generator=generator, kernel_kl=kernel_kl, density_ratio=DensityRatio)
+                              generator=generator, kernel_kl=kernel_kl, density_ratio=DensityRatio,
+                              sample_eps=sample_eps)
 
 
 class DensityRatio:
@@ -255,4 +257,5 @@ def adaptive_contrast_kl(q_z, log_prior=None, lam: float = DEFAULT_LAM, **kwargs
     _validate.check_no_transforms("adaptive_contrast_kl")
     if "reference_z" in kwargs:
         kwargs["reference_z"] = _validate.upcast_half(kwargs["reference_z"])
-    return _adaptive_contrast_kl(_validate.upcast_half(q_z), log_prior, lam, kl_fn=kernel_kl, **kwargs)
+    return _adaptive_contrast_kl(_validate.upcast_half(q_z), log_prior, lam, kl_fn=kernel_kl,
+                                 sample_eps=_validate.precision_of(q_z), **kwargs)

@@ -156,12 +156,20 @@ def test_auto_takes_the_diagonal_of_a_batch_element_whose_samples_lie_on_a_subsp
             torch.testing.assert_close(log_r[element], log_r_o, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(grad[element], grad_o, rtol=1e-9, atol=1e-9)
         fit, diagonal = GaussianFit(batch.detach(), "full", fallback=True), GaussianFit(subspace, "diagonal")
+        # (exactly the diagonal's constants at any n, d: n = 9, d = 7 is one where arithmetic rounds)
+        small = GaussianFit(torch.stack([spread[:9, :7], subspace[:9, :7]]), "full", fallback=True)
+        assert small.log_det_bias()[1].item() == GaussianFit(subspace[:9, :7], "diagonal").log_det_bias()
         assert fit.fell_back.tolist() == [False, True]
         assert fit.precision_factor()[1].item() == diagonal.precision_factor()
         assert fit.log_det_bias()[1].item() == diagonal.log_det_bias()
         assert fit.precision_factor()[0].item() == GaussianFit(spread, "full").precision_factor()
         with pytest.raises(ValueError, match="q_z's sample covariance is singular"):
             gaussian_contrast(subspace, "full")
+        for half in (torch.bfloat16, torch.float16):  # their rounding is not spread: the same decisions
+            assert GaussianFit(subspace.to(half).double(), "full", fallback=True,
+                               sample_eps=torch.finfo(half).eps).fell_back.item()
+            with pytest.raises(ValueError, match="q_z's sample covariance is singular"):
+                kivi_fast.kl(spread.to(half), subspace.to(half), contrast="full")
         q = subspace.clone().requires_grad_()
         for estimate in (kivi_fast.kl(torch.randn(50, d, generator=gen(seed), **f64), q, generator=gen(seed)),
                          kivi_fast.kl(subspace, spread, generator=gen(seed)),  # the prior's side

@@ -537,6 +537,7 @@ def test_batch_refuses_uci_args_it_sets_itself_before_any_split_starts(tmp_path,
 
     for uci_args, message in (("--splits 3", "--splits is set by uci-batch"),
                               ("--epochs 2 --dataset=boston", "--dataset is set by uci-batch"),
+                              ("--meth kivi-ac", "--method is set by uci-batch"),  # (argparse's abbreviation)
                               ("--epochs 'x", "--uci-args: No closing quotation")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch"), "--uci-args", uci_args])

@@ -193,11 +193,16 @@ def test_a_diverged_run_ends_in_one_line_and_keeps_the_last_good_checkpoint(meth
     """lr 1e3: the ELBO (gaussian) or the implicit posterior's samples (kivi-ac: the estimator refuses
     NaN) blow up. The run ends with a RunError (one line from the CLI), and the checkpoint on disk,
     saved at every step here, holds finite parameters: the broken state never overwrites it."""
+    import signal
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     args = vae_args(tmp_path, method=method, lr=1e3, checkpoint_every=0)
     with pytest.raises(runs.RunError, match="the ELBO became|the KL estimate failed|parameters became NaN or Inf"):
         vae_cmd.train(args, tmp_path)
     if (tmp_path / "checkpoint.pt").exists():
         assert all(torch.isfinite(v).all() for v in final_params(tmp_path).values())
+    # the trainer held Ctrl-C and SIGTERM while it trained; raising, it gave them back
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
 def test_a_finished_run_is_not_retrained_and_not_continued_past_epochs(tmp_path, one_thread):
@@ -213,33 +218,36 @@ def test_a_finished_run_is_not_retrained_and_not_continued_past_epochs(tmp_path,
 
 
 def test_ctrl_c_saves_at_the_steps_end_and_the_rerun_finishes_the_same_run(tmp_path):
-    """SIGINT (and SIGTERM) mid-run: the trainer saves at the end of the step, says so and exits with 130;
-    rerunning finishes the run with the uninterrupted run's weights. A second signal interrupts at once."""
+    """SIGINT or SIGTERM mid-run: the trainer saves at the end of the step, says so and exits with 130;
+    rerunning finishes the run with the uninterrupted run's weights."""
     import signal
     import time
 
     common = ["-m", "kivi_fast.cli", "vae", "--train-images", "96", "--batch", "32", "--n-q", "10", "--n-p", "10",
               "--epochs", "60", "--eval-images", "16", "--eval-every", "60", "--no-progress", "--threads", "1",
               "--method", "gaussian"]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    straight = tmp_path / "straight"
     done = subprocess.run([sys.executable, *common, "--run-dir", str(straight)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    proc = subprocess.Popen([sys.executable, *common, "--run-dir", str(stopped)], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (stopped / "config.json").exists() and time.monotonic() < deadline:  # (training has begun)
-        time.sleep(0.05)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted (SIGINT); checkpoint saved" in err and "Traceback" not in err, err[-2000:]
-    assert not (stopped / "results.json").exists()
-    done = subprocess.run([sys.executable, *common, "--run-dir", str(stopped)], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = final_params(straight), final_params(stopped)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        stopped = tmp_path / sig.name
+        proc = subprocess.Popen([sys.executable, *common, "--run-dir", str(stopped)], stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 120
+        while not (stopped / "config.json").exists() and time.monotonic() < deadline:  # (training has begun)
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=120)[1]
+        assert proc.returncode == 130, err[-2000:]
+        assert f"interrupted ({sig.name}); checkpoint saved" in err and "Traceback" not in err, err[-2000:]
+        assert not (stopped / "results.json").exists()
+        done = subprocess.run([sys.executable, *common, "--run-dir", str(stopped)], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        a, b = final_params(straight), final_params(stopped)
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_bad_run_folders_and_checkpoints_end_in_one_line(tmp_path, capsys):

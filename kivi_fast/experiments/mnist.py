@@ -45,10 +45,10 @@ from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import trainer_adam, trainer_step
-from .training import (POSITION, Checkpoints, Distributed, add_gpu_options, add_device_options,
-                       add_training_options, check_gpu_options, config_of, device_of, diverged_as_run_error,
-                       finished_run, halved_lr, kl_share, timed,
-                       restore, save_resumable, set_lr, start, stopped_message)
+from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_gpu_options, add_training_options,
+                       check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
+                       finished_run, halved_lr, kl_share, restore, save_resumable, set_lr, start, stopped_message,
+                       timed)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
@@ -169,6 +169,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
 
     def save():
+        check_finite_parameters(model, epoch, step, ckpt_path)
         rng = comm.gather(rng_state(device))
         if comm.main:
             save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
@@ -183,62 +184,60 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir)
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step), unit="step",
                desc=f"mnist L={args.hidden} {args.method}", disable=args.no_progress or not comm.main)
-    while epoch < args.epochs:
-        if perm is None:
-            perm = torch.randperm(args.train_images, generator=data_rng)
-        set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
-        while step < steps_per_epoch:
-            if max_steps is not None and done_here >= max_steps:
-                save()
-                bar.close()
-                checkpoints.close()
+    try:
+        while epoch < args.epochs:
+            if perm is None:
+                perm = torch.randperm(args.train_images, generator=data_rng)
+            set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
+            while step < steps_per_epoch:
+                if max_steps is not None and done_here >= max_steps:
+                    save()
+                    return None
+                t0 = time.perf_counter()
+                idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
+                with diverged_as_run_error(epoch, step, run_dir):
+                    out = run_step({"x": x_train[idx], "y": y_train[idx]})
+                # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
+                elbo, log_lik, kl = (v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS]))
+                if not math.isfinite(elbo):  # (no save: the last checkpoint is the last good state)
+                    raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "
+                                        f"checkpoint is in {run_dir}")
+                train_seconds += time.perf_counter() - t0
+                epoch_sums["elbo"] += elbo
+                epoch_sums["log_lik"] += log_lik
+                epoch_sums["kl"] += kl
+                epoch_sums["steps"] += 1
+                step += 1
+                done_here += 1
+                bar.update(1)
+                bar.set_postfix(epoch=epoch + 1, bound=f"{epoch_sums['elbo'] / epoch_sums['steps']:.3f}")
+                if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
+                    return None
+            epoch, step, perm = epoch + 1, 0, None
+            if comm.main:
+                n = max(1, epoch_sums["steps"])
+                entry = {"epoch": epoch, "train_seconds": train_seconds,
+                         "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every),
+                         "lower_bound": epoch_sums["elbo"] / n, "log_lik": epoch_sums["log_lik"] / n,
+                         "kl": epoch_sums["kl"] / n}
+                if epoch % args.eval_every == 0 or epoch == args.epochs:
+                    # the evaluation's weight draws from their own stream: how often it runs must not move
+                    # the training's samples (torch's generator of the device)
+                    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                               device_type=device.type):
+                        torch.manual_seed(args.seed + 7)
+                        for s, (x, y) in evals.items():
+                            entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
+                    if not args.no_progress:
+                        bar.write(f"epoch {epoch}: lower bound {entry['lower_bound']:.4f} per image, validation error "
+                                  f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
+                history.append(entry)
+            epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
+            if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
                 return None
-            t0 = time.perf_counter()
-            idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
-            with diverged_as_run_error(epoch, step, run_dir):
-                out = run_step({"x": x_train[idx], "y": y_train[idx]})
-            # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
-            elbo, log_lik, kl = (v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS]))
-            if not math.isfinite(elbo):  # (no save: the last checkpoint is the last good state)
-                raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "
-                                    f"checkpoint is in {run_dir}")
-            train_seconds += time.perf_counter() - t0
-            epoch_sums["elbo"] += elbo
-            epoch_sums["log_lik"] += log_lik
-            epoch_sums["kl"] += kl
-            epoch_sums["steps"] += 1
-            step += 1
-            done_here += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, bound=f"{epoch_sums['elbo'] / epoch_sums['steps']:.3f}")
-            if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
-                bar.close()
-                return None
-        epoch, step, perm = epoch + 1, 0, None
-        if comm.main:
-            n = max(1, epoch_sums["steps"])
-            entry = {"epoch": epoch, "train_seconds": train_seconds,
-                     "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every),
-                     "lower_bound": epoch_sums["elbo"] / n, "log_lik": epoch_sums["log_lik"] / n,
-                     "kl": epoch_sums["kl"] / n}
-            if epoch % args.eval_every == 0 or epoch == args.epochs:
-                # the evaluation's weight draws from their own stream: how often it runs must not move
-                # the training's samples (torch's generator of the device)
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                           device_type=device.type):
-                    torch.manual_seed(args.seed + 7)
-                    for s, (x, y) in evals.items():
-                        entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
-                if not args.no_progress:
-                    bar.write(f"epoch {epoch}: lower bound {entry['lower_bound']:.4f} per image, validation error "
-                              f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
-            history.append(entry)
-        epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
-        if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
-            bar.close()
-            return None
-    bar.close()
-    checkpoints.close()
+    finally:
+        bar.close()
+        checkpoints.close()
     # DistributedDataParallel averages the gradients, so every process must hold the same parameters
     checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))
     if not comm.main:

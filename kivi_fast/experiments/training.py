@@ -58,16 +58,18 @@ class Checkpoints:
     clock decides for every rank, so that a ``save`` that gathers from all processes is called by all of
     them at the same step, and all of them stop there.
 
-    Ctrl-C (SIGINT) and SIGTERM (a job scheduler's stop) while it is open are held until the next
-    :meth:`tick`, a step's end: it saves and raises :class:`runs.Interrupted`, so that the run resumes
-    exactly from there; a second signal interrupts at once. :meth:`close` (also when :meth:`tick` says
-    stop) gives the signals back their handlers."""
+    In a single process, Ctrl-C (SIGINT) and SIGTERM (a job scheduler's stop) while it is open are held
+    until the next :meth:`tick`, a step's end: it saves and raises :class:`runs.Interrupted`, so that the
+    run resumes exactly from there; a second signal interrupts at once. The trainer closes it (a
+    ``finally``: also when training raises), which gives the signals back their handlers."""
 
     def __init__(self, save, every: float, comm: "Distributed", minutes: float = 0.0, run_dir=None):
         self.save, self.every, self.comm, self.last = save, every, comm, time.monotonic()
         self.deadline = self.last + 60.0 * minutes if minutes > 0 else None
         self.run_dir, self.signalled, self.previous = run_dir, None, {}
-        if threading.current_thread() is threading.main_thread():  # (signal handlers live there only)
+        # One process only: under torchrun a rank blocked in a collective would hold its SIGTERM and be
+        # killed after the agent's timeout instead. (Signal handlers live in the main thread only.)
+        if comm.world == 1 and threading.current_thread() is threading.main_thread():
             me = weakref.ref(self)
             previous = {}
 
@@ -80,7 +82,8 @@ class Checkpoints:
                 owner.signalled = signum
 
             for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, hold)
+                if signal.getsignal(sig) not in (signal.SIG_IGN, None):  # (ignored on purpose, or not Python's)
+                    previous[sig] = signal.signal(sig, hold)
             self.previous = previous
 
     def close(self) -> None:
@@ -190,15 +193,20 @@ def finished_run(run_dir, epoch: int, epochs: int) -> dict | None:
     return None
 
 
-def save_resumable(path, history_path, *, config: dict, model, optimizer, data_rng: torch.Generator, epoch: int,
-                   step: int, perm, history: list, train_seconds: float, **extra) -> None:
-    """Write what :func:`restore` reads (and ``extra``), and the history as JSON beside it. Parameters that
-    are not finite (an update that diverged; its loss is seen at the next step) are not saved over the
-    last good checkpoint: a RunError instead."""
+def check_finite_parameters(model, epoch: int, step: int, path) -> None:
+    """Parameters that are not finite (an update that diverged: its loss shows it only at the next step)
+    are not saved over the last good checkpoint: a RunError instead. Every rank checks (their
+    parameters are equal), so that all of them stop together rather than wait in the next all-reduce."""
     if not all(bool(v.isfinite().all()) for v in model.state_dict().values() if v.is_floating_point()):
         kept = f"; {path} keeps the last good state" if Path(path).exists() else ""
         raise runs.RunError(f"the parameters became NaN or Inf at epoch {epoch}, step {step} (training diverged: "
                             f"try a smaller --lr){kept}")
+
+
+def save_resumable(path, history_path, *, config: dict, model, optimizer, data_rng: torch.Generator, epoch: int,
+                   step: int, perm, history: list, train_seconds: float, **extra) -> None:
+    """Write what :func:`restore` reads (and ``extra``), and the history as JSON beside it (after
+    :func:`check_finite_parameters`, which every rank calls)."""
     runs.save_checkpoint(path, {
         "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
         "step": step, "perm": perm, "data_rng": data_rng.get_state(), "history": history,

@@ -81,7 +81,9 @@ def uci_arguments(text: str) -> list[str]:
         words = shlex.split(text)
     except ValueError as err:
         raise UsageError(f"--uci-args: {err} in {text!r}") from None
-    taken = sorted({w.split("=", 1)[0] for w in words} & set(BATCH_OPTIONS))
+    # (argparse takes any unambiguous prefix of an option: "--meth" is --method)
+    taken = sorted({option for w in words if w.startswith("--") and len(w.split("=", 1)[0]) > 2
+                    for option in BATCH_OPTIONS if option.startswith(w.split("=", 1)[0])})
     if taken:
         raise UsageError(f"--uci-args: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by uci-batch for "
                          "each split (use its own options, or the job's dataset:method:splits)")

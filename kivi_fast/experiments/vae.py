@@ -50,10 +50,10 @@ from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import trainer_adam, trainer_step
-from .training import (POSITION, Checkpoints, Distributed, add_gpu_options, add_device_options,
-                       add_training_options, check_gpu_options, config_of, device_of, diverged_as_run_error,
-                       finished_run, halved_lr, kl_share, timed,
-                       restore, save_resumable, set_lr, start, stopped_message)
+from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_gpu_options, add_training_options,
+                       check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
+                       finished_run, halved_lr, kl_share, restore, save_resumable, set_lr, start, stopped_message,
+                       timed)
 from .options import UsageError, add_common, apply_quick, int_at_least, positive_int
 
 NAME = "vae"
@@ -168,6 +168,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     run_step = trainer_step(make_train_step(net, optimizer), device, args.cuda_graph)
 
     def save():
+        check_finite_parameters(model, epoch, step, ckpt_path)
         if comm.main:
             save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
                            data_rng=data_rng, epoch=epoch, step=step, perm=perm, history=history,
@@ -179,50 +180,48 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step),
                desc=f"vae {args.method}", disable=args.no_progress or not comm.main, unit="step")
     running = None
-    while epoch < args.epochs:
-        if perm is None:
-            perm = torch.randperm(args.train_images, generator=data_rng)
-        set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
-        model.train()
-        while step < steps_per_epoch:
-            if max_steps is not None and done_here >= max_steps:
-                save()
-                bar.close()
-                checkpoints.close()
+    try:
+        while epoch < args.epochs:
+            if perm is None:
+                perm = torch.randperm(args.train_images, generator=data_rng)
+            set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
+            model.train()
+            while step < steps_per_epoch:
+                if max_steps is not None and done_here >= max_steps:
+                    save()
+                    return None
+                t0 = time.perf_counter()
+                idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
+                draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
+                with diverged_as_run_error(epoch, step, run_dir):
+                    loss = run_step({"x": x_train[idx], **draws})
+                value, = comm.mean([-loss])  # also waits for the device: the step's time is its own
+                if not math.isfinite(value):  # (no save: the last checkpoint is the last good state)
+                    raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last "
+                                        f"checkpoint is in {run_dir}")
+                train_seconds += time.perf_counter() - t0
+                running = value if running is None else 0.98 * running + 0.02 * value
+                step += 1
+                done_here += 1
+                bar.update(1)
+                bar.set_postfix(epoch=epoch + 1, elbo=f"{running:.1f}")
+                if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
+                    return None
+            epoch, step, perm = epoch + 1, 0, None
+            if comm.main and (epoch % args.eval_every == 0 or epoch == args.epochs):
+                model.eval()
+                g = torch.Generator(device=device).manual_seed(args.seed + 7)
+                tr, te = evaluate_elbo(model, eval_train, g), evaluate_elbo(model, eval_test, g)
+                history.append({"epoch": epoch, "train_seconds": train_seconds, "train": tr, "test": te,
+                                "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every)})
+                if not args.no_progress:
+                    bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
+                              f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
+            if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
                 return None
-            t0 = time.perf_counter()
-            idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
-            draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
-            with diverged_as_run_error(epoch, step, run_dir):
-                loss = run_step({"x": x_train[idx], **draws})
-            value, = comm.mean([-loss])  # also waits for the device: the step's time is its own
-            if not math.isfinite(value):  # (no save: the last checkpoint is the last good state)
-                raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last checkpoint "
-                                    f"is in {run_dir}")
-            train_seconds += time.perf_counter() - t0
-            running = value if running is None else 0.98 * running + 0.02 * value
-            step += 1
-            done_here += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, elbo=f"{running:.1f}")
-            if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
-                bar.close()
-                return None
-        epoch, step, perm = epoch + 1, 0, None
-        if comm.main and (epoch % args.eval_every == 0 or epoch == args.epochs):
-            model.eval()
-            g = torch.Generator(device=device).manual_seed(args.seed + 7)
-            tr, te = evaluate_elbo(model, eval_train, g), evaluate_elbo(model, eval_test, g)
-            history.append({"epoch": epoch, "train_seconds": train_seconds, "train": tr, "test": te,
-                            "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every)})
-            if not args.no_progress:
-                bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
-                          f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
-        if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
-            bar.close()
-            return None
-    bar.close()
-    checkpoints.close()
+    finally:
+        bar.close()
+        checkpoints.close()
     comm.barrier()
     if not comm.main:
         return None

@@ -50,16 +50,16 @@ def run_label(config: dict) -> str:
 def load_run(folder: Path) -> dict:
     run = runs.load_finished_run(folder, "vae")
     result = run["results.json"]
-    if not {"final", "step_profile", "config", "epochs"} <= result.keys() or "method" not in result.get("config", {}):
+    if not ({"final", "step_profile", "config", "epochs"} <= result.keys() and "method" in result["config"]):
         raise runs.RunError(f"{folder}/results.json is not a kivi-fast vae run's (it lacks the final ELBOs or the "
                             "settings)")
     for name in ("ais.json", "ais_train.json"):
         run[name] = json.loads((folder / name).read_text()) if (folder / name).exists() else None
         # an AIS of an earlier epoch than the run's end (the run continued after it) is not this run's
         if run[name] is not None and run[name].get("epoch") != result["epochs"]:
+            split = " --split train" if "train" in name else ""
             raise runs.RunError(f"{folder}/{name} is of epoch {run[name].get('epoch')}, the run ended at epoch "
-                                f"{result['epochs']}: rerun kivi-fast vae-ais{' --split train' if 'train' in name else ''}"
-                                f" {folder}")
+                                f"{result['epochs']}: rerun kivi-fast vae-ais{split} {folder}")
     return run
 
 
