@@ -224,8 +224,8 @@ def test_ctrl_c_saves_at_the_steps_end_and_the_rerun_finishes_the_same_run(tmp_p
     import time
 
     common = ["-m", "kivi_fast.cli", "vae", "--train-images", "96", "--batch", "32", "--n-q", "10", "--n-p", "10",
-              "--epochs", "60", "--eval-images", "16", "--eval-every", "60", "--no-progress", "--threads", "1",
-              "--method", "gaussian"]
+              "--epochs", "20", "--eval-images", "16", "--eval-every", "20", "--no-progress", "--threads", "1",
+              "--method", "gaussian", "--checkpoint-every", "0"]  # (a save a step: slow enough to catch mid-run)
     straight = tmp_path / "straight"
     done = subprocess.run([sys.executable, *common, "--run-dir", str(straight)], capture_output=True, text=True,
                           timeout=600)
@@ -235,9 +235,8 @@ def test_ctrl_c_saves_at_the_steps_end_and_the_rerun_finishes_the_same_run(tmp_p
         proc = subprocess.Popen([sys.executable, *common, "--run-dir", str(stopped)], stderr=subprocess.PIPE,
                                 text=True)
         deadline = time.monotonic() + 120
-        while not (stopped / "config.json").exists() and time.monotonic() < deadline:  # (training has begun)
-            time.sleep(0.05)
-        time.sleep(0.5)
+        while not (stopped / "checkpoint.pt").exists() and time.monotonic() < deadline:  # (a step is done)
+            time.sleep(0.01)
         proc.send_signal(sig)
         err = proc.communicate(timeout=120)[1]
         assert proc.returncode == 130, err[-2000:]
