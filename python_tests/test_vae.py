@@ -232,8 +232,10 @@ def test_ctrl_c_saves_at_the_steps_end_and_the_rerun_finishes_the_same_run(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     for sig in (signal.SIGINT, signal.SIGTERM):
         stopped = tmp_path / sig.name
+        # (a background job's SIGINT is ignored, and a child inherits that: as for a shell's job, Python
+        # then installs no handler and the trainer keeps it ignored; this test wants an interactive one)
         proc = subprocess.Popen([sys.executable, *common, "--run-dir", str(stopped)], stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 120
         while not (stopped / "checkpoint.pt").exists() and time.monotonic() < deadline:  # (a step is done)
             time.sleep(0.01)
@@ -247,6 +249,30 @@ def test_ctrl_c_saves_at_the_steps_end_and_the_rerun_finishes_the_same_run(tmp_p
         assert done.returncode == 0, done.stderr[-2000:]
         a, b = final_params(straight), final_params(stopped)
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoints_hold_signals_only_where_they_are_not_ignored_and_give_them_back():
+    """A trainer started as a background job (SIGINT ignored) keeps ignoring it; elsewhere it holds
+    SIGINT and SIGTERM while open and restores the handlers when closed."""
+    import signal
+
+    from kivi_fast.experiments.training import Checkpoints
+
+    solo = types.SimpleNamespace(world=1, share=lambda value: value)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        checkpoints = Checkpoints(lambda: None, 60.0, solo)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]  # held
+        checkpoints.close()
+        assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]
+        signal.signal(signal.SIGINT, before[signal.SIGINT])
+        checkpoints = Checkpoints(lambda: None, 60.0, types.SimpleNamespace(world=2, share=lambda value: value))
+        assert {sig: signal.getsignal(sig) for sig in before} == before  # several processes: torchrun's
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def test_bad_run_folders_and_checkpoints_end_in_one_line(tmp_path, capsys):
