@@ -32,7 +32,6 @@ step counters on the GPU).
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import time
 from pathlib import Path
@@ -46,9 +45,9 @@ from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import trainer_adam, trainer_step
 from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_gpu_options, add_training_options,
-                       check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
-                       finished_run, halved_lr, kl_share, restore, save_resumable, set_lr, start, stopped_message,
-                       timed)
+                       check_finite_loss, check_finite_parameters, check_gpu_options, config_of, device_of,
+                       diverged_as_run_error, finished_run, halved_lr, kl_share, restore, save_resumable, set_lr,
+                       start, stopped_message, timed)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
@@ -199,9 +198,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                     out = run_step({"x": x_train[idx], "y": y_train[idx]})
                 # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
                 elbo, log_lik, kl = (v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS]))
-                if not math.isfinite(elbo):  # (no save: the last checkpoint is the last good state)
-                    raise runs.RunError(f"the lower bound became {elbo} at epoch {epoch}, step {step}; the last "
-                                        f"checkpoint is in {run_dir}")
+                check_finite_loss("lower bound", elbo, epoch, step, run_dir)
                 train_seconds += time.perf_counter() - t0
                 epoch_sums["elbo"] += elbo
                 epoch_sums["log_lik"] += log_lik

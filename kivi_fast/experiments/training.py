@@ -9,6 +9,7 @@ GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the s
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -119,6 +120,14 @@ def diverged_as_run_error(epoch: int, step: int, run_dir):
     except ValueError as err:
         raise runs.RunError(f"the KL estimate failed at epoch {epoch}, step {step}: {err}; the last checkpoint "
                             f"is in {run_dir}") from err
+
+
+def check_finite_loss(what: str, value: float, epoch: int, step: int, run_dir) -> None:
+    """A step's loss that is not finite ends the run (without a save: the last checkpoint is the last
+    good state)."""
+    if not math.isfinite(value):
+        raise runs.RunError(f"the {what} became {value} at epoch {epoch}, step {step}; the last checkpoint is in "
+                            f"{run_dir}")
 
 
 def stopped_message(command: str, minutes: float, run_dir) -> str:

@@ -38,7 +38,6 @@ kernels (one process; Adam then keeps its learning rate and step counters on the
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
@@ -51,9 +50,9 @@ from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import trainer_adam, trainer_step
 from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_gpu_options, add_training_options,
-                       check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
-                       finished_run, halved_lr, kl_share, restore, save_resumable, set_lr, start, stopped_message,
-                       timed)
+                       check_finite_loss, check_finite_parameters, check_gpu_options, config_of, device_of,
+                       diverged_as_run_error, finished_run, halved_lr, kl_share, restore, save_resumable, set_lr,
+                       start, stopped_message, timed)
 from .options import UsageError, add_common, apply_quick, int_at_least, positive_int
 
 NAME = "vae"
@@ -196,9 +195,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                 with diverged_as_run_error(epoch, step, run_dir):
                     loss = run_step({"x": x_train[idx], **draws})
                 value, = comm.mean([-loss])  # also waits for the device: the step's time is its own
-                if not math.isfinite(value):  # (no save: the last checkpoint is the last good state)
-                    raise runs.RunError(f"the ELBO became {value} at epoch {epoch}, step {step}; the last "
-                                        f"checkpoint is in {run_dir}")
+                check_finite_loss("ELBO", value, epoch, step, run_dir)
                 train_seconds += time.perf_counter() - t0
                 running = value if running is None else 0.98 * running + 0.02 * value
                 step += 1
