@@ -41,6 +41,15 @@ def upcast_half(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def entering(fn: str, *samples):
+    """Every public function's first step: torch.func's transforms refused (:func:`check_no_transforms`),
+    then its sample tensors with half precision taken as float32 (:func:`upcast_half`), returned in
+    order (one alone as itself)."""
+    check_no_transforms(fn)
+    out = tuple(upcast_half(x) for x in samples)
+    return out[0] if len(out) == 1 else out
+
+
 def check_samples(name: str, x) -> None:
     """A sample tensor: [n, d] or [B, n, d], float32/float64."""
     if not isinstance(x, torch.Tensor):

@@ -302,11 +302,11 @@ class GaussianFit:
         precision is too large by n / (n - d - 2) (full) or n / (n - 3) (diagonal); 1 where that is
         undefined, or the covariance shrunk (the formula is for the plug-in one). Per batch element
         ([...]) where elements can have fallen back to their diagonal."""
-        k = 3 if self.diagonal else self.d + 2
-        factor = (self.n - k) / self.n if self.n > k and not self.shrunk else 1.0
-        if self.fell_back is None:
-            return factor
-        return _per_element(self.fell_back, (self.n - 3) / self.n if self.n > 3 else 1.0, factor)
+        def factor(k: int) -> float:  # k = 3 for a diagonal fit, d + 2 for a full one
+            return (self.n - k) / self.n if self.n > k and not self.shrunk else 1.0
+
+        own = factor(3 if self.diagonal else self.d + 2)
+        return own if self.fell_back is None else _per_element(self.fell_back, factor(3), own)
 
     def log_det_bias(self) -> float | torch.Tensor:
         """E[log |det S_hat^{1/2}|] - log |det S^{1/2}| for n Gaussian samples: the plug-in covariance

@@ -43,7 +43,7 @@ def _warn_if_mostly_clipped(clipped: torch.Tensor, clip: float) -> None:
             "samples' fitted ratios fell below clip and were clipped; the estimate is then dominated by "
             "-log(clip) and does not measure q. Lower lam, or pass a bandwidth that suits the samples' scale "
             "(kivi_fast.DensityRatio shows the fitted ratios).",
-            ClippingWarning, stacklevel=3)
+            ClippingWarning, stacklevel=4)
 
 
 def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: float = 1e-8,
@@ -80,10 +80,14 @@ def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, cl
     samples, a median distance or a bandwidth tensor below 1e-150 (0 included) or not finite, or a fit
     that fails give NaN for that batch element, where CPU tensors raise ValueError.
     """
-    _validate.check_no_transforms("kernel_kl")
-    prior_z, q_z = _validate.upcast_half(prior_z), _validate.upcast_half(q_z)
+    prior_z, q_z = _validate.entering("kernel_kl", prior_z, q_z)
     lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     _validate.warn_if_ungraded("prior_z", prior_z, "kernel_kl")
+    return _fixed_ratio_kl(prior_z, q_z, lam, clip, sigma, reverse)
+
+
+def _fixed_ratio_kl(prior_z, q_z, lam: float, clip: float, sigma, reverse) -> torch.Tensor:
+    """:func:`kernel_kl` on checked arguments (``kl(contrast="none")`` comes here, checked once)."""
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
     # without a gradient to come the op skips what only the backward needs
@@ -134,13 +138,12 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
     beyond p's samples (kl-accuracy, n = 500: +0.85 nats for N(0, 4 I) in d = 8, whose KL is 6.5);
     :func:`adaptive_contrast_kl`, given p's density, has no such term.
     """
-    _validate.check_no_transforms("kl")
     sample_eps = _validate.precision_of(prior_z, q_z)  # (half samples: their own, not float32's)
-    prior_z, q_z = _validate.upcast_half(prior_z), _validate.upcast_half(q_z)
-    lam, clip, _ = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
+    prior_z, q_z = _validate.entering("kl", prior_z, q_z)
+    lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
     _validate.warn_if_ungraded("prior_z", prior_z, "kl")
-    if check_kl_contrast(contrast) == "none":  # (prior_z detached: warned once, here)
-        return kernel_kl(prior_z.detach(), q_z, lam, clip=clip, bandwidth=bandwidth, reverse=reverse)
+    if check_kl_contrast(contrast) == "none":
+        return _fixed_ratio_kl(prior_z, q_z, lam, clip, sigma, reverse)
     return sample_contrast_kl(prior_z, q_z, lam, contrast=contrast, clip=clip, bandwidth=bandwidth, reverse=reverse,
                               generator=generator, kernel_kl=kernel_kl, density_ratio=DensityRatio,
                               sample_eps=sample_eps)
@@ -165,8 +168,7 @@ class DensityRatio:
         self.bandwidth = bandwidth
 
     def fit(self, numer: torch.Tensor, denom: torch.Tensor) -> "DensityRatio":
-        _validate.check_no_transforms("DensityRatio.fit")
-        numer, denom = _validate.upcast_half(numer), _validate.upcast_half(denom)
+        numer, denom = _validate.entering("DensityRatio.fit", numer, denom)
         sigma = _validate.fit_arguments(numer, denom, self.bandwidth)
         num, den = _batched(numer).detach(), _batched(denom).detach()
         alpha, fitted_sigma = impl().fit(num, den, self.lam, sigma)  # (a failed refit keeps the last fit)
@@ -197,8 +199,7 @@ class DensityRatio:
     def ratio(self, z: torch.Tensor) -> torch.Tensor:
         """The fitted ratio at ``z`` ([m, d] -> [m], [B, m, d] -> [B, m]); differentiable w.r.t. z."""
         self._fitted("evaluating the ratio")
-        _validate.check_no_transforms("DensityRatio.ratio")
-        z = _validate.upcast_half(z)
+        z = _validate.entering("DensityRatio.ratio", z)
         _validate.check_pair("z", z, "the fitted samples", self._denom if self.batched else self._denom[0])
         r = impl().ratio(_batched(z), self._numer, self._denom, self._alpha, self._beta, self._sigma)
         return r if self.batched else r[0]
@@ -215,8 +216,7 @@ def median_bandwidth(x: torch.Tensor) -> torch.Tensor:
     An even number of pairs gives the mean of the two middle distances (numpy's convention). Raises
     ValueError when the median is 0 (at least half of the pairs coincide; on a GPU: NaN). No gradient.
     """
-    _validate.check_no_transforms("median_bandwidth")
-    x = _validate.upcast_half(x)
+    x = _validate.entering("median_bandwidth", x)
     _validate.check_samples("x", x)
     _validate.check_min_samples("x", x, 2, "for a median distance")
     sigma = impl().median_bandwidth(_batched(x)).to(x.dtype)
@@ -228,8 +228,7 @@ def rbf_gram(x: torch.Tensor, y: torch.Tensor, sigma) -> torch.Tensor:
 
     ``sigma`` is a positive float or a tensor of shape [] or [B]. No gradient.
     """
-    _validate.check_no_transforms("rbf_gram")
-    x, y = _validate.upcast_half(x), _validate.upcast_half(y)
+    x, y = _validate.entering("rbf_gram", x, y)
     _validate.check_pair("x", x, "y", y)
     batch = x.shape[0] if x.dim() == 3 else None
     s = _validate.bandwidth_tensor(sigma, batch, x)
@@ -254,8 +253,8 @@ def adaptive_contrast_kl(q_z, log_prior=None, lam: float = DEFAULT_LAM, **kwargs
     ``reference_z``
     (see :func:`kivi_fast.contrast.adaptive_contrast_kl`).
     """
-    _validate.check_no_transforms("adaptive_contrast_kl")
+    sample_eps = _validate.precision_of(q_z)
+    q_z = _validate.entering("adaptive_contrast_kl", q_z)
     if "reference_z" in kwargs:
         kwargs["reference_z"] = _validate.upcast_half(kwargs["reference_z"])
-    return _adaptive_contrast_kl(_validate.upcast_half(q_z), log_prior, lam, kl_fn=kernel_kl,
-                                 sample_eps=_validate.precision_of(q_z), **kwargs)
+    return _adaptive_contrast_kl(q_z, log_prior, lam, kl_fn=kernel_kl, sample_eps=sample_eps, **kwargs)

@@ -53,10 +53,6 @@ def make_folder(path: Path, option: str) -> None:
         raise UsageError(f"{option}: cannot make the folder {path}: {err.strerror or err}") from None
 
 
-def read_json(path: str | os.PathLike):
-    return json.loads(Path(path).read_text())
-
-
 def write_json(path: str | os.PathLike, data) -> None:
     """Write atomically, so an interrupted run never leaves half a file."""
     path = Path(path)

@@ -174,15 +174,15 @@ def train(name: str, model: nn.Module, objective, args, generator: torch.Generat
             loss = objective(model, generator)
         except ValueError as err:  # the KL estimator refusing a diverged posterior's samples: one line
             raise runs.RunError(f"{name}: the KL estimate failed at step {step}: {err} (try a smaller --lr)") from err
-        if not math.isfinite(loss.item()):
-            raise runs.RunError(f"{name}: the objective became {loss.item()} at step {step} (try a smaller --lr)")
+        value = loss.item()
+        if not math.isfinite(value):
+            raise runs.RunError(f"{name}: the objective became {value} at step {step} (try a smaller --lr)")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip else float("inf"))
         grad_norms.append(float(norm))
         opt.step()
         sched.step()
-        value = loss.item()
         history.append(value)
         smooth = value if smooth is None else 0.98 * smooth + 0.02 * value
         if step % 20 == 0 or step == args.steps - 1:

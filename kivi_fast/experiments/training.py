@@ -9,6 +9,7 @@ GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the s
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -198,7 +199,7 @@ def finished_run(run_dir, epoch: int, epochs: int) -> dict | None:
                             f"{epochs}: pass --epochs {epoch} or more to continue it, or use another --run-dir")
     results = Path(run_dir) / "results.json"
     if epoch == epochs and results.exists():
-        return runs.read_json(results)
+        return json.loads(results.read_text())
     return None
 
 
