@@ -33,21 +33,18 @@ from __future__ import annotations
 
 import argparse
 import resource
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import trainer_adam, trainer_step
-from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_gpu_options, add_training_options,
-                       check_finite_loss, check_finite_parameters, check_gpu_options, config_of, device_of,
-                       diverged_as_run_error, finished_run, halved_lr, kl_share, restore, save_resumable, set_lr,
-                       start, stopped_message, timed)
+from .training import (Checkpoints, Distributed, Position, add_device_options, add_gpu_options, add_training_options,
+                       check_finite_parameters, check_gpu_options, config_of, device_of, finished_run, halved_lr,
+                       kl_share, restore, save_resumable, start, stopped_message, timed, train_epochs)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
@@ -145,16 +142,15 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     torch.manual_seed(args.seed + 1000 * (comm.rank + 1))
     config = config_of(args, CONFIG_KEYS, comm.world)
     steps_per_epoch = args.train_images // args.batch
-    epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
     ckpt_path = run_dir / "checkpoint.pt"
     state = restore(ckpt_path, config, model, optimizer, data_rng, ("rng", "epoch_sums", "peak_memory_gib"))
+    at = Position.of(state)
     earlier_peak = 0.0  # a resumed run's peak memory is the largest of its pieces'
     if state is not None:
         earlier_peak = state["peak_memory_gib"]
-        epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         set_rng_state(state["rng"][comm.rank] if comm.world > 1 else state["rng"], device)
-        finished = finished_run(run_dir, epoch, args.epochs)
+        finished = finished_run(run_dir, at.epoch, args.epochs)
         if finished is not None:  # (every rank reads the same checkpoint: all return here)
             return finished if comm.main else None
     if comm.main:
@@ -165,83 +161,63 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     lo, hi = comm.shard(args.batch)
     run_step = trainer_step(make_train_step(net, optimizer, args.train_images, args.samples), device,
                             args.cuda_graph)
-    epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
+    sums = dict(state["epoch_sums"]) if state is not None else new_epoch_sums()
 
     def save():
-        check_finite_parameters(model, epoch, step, ckpt_path)
+        check_finite_parameters(model, at.epoch, at.step, ckpt_path)
         rng = comm.gather(rng_state(device))
         if comm.main:
-            save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
-                           data_rng=data_rng, epoch=epoch, step=step, perm=perm, history=history,
-                           train_seconds=train_seconds, rng=rng if comm.world > 1 else rng[0],
-                           epoch_sums=dict(epoch_sums),
+            save_resumable(ckpt_path, run_dir / "history.json", at, config=config, model=model, optimizer=optimizer,
+                           data_rng=data_rng, rng=rng if comm.world > 1 else rng[0], epoch_sums=dict(sums),
                            peak_memory_gib=max(earlier_peak, peak_memory_gib(device)))
 
-    if state is not None:
-        epoch_sums.update(state["epoch_sums"])
-    total = args.epochs * steps_per_epoch
-    done_here, checkpoints = 0, Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir)
-    bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step), unit="step",
-               desc=f"mnist L={args.hidden} {args.method}", disable=args.no_progress or not comm.main)
-    try:
-        while epoch < args.epochs:
-            if perm is None:
-                perm = torch.randperm(args.train_images, generator=data_rng)
-            set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
-            while step < steps_per_epoch:
-                if max_steps is not None and done_here >= max_steps:
-                    save()
-                    return None
-                t0 = time.perf_counter()
-                idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
-                with diverged_as_run_error(epoch, step, run_dir):
-                    out = run_step({"x": x_train[idx], "y": y_train[idx]})
-                # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
-                elbo, log_lik, kl = (v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS]))
-                check_finite_loss("lower bound", elbo, epoch, step, run_dir)
-                train_seconds += time.perf_counter() - t0
-                epoch_sums["elbo"] += elbo
-                epoch_sums["log_lik"] += log_lik
-                epoch_sums["kl"] += kl
-                epoch_sums["steps"] += 1
-                step += 1
-                done_here += 1
-                bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, bound=f"{epoch_sums['elbo'] / epoch_sums['steps']:.3f}")
-                if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
-                    return None
-            epoch, step, perm = epoch + 1, 0, None
-            if comm.main:
-                n = max(1, epoch_sums["steps"])
-                entry = {"epoch": epoch, "train_seconds": train_seconds,
-                         "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every),
-                         "lower_bound": epoch_sums["elbo"] / n, "log_lik": epoch_sums["log_lik"] / n,
-                         "kl": epoch_sums["kl"] / n}
-                if epoch % args.eval_every == 0 or epoch == args.epochs:
-                    # the evaluation's weight draws from their own stream: how often it runs must not move
-                    # the training's samples (torch's generator of the device)
-                    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                               device_type=device.type):
-                        torch.manual_seed(args.seed + 7)
-                        for s, (x, y) in evals.items():
-                            entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
-                    if not args.no_progress:
-                        bar.write(f"epoch {epoch}: lower bound {entry['lower_bound']:.4f} per image, validation error "
-                                  f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
-                history.append(entry)
-            epoch_sums = {"elbo": 0.0, "log_lik": 0.0, "kl": 0.0, "steps": 0}
-            if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
-                return None
-    finally:
-        bar.close()
-        checkpoints.close()
+    def step(idx):
+        out = run_step({"x": x_train[idx], "y": y_train[idx]})
+        # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
+        values = [v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS])]
+        for k, v in zip(STEP_OUTPUTS, values):
+            sums[k] += v
+        sums["steps"] += 1
+        return values[0], {"bound": f"{sums['elbo'] / sums['steps']:.3f}"}
+
+    def end_epoch(say):
+        if comm.main:
+            n = max(1, sums["steps"])
+            entry = {"epoch": at.epoch, "train_seconds": at.train_seconds,
+                     "lr": halved_lr(args.lr, at.epoch - 1, args.lr_halve_every),
+                     "lower_bound": sums["elbo"] / n, "log_lik": sums["log_lik"] / n, "kl": sums["kl"] / n}
+            if at.epoch % args.eval_every == 0 or at.epoch == args.epochs:
+                # the evaluation's weight draws from their own stream: how often it runs must not move the
+                # training's samples (torch's generator of the device)
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                           device_type=device.type):
+                    torch.manual_seed(args.seed + 7)
+                    for s, (x, y) in evals.items():
+                        entry[f"{s}_error"] = error_rate(model, x, y, args.eval_samples)
+                say(f"epoch {at.epoch}: lower bound {entry['lower_bound']:.4f} per image, validation error "
+                    f"{100 * entry['valid_error']:.2f}%, test error {100 * entry['test_error']:.2f}%")
+            at.history.append(entry)
+        sums.update(new_epoch_sums())
+
+    finished = train_epochs(at, args, steps_per_epoch=steps_per_epoch, optimizer=optimizer, data_rng=data_rng,
+                            checkpoints=Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir),
+                            take=lambda idx: idx[lo:hi].to(device), step=step, end_epoch=end_epoch,
+                            loss_name="lower bound", desc=f"mnist L={args.hidden} {args.method}",
+                            show=comm.main and not args.no_progress, run_dir=run_dir, max_steps=max_steps)
+    if not finished:
+        return None
     # DistributedDataParallel averages the gradients, so every process must hold the same parameters
     checksums = comm.gather(float(sum(p.detach().double().sum() for p in model.parameters())))
     if not comm.main:
         return None
     profile = step_profile(model, x_train[:args.batch], y_train[:args.batch], args.train_images, args.samples)
-    return finish(args, history, train_seconds, device, comm.world, run_dir, max(checksums) - min(checksums),
+    return finish(args, at.history, at.train_seconds, device, comm.world, run_dir, max(checksums) - min(checksums),
                   max(earlier_peak, peak_memory_gib(device)), profile)
+
+
+def new_epoch_sums() -> dict:
+    """An epoch's running sums of the step outputs (:data:`STEP_OUTPUTS`), for its history entry."""
+    return {**{k: 0.0 for k in STEP_OUTPUTS}, "steps": 0}
 
 
 def rng_state(device) -> torch.Tensor:

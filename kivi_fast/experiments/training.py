@@ -1,5 +1,6 @@
-"""What the paper's trainers (vae, mnist) share: their common options, start-up, checkpoints and exact
-resume, the device argument and torch.distributed's process group.
+"""What the paper's trainers (vae, mnist) share: their common options, start-up, the loop over epochs and
+steps (:func:`train_epochs`), checkpoints and exact resume, the device argument and torch.distributed's
+process group.
 
 Multi-process training (``torchrun --nproc-per-node K -m kivi_fast.cli <command> ...``) runs one
 process per shard of every global batch under DistributedDataParallel: gloo on CPU, NCCL on CUDA (one
@@ -9,6 +10,7 @@ GPU per process, ``LOCAL_RANK``). A single process is rank 0 of 1 and runs the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import distributed as dist
+from tqdm.auto import tqdm
 
 from .options import (UsageError, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, positive_float,
                       positive_int)
@@ -171,16 +174,34 @@ def check_resumable(state: dict, config: dict, path) -> None:
                               "use another --run-dir")
 
 
+@dataclasses.dataclass
+class Position:
+    """Where a run stands, as its checkpoint holds it beside the model, the optimizer and the random
+    generators: the epoch, the step within it, that epoch's data order (None until it is drawn), the
+    history (an entry an evaluated epoch) and the training seconds so far."""
+    epoch: int = 0
+    step: int = 0
+    perm: torch.Tensor | None = None
+    history: list = dataclasses.field(default_factory=list)
+    train_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, state: dict | None) -> "Position":
+        """A checkpoint's position (:func:`restore`'s result), or the start for None."""
+        return cls() if state is None else cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
+
+    def saved(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 # what every trainer's checkpoint holds; a trainer adds its own random generators' states
-RESUME_KEYS = ("config", "model", "optimizer", "epoch", "step", "perm", "data_rng", "history", "train_seconds")
-POSITION = ("epoch", "step", "perm", "history", "train_seconds")
+RESUME_KEYS = ("config", "model", "optimizer", "data_rng") + tuple(f.name for f in dataclasses.fields(Position))
 
 
 def restore(path, config: dict, model, optimizer, data_rng: torch.Generator, extra_keys=()) -> dict | None:
     """Load the checkpoint at ``path`` (None if there is none) into ``model``, ``optimizer`` and the data
-    order's generator, after :func:`check_resumable`; returns it, for the position (:data:`POSITION`: the
-    epoch, the step within it, that epoch's data order, the history, the training seconds so far) and
-    the trainer's ``extra_keys``."""
+    order's generator, after :func:`check_resumable`; returns it, for the :class:`Position`
+    (``Position.of``) and the trainer's ``extra_keys``."""
     state = runs.load_checkpoint(path, RESUME_KEYS + tuple(extra_keys))
     if state is not None:
         check_resumable(state, config, path)
@@ -213,15 +234,63 @@ def check_finite_parameters(model, epoch: int, step: int, path) -> None:
                             f"try a smaller --lr){kept}")
 
 
-def save_resumable(path, history_path, *, config: dict, model, optimizer, data_rng: torch.Generator, epoch: int,
-                   step: int, perm, history: list, train_seconds: float, **extra) -> None:
+def save_resumable(path, history_path, position: Position, *, config: dict, model, optimizer,
+                   data_rng: torch.Generator, **extra) -> None:
     """Write what :func:`restore` reads (and ``extra``), and the history as JSON beside it (after
     :func:`check_finite_parameters`, which every rank calls)."""
     runs.save_checkpoint(path, {
-        "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-        "step": step, "perm": perm, "data_rng": data_rng.get_state(), "history": history,
-        "train_seconds": train_seconds, **extra})
-    runs.write_json(history_path, history)
+        "config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "data_rng": data_rng.get_state(), **position.saved(), **extra})
+    runs.write_json(history_path, position.history)
+
+
+def train_epochs(at: Position, args, *, steps_per_epoch: int, optimizer, data_rng: torch.Generator,
+                 checkpoints: Checkpoints, take, step, end_epoch, loss_name: str, desc: str, show: bool,
+                 run_dir, max_steps: int | None = None) -> bool:
+    """The trainers' loop over epochs and steps, from ``at`` (advanced in place, for ``checkpoints``'
+    save to write): each epoch draws its data order from ``data_rng`` and sets the paper's halved
+    learning rate (``args``: epochs, train_images, batch, lr, lr_halve_every); each step calls
+    ``step(take(indices))``, ``take`` giving this process's rows of the global batch's indices, and
+    gets the step's loss value (a number, checked to be finite; a ValueError from the KL estimator ends
+    the run with one line) and the progress bar's postfix; each finished epoch calls
+    ``end_epoch(say)``, ``say`` printing above the bar, before the epoch's checkpoint tick.
+
+    Returns True when ``args.epochs`` are trained, False when this call stopped early, saved: by
+    ``--minutes`` (``checkpoints.tick``) or after ``max_steps`` steps (a test's interruption).
+    ``step``'s time, the training seconds, includes ``take``."""
+    total = args.epochs * steps_per_epoch
+    bar = tqdm(total=total, initial=min(total, at.epoch * steps_per_epoch + at.step), unit="step", desc=desc,
+               disable=not show)
+    say = bar.write if show else (lambda text: None)
+    done_here = 0
+    try:
+        while at.epoch < args.epochs:
+            if at.perm is None:
+                at.perm = torch.randperm(args.train_images, generator=data_rng)
+            set_lr(optimizer, halved_lr(args.lr, at.epoch, args.lr_halve_every))
+            while at.step < steps_per_epoch:
+                if max_steps is not None and done_here >= max_steps:
+                    checkpoints.save()
+                    return False
+                t0 = time.perf_counter()
+                with diverged_as_run_error(at.epoch, at.step, run_dir):
+                    value, postfix = step(take(at.perm[at.step * args.batch:(at.step + 1) * args.batch]))
+                check_finite_loss(loss_name, value, at.epoch, at.step, run_dir)
+                at.train_seconds += time.perf_counter() - t0
+                at.step += 1
+                done_here += 1
+                bar.update(1)
+                bar.set_postfix(epoch=at.epoch + 1, **postfix)
+                if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
+                    return False
+            at.epoch, at.step, at.perm = at.epoch + 1, 0, None
+            end_epoch(say)
+            if checkpoints.tick(force=at.epoch == args.epochs) and at.epoch < args.epochs:
+                return False
+    finally:
+        bar.close()
+        checkpoints.close()
+    return True
 
 
 def timed(fn, device: torch.device) -> tuple[float, object]:

@@ -38,21 +38,18 @@ kernels (one process; Adam then keeps its learning rate and step counters on the
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..nn.gaussian import gaussian_kl_to_standard_normal
 from ..nn.vae import KL_ESTIMATORS, build_vae, slice_draws
 from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import trainer_adam, trainer_step
-from .training import (POSITION, Checkpoints, Distributed, add_device_options, add_gpu_options, add_training_options,
-                       check_finite_loss, check_finite_parameters, check_gpu_options, config_of, device_of,
-                       diverged_as_run_error, finished_run, halved_lr, kl_share, restore, save_resumable, set_lr,
-                       start, stopped_message, timed)
+from .training import (Checkpoints, Distributed, Position, add_device_options, add_gpu_options, add_training_options,
+                       check_finite_parameters, check_gpu_options, config_of, device_of, finished_run, halved_lr,
+                       kl_share, restore, save_resumable, start, stopped_message, timed, train_epochs)
 from .options import UsageError, add_common, apply_quick, int_at_least, positive_int
 
 NAME = "vae"
@@ -149,14 +146,13 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     draw_rng = torch.Generator(device=device).manual_seed(args.seed + 1)
     config = config_of(args, CONFIG_KEYS, comm.world)
     steps_per_epoch = args.train_images // args.batch
-    epoch, step, perm, history, train_seconds = 0, 0, None, [], 0.0
 
     ckpt_path = run_dir / "checkpoint.pt"
     state = restore(ckpt_path, config, model, optimizer, data_rng, ("draw_rng",))
+    at = Position.of(state)
     if state is not None:
-        epoch, step, perm, history, train_seconds = (state[k] for k in POSITION)
         draw_rng.set_state(state["draw_rng"])
-        finished = finished_run(run_dir, epoch, args.epochs)
+        finished = finished_run(run_dir, at.epoch, args.epochs)
         if finished is not None:  # (every rank reads the same checkpoint: all return here)
             return finished if comm.main else None
     if comm.main:
@@ -167,62 +163,43 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     run_step = trainer_step(make_train_step(net, optimizer), device, args.cuda_graph)
 
     def save():
-        check_finite_parameters(model, epoch, step, ckpt_path)
+        check_finite_parameters(model, at.epoch, at.step, ckpt_path)
         if comm.main:
-            save_resumable(ckpt_path, run_dir / "history.json", config=config, model=model, optimizer=optimizer,
-                           data_rng=data_rng, epoch=epoch, step=step, perm=perm, history=history,
-                           train_seconds=train_seconds, draw_rng=draw_rng.get_state().cpu())
+            save_resumable(ckpt_path, run_dir / "history.json", at, config=config, model=model, optimizer=optimizer,
+                           data_rng=data_rng, draw_rng=draw_rng.get_state().cpu())
 
-    total = args.epochs * steps_per_epoch
-    done_here = 0
-    checkpoints = Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir)
-    bar = tqdm(total=total, initial=min(total, epoch * steps_per_epoch + step),
-               desc=f"vae {args.method}", disable=args.no_progress or not comm.main, unit="step")
     running = None
-    try:
-        while epoch < args.epochs:
-            if perm is None:
-                perm = torch.randperm(args.train_images, generator=data_rng)
-            set_lr(optimizer, halved_lr(args.lr, epoch, args.lr_halve_every))
+
+    def step(idx):
+        nonlocal running
+        draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
+        value, = comm.mean([-run_step({"x": x_train[idx], **draws})])  # also waits for the device
+        running = value if running is None else 0.98 * running + 0.02 * value
+        return value, {"elbo": f"{running:.1f}"}
+
+    def end_epoch(say):
+        if comm.main and (at.epoch % args.eval_every == 0 or at.epoch == args.epochs):
+            model.eval()
+            g = torch.Generator(device=device).manual_seed(args.seed + 7)
+            tr, te = evaluate_elbo(model, eval_train, g), evaluate_elbo(model, eval_test, g)
+            at.history.append({"epoch": at.epoch, "train_seconds": at.train_seconds, "train": tr, "test": te,
+                               "lr": halved_lr(args.lr, at.epoch - 1, args.lr_halve_every)})
+            say(f"epoch {at.epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
+                f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
             model.train()
-            while step < steps_per_epoch:
-                if max_steps is not None and done_here >= max_steps:
-                    save()
-                    return None
-                t0 = time.perf_counter()
-                idx = perm[step * args.batch:(step + 1) * args.batch][lo:hi].to(device)
-                draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
-                with diverged_as_run_error(epoch, step, run_dir):
-                    loss = run_step({"x": x_train[idx], **draws})
-                value, = comm.mean([-loss])  # also waits for the device: the step's time is its own
-                check_finite_loss("ELBO", value, epoch, step, run_dir)
-                train_seconds += time.perf_counter() - t0
-                running = value if running is None else 0.98 * running + 0.02 * value
-                step += 1
-                done_here += 1
-                bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, elbo=f"{running:.1f}")
-                if checkpoints.tick():  # --minutes have passed: saved; rerunning continues
-                    return None
-            epoch, step, perm = epoch + 1, 0, None
-            if comm.main and (epoch % args.eval_every == 0 or epoch == args.epochs):
-                model.eval()
-                g = torch.Generator(device=device).manual_seed(args.seed + 7)
-                tr, te = evaluate_elbo(model, eval_train, g), evaluate_elbo(model, eval_test, g)
-                history.append({"epoch": epoch, "train_seconds": train_seconds, "train": tr, "test": te,
-                                "lr": halved_lr(args.lr, epoch - 1, args.lr_halve_every)})
-                if not args.no_progress:
-                    bar.write(f"epoch {epoch}: ELBO train {tr['elbo']:.2f}, test {te['elbo']:.2f} "
-                              f"(KL {tr['kl']:.2f}, {te['kl']:.2f})")
-            if checkpoints.tick(force=epoch == args.epochs) and epoch < args.epochs:
-                return None
-    finally:
-        bar.close()
-        checkpoints.close()
+
+    model.train()
+    finished = train_epochs(at, args, steps_per_epoch=steps_per_epoch, optimizer=optimizer, data_rng=data_rng,
+                            checkpoints=Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir),
+                            take=lambda idx: idx[lo:hi].to(device), step=step, end_epoch=end_epoch,
+                            loss_name="ELBO", desc=f"vae {args.method}", show=comm.main and not args.no_progress,
+                            run_dir=run_dir, max_steps=max_steps)
+    if not finished:
+        return None
     comm.barrier()
     if not comm.main:
         return None
-    return finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test_all, device, comm.world)
+    return finish(args, model, run_dir, at.history, at.train_seconds, steps_per_epoch, x_test_all, device, comm.world)
 
 
 def step_profile(model, x: torch.Tensor, generator: torch.Generator, repeats: int = 5) -> dict:
