@@ -108,8 +108,9 @@ class CountedKernels:
 def test_kivi_ac_through_the_kernels_equals_kivi_ac_through_the_composition(shape, dtype, monkeypatch):
     """adaptive_contrast_kl with the diagonal contrast (the VAE's), forward and backward: values and
     gradients through the emulated kernels equal those through the composition, and the kernels take
-    the device ops from 40 to 12 (float32; 32 to 10 in float64): three launches of the contrast's
-    kernels (the samples', the reference draws', the backward) in place of ~30 small ops."""
+    the device ops to at most half (from 40 to 12 in float32, 32 to 10 in float64, with torch 2.13):
+    three launches of the contrast's kernels (the samples', the reference draws', the backward) in
+    place of ~30 small ops."""
     q = samples(shape, dtype, 11).requires_grad_()
     ref_z = samples(shape, dtype, 12)
     w = torch.randn(shape[:-2], generator=torch.Generator().manual_seed(3), **f64).to(dtype)
@@ -129,7 +130,9 @@ def test_kivi_ac_through_the_kernels_equals_kivi_ac_through_the_composition(shap
         assert g.dtype == dtype
         torch.testing.assert_close(g, wv, **tol)
     assert kernels.calls == 3
-    assert len(rest.names) + kernels.calls <= 12 < len(composition.names), (rest.names, composition.names)
+    # torch 2.13: 12 of 40 (float32), 10 of 32 (float64); the bounds leave torch's own ops some room
+    with_kernels = len(rest.names) + kernels.calls
+    assert with_kernels <= 14 and 2 * with_kernels <= len(composition.names), (rest.names, composition.names)
 
 
 def test_the_choice_of_the_kernels_is_a_constant_under_torch_compile():

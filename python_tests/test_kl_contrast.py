@@ -301,6 +301,45 @@ def test_gaussian_contrast_gives_the_mean_log_density_of_its_fit(contrast, shrin
     torch.testing.assert_close(mean_log_r, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("contrast,n,d", [("full", 20, 3), ("full", 60, 8), ("diagonal", 20, 3), ("diagonal", 60, 8)])
+def test_the_fits_bias_corrections_match_a_monte_carlo_of_their_definitions(contrast, n, d):
+    """GaussianFit's corrections for moments fitted to n Gaussian samples, against their definitions by
+    Monte Carlo over 20,000 sample sets from N(m, S), S known and correlated: log_det_bias() is
+    E[log |det S_hat^{1/2}|] - log |det S^{1/2}| (S_hat's diagonal for the diagonal fit), and c =
+    precision_factor() makes c S_hat^{-1} unbiased for S^{-1}, here through E[c tr(S S_hat^{-1})] = d
+    (the diagonal's: E[c sum_i S_ii / S_hat_ii] = d). Each within 4 standard errors of the Monte Carlo
+    mean; an error of one in either formula's Wishart degrees of freedom is 30-40 of them."""
+    from kivi_fast.contrast import GaussianFit
+
+    sets, g = 20000, gen(11)
+    a = torch.randn(d, d, generator=g, **f64)
+    cov = a @ a.T / d + 0.5 * torch.eye(d, **f64)
+    x = torch.randn(sets, n, d, generator=g, **f64) @ torch.linalg.cholesky(cov).T + 0.7
+    fit = GaussianFit(x, contrast)
+    if contrast == "full":
+        true_log_det = torch.linalg.cholesky(cov).diagonal().log().sum()
+        trace = (torch.cholesky_inverse(fit.chol) * cov).sum((-2, -1))
+    else:
+        true_log_det = 0.5 * cov.diagonal().log().sum()
+        trace = (cov.diagonal() / fit.std[:, 0, :] ** 2).sum(-1)
+    for stat, want in ((fit.log_det_scale()[:, 0] - true_log_det, fit.log_det_bias()),
+                       (fit.precision_factor() * trace, float(d))):
+        se = stat.std() / math.sqrt(sets)
+        assert abs(stat.mean().item() - want) < 4 * se.item(), (stat.mean().item(), want, se.item())
+
+
+def test_the_defaults_read_near_zero_at_q_equals_p():
+    """At q = p = N(0, I) (d = 8, n = 100, 48 independent draws as one batch) the true KL is 0: kl and
+    adaptive_contrast_kl, with their bias corrections, read within 0.2 nats of it on average (measured
+    0.07 and 0.04, scripts/bias_at_q_equals_p.py); without the precision correction kl reads ~0.5."""
+    p = torch.randn(48, 100, 8, generator=gen(21), **f64)
+    q = torch.randn(48, 100, 8, generator=gen(22), **f64)
+    for name, values in (("kl", kivi_fast.kl(p, q, generator=gen(23))),
+                         ("adaptive_contrast_kl", kivi_fast.adaptive_contrast_kl(q, None, generator=gen(24)))):
+        mean, se = values.mean().item(), values.std().item() / math.sqrt(values.numel())
+        assert abs(mean) < 0.2 and se < 0.05, (name, mean, se)
+
+
 def test_the_kivi_ac_kl_of_a_vae_batch_takes_few_device_ops():
     """adaptive_contrast_kl at the VAE's shapes (128 x 100 samples in 8 dimensions, the diagonal contrast
     with the caller's N(0, I) draws), forward and backward: the ops that run on the device (the CPU's
@@ -313,7 +352,8 @@ def test_the_kivi_ac_kl_of_a_vae_batch_takes_few_device_ops():
     with DeviceOps() as count:
         kivi_fast.adaptive_contrast_kl(z, None, 1e-3, contrast="diagonal", reference_z=prior).mean().backward()
     assert "kivi_fast.kl.default" in count.names and "kivi_fast.kl_grad.default" in count.names
-    assert len(count.names) <= 38, count.names  # 34 with torch 2.13; autograd through the composition: 69
+    # 38 with torch 2.13 (the caller's mean and its backward included); the bound leaves torch's own ops room
+    assert len(count.names) <= 42, count.names
 
 
 def test_the_q_equals_p_script_prints_each_estimators_mean(capsys):

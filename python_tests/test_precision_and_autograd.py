@@ -35,25 +35,18 @@ def test_float32_agrees_with_float64_of_the_same_inputs(impl, n, d, batch, rever
     assert rel_err(g32, g64) < 1e-3
 
 
-def test_plain_float32_evaluation_would_not_be_accurate():
-    """Why the ops work in float64: evaluating the same fit in float32 loses accuracy (n=100, d=8)."""
-    g = torch.Generator().manual_seed(0)
-    p = torch.randn(100, 8, generator=g, dtype=torch.float64)
-    q = torch.randn(100, 8, generator=g, dtype=torch.float64) * 0.7 + 0.5
-    fit = reference.DensityRatio(lam=1e-3).fit(p, q)
-    centres = torch.cat([q, p])
-    coef = torch.cat([fit.alpha, torch.full((100,), fit.beta, dtype=torch.float64)])
-
-    def grad_log_r(dtype):
-        z, c, w = q.to(dtype), centres.to(dtype), coef.to(dtype)
-        k = torch.exp(-torch.cdist(z, c) ** 2 / (2 * fit.sigma.to(dtype) ** 2))
-        r = k @ w
-        return ((k * w) @ c - r[:, None] * z) / r[:, None]
-
-    assert rel_err(grad_log_r(torch.float32), grad_log_r(torch.float64)) > 1e-3
-    _, ours32 = kl_and_grad(p.float(), q.float())
-    _, ours64 = kl_and_grad(p, q)
-    assert rel_err(ours32, ours64) < 1e-4
+def test_float32_gradient_stays_within_1e_4_of_float64_at_the_papers_lam():
+    """Why the ops work in float64: at lam = 1e-3 the fit's coefficients reach ~100 and cancel in the
+    gradient, so a float32 evaluation loses digits in proportion (torch's float32 cdist evaluation of
+    the same fit was off by up to 3.3e-3 over these 4 problems on this project's CPU: not asserted, as
+    that depends on the BLAS). Ours, float32 in and out, stays within 1e-4 of its float64 result."""
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        p = torch.randn(100, 8, generator=g, dtype=torch.float64)
+        q = torch.randn(100, 8, generator=g, dtype=torch.float64) * 0.7 + 0.5
+        _, ours32 = kl_and_grad(p.float(), q.float())
+        _, ours64 = kl_and_grad(p.float().double(), q.float().double())
+        assert rel_err(ours32, ours64) < 1e-4, seed
 
 
 def test_float32_system_that_float32_cholesky_cannot_factor(impl):
@@ -71,7 +64,7 @@ def test_float32_system_that_float32_cholesky_cannot_factor(impl):
     v32, g32 = kl_and_grad(p.float(), q.float(), lam=lam)
     v64, g64 = kl_and_grad(p.float().double(), q.float().double(), lam=lam)
     assert torch.isfinite(v32) and torch.isfinite(g32).all()
-    assert rel_err(v32, v64) < 1e-3
+    assert rel_err(v32, v64) < 1e-3 and rel_err(g32, g64) < 1e-3
 
 
 def fixed_ratio_objective(p, q0, reverse):
@@ -427,9 +420,17 @@ def test_opcheck_of_the_backwards_ops_with_a_gradient_to_come(compiled):
                           test_utils=checks)
 
 
-@pytest.mark.parametrize("case", range(20))
+OP_CASES = ("sqdist", "rbf_gram", "median_bandwidth", "fit", "fit_sigma", "ratio", "ratio_weights", "ratio_no_state",
+            "kl", "kl_forward", "kl_no_state", "weighted_grad", "weighted_grad_weights", "kl_grad", "kl_grad_weights",
+            "kl_unbatched", "kl_grad_unbatched", "kl_unbatched_no_state", "kl_grad_unbatched_weights", "kl_kept_state",
+            "kl_grad_kept_buffer")
+
+
+@pytest.mark.parametrize("case", OP_CASES)
 def test_opcheck(compiled, case):
-    name, op, args = op_cases()[case]
+    cases = {name: (op, args) for name, op, args in op_cases()}
+    assert tuple(cases) == OP_CASES  # every case of op_cases() is checked, by its name
+    op, args = cases[case]
     torch.library.opcheck(op, args)
 
 

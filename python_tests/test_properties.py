@@ -79,8 +79,9 @@ def test_q_equal_p_shrinks_toward_zero_as_n_grows(impl):
 
 
 def test_estimate_grows_with_the_true_kl(impl):
-    """q = N(mu 1, I) against p = N(0, I) in d = 2: KL = mu^2 (d / 2); the estimate must follow."""
-    shifts = [0.0, 0.5, 1.0, 1.5, 2.5]
+    """q = N(mu 1, I) against p = N(0, I) in d = 2: KL = mu^2 (d / 2); the estimate must follow, within
+    the paper's estimator's known upward bias and no further."""
+    shifts = [0.0, 0.5, 1.0, 1.5]
     estimates = []
     for mu in shifts:
         vals = [kivi_fast.kernel_kl(*samples(seed, 200, 200, 2, shift=mu)).item() for seed in range(4)]
@@ -88,8 +89,10 @@ def test_estimate_grows_with_the_true_kl(impl):
     assert all(a < b for a, b in zip(estimates, estimates[1:])), estimates
     # Not close to the true KL (mu^2) once q and p separate: the fitted p/q goes negative at q samples
     # far from p and is clipped, which inflates the estimate (see the kl-accuracy study). It is an
-    # upper-side bias, never below the truth here.
+    # upper-side bias, never below the truth here, and bounded: measured 0.24, 1.03, 4.12 and 8.62 nats
+    # (at mu = 2.5 most ratios are clipped and the estimate measures the clip, so it is left out).
     assert all(est >= mu**2 - 0.1 for est, mu in zip(estimates, shifts)), estimates
+    assert all(est < bound for est, bound in zip(estimates, (0.5, 1.5, 5.5, 11.0))), estimates
 
 
 def test_adaptive_contrast_on_a_gaussian_matches_the_exact_kl(impl):

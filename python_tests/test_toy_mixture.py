@@ -48,8 +48,7 @@ def test_histogram_entropy_of_a_gaussian():
     assert abs(toy.histogram_entropy(z, 0.02) - exact) < 0.01
 
 
-def test_quick_run_writes_the_documented_files(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("KIVI_FAST_BACKEND", "reference")
+def test_quick_run_writes_the_documented_files(tmp_path, capsys):
     run_dir = tmp_path / "toy"
     args = _args(["--quick", "--no-progress", "--out", str(tmp_path), "--run-dir", str(run_dir), "--seed", "3"])
     threads = torch.get_num_threads()

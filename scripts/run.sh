@@ -17,7 +17,7 @@ if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
 stamp="$VENV/.kivi_fast_deps"
-deps="torch==2.13.0 scikit-build-core>=0.10 ninja numpy scipy tqdm matplotlib pytest pytest-xdist hypothesis pyro-ppl==1.9.2"
+deps="torch==2.13.0 scikit-build-core>=0.10 cmake>=3.18 ninja numpy scipy tqdm matplotlib pytest pytest-xdist hypothesis pyro-ppl==1.9.2"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
   # torch is pinned exactly: an unpinned one would resolve the newest release (on this project's
   # machines a CUDA build of several GB). Where the index serves 2.13.0 itself as a CUDA build,
