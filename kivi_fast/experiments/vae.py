@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-q", type=int_at_least(2), default=100, help="encoder samples per data point for the KL")
     p.add_argument("--n-p", type=int_at_least(2), default=100, help="N(0, I) samples per data point for the KL")
     p.add_argument("--contrast", choices=("diagonal", "full", "auto"), default="diagonal",
-                   help="kivi-ac's Gaussian contrast: diagonal is the paper's; full/auto the library's default")
+                   help="kivi-ac's Gaussian contrast: diagonal is the paper's; auto is what the library's "
+                        "adaptive_contrast_kl takes unless told")
     p.add_argument("--eval-every", type=positive_int, default=1, help="ELBO curves every N epochs")
     p.add_argument("--eval-images", type=positive_int, default=1000,
                    help="training and test images in each ELBO evaluation (fixed, seeded subsets)")
