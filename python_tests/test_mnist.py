@@ -220,6 +220,9 @@ def test_the_report_collects_runs_beside_the_paper_and_compares_with_bbb_at_equa
     for name in ("curves.png", "kivi-50_N40/history.json", "bbb-50/results.json"):
         assert (out / name).exists(), name
     assert not (out / "kivi-50_N40" / "checkpoint.pt").exists()
+    # rerun over its own copies (as one adds runs to a committed report): the same summary
+    assert cli.main(["mnist-report", *(str(out / label) for label in summary["runs"]), "--results", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text()) == summary
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:  # one run per label
         cli.main(["mnist-report", str(tmp_path / "bbb"), str(tmp_path / "bbb"), "--results", str(out)])

@@ -127,8 +127,10 @@ def copy_run_files(folder: Path, dest: Path, names) -> None:
     its checkpoint)."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in names:
-        if (folder / name).exists():
-            shutil.copyfile(folder / name, dest / name)
+        source, target = folder / name, dest / name
+        # (a report rerun over its own copies, e.g. to add runs to it, finds them in place)
+        if source.exists() and not (target.exists() and os.path.samefile(source, target)):
+            shutil.copyfile(source, target)
 
 
 def write_report(out: Path, summary: dict, table: str) -> None:
