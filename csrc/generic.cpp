@@ -49,13 +49,17 @@ bool reads_back(const Tensor& t) { return t.is_cpu(); }
 [[maybe_unused]] bool on_cuda(const Tensor& t) { return t.is_cuda(); }
 #endif
 
+// Per squared norm, whether its point can enter the distances (kivi.h's squarable: finite and at most
+// a quarter of float64's range, so that no distance overflows), as the CPU kernels judge it.
+Tensor squarable_rows(const Tensor& sq_norms) { return sq_norms.le(kMaxSquaredNorm); }
+
 // sq_norms: [B, N] of the stacked points [denom; numer]
 void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
   // A NaN/Inf coordinate makes the squared norm of its row NaN/Inf, so the norms (computed anyway
   // for the distances) tell which input is bad without another pass over the samples. Off the CPU
   // the NaN/Inf flows on instead (fit() turns the whole element's coefficients to NaN).
   if (!reads_back(sq_norms)) return;
-  auto ok = at::isfinite(sq_norms);
+  auto ok = squarable_rows(sq_norms);
   TORCH_CHECK_VALUE(ok.narrow(1, 0, n_den).all().item<bool>(), names.denom, kNotFiniteMessage);
   TORCH_CHECK_VALUE(ok.narrow(1, n_den, sq_norms.size(1) - n_den).all().item<bool>(), names.numer,
                     kNotFiniteMessage);
@@ -322,7 +326,7 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
   // median marks non-finite distances, as kl.cu). A median below the floor: refused, or NaN.
   if (!reads_back(s)) {
     auto ok = s.ge(kMinBandwidth);
-    if (sigma.has_value()) ok.logical_and_(s.isfinite()).logical_and_(at::isfinite(dist.norms()).all(1));
+    if (sigma.has_value()) ok.logical_and_(s.isfinite()).logical_and_(squarable_rows(dist.norms()).all(1));
     s = at::where(ok, s, NAN);
   } else if (!sigma.has_value()) {  // (a given one: checked by the op)
     TORCH_CHECK_VALUE((s >= kMinBandwidth).all().item<bool>(), kSmallMedianMessage);
@@ -339,7 +343,7 @@ FitResult fit_stacked(const StackedDistances& dist, int64_t n_den, double lam, c
   // off the CPU: NaN for an element whose system failed or whose samples are not finite (check_finite_rows)
   auto alpha = -x.squeeze(-1);
   if (!reads_back(alpha)) {
-    alpha = at::where((info == 0).unsqueeze(-1).logical_and(at::isfinite(dist.norms()).all(1, true)), alpha, NAN);
+    alpha = at::where((info == 0).unsqueeze(-1).logical_and(squarable_rows(dist.norms()).all(1, true)), alpha, NAN);
   }
   auto betas = at::full({alpha.size(0), dist.N - n_den}, beta, alpha.options());
   return {{at::cat({alpha, betas}, 1), s}, scale, budget};

@@ -22,6 +22,7 @@
 
 #include <optional>
 #include <utility>
+#include <limits>
 #include <vector>
 
 namespace kivi_fast {
@@ -44,6 +45,13 @@ inline constexpr char kNotPositiveDefiniteMessage[] =
 // 1e-154 it underflows, and exp(-d^2 / (2 sigma^2)) turns to NaN at d = 0). kivi_fast/_validate.py's
 // MIN_BANDWIDTH is the same; kSmallMedianMessage names it. (median_bandwidth, a statistic, refuses 0 only.)
 inline constexpr double kMinBandwidth = 1e-150;
+
+// The largest squared norm of a sample the CPU kernels take: with |x|^2, |y|^2 <= max / 4 the Gram's
+// |x|^2 + |y|^2 - 2 x.y and the differences' |x - y|^2 stay finite (one squared norm below max is
+// not enough: 2e153 and 1.9e153 in 33 dimensions gave an infinite distance and a zero kernel value).
+// NaN fails the test too.
+inline constexpr double kMaxSquaredNorm = std::numeric_limits<double>::max() / 4;
+inline bool squarable(double squared_norm) { return squared_norm <= kMaxSquaredNorm; }
 
 // Which argument names to use in error messages for the two sample sets of a fit.
 struct Names {

@@ -76,6 +76,8 @@ void check_samples(const char* op, const char* name, const Tensor& x, int64_t mi
                     "kivi_fast::", op, ": ", name, " must be a float32 or float64 ",
                     unbatched_ok ? "[n, d] or [B, n, d]" : "[B, n, d]", " tensor, got ", x.scalar_type(),
                     " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.layout() == at::kStrided, "kivi_fast::", op, ": ", name, " must be a dense tensor, got ",
+                    x.layout());
   TORCH_CHECK_VALUE(x.size(-2) >= min_rows && x.size(-1) >= 1, "kivi_fast::", op, ": ", name, " must hold at least ",
                     min_rows, " samples of at least one dimension, got shape ", x.sizes());
 }
@@ -93,6 +95,15 @@ void check_pair(const char* op, const char* name_a, const Tensor& a, const char*
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() && a.device() == b.device(), "kivi_fast::", op, ": ", name_a,
                     " and ", name_b, " must have the same dtype and device, got ", a.scalar_type(), " on ",
                     a.device(), " and ", b.scalar_type(), " on ", b.device());
+}
+
+// A tensor argument beside the samples (alpha, row_scale, grad_kl): dense, floating-point, on the
+// samples' device (a kernel reads it there). Its shape is the op's to check.
+void check_alongside(const char* op, const char* name, const Tensor& t, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided && at::isFloatingType(t.scalar_type()), "kivi_fast::", op, ": ",
+                    name, " must be a dense floating-point tensor, got ", t.scalar_type(), " ", t.layout());
+  TORCH_CHECK_VALUE(t.device() == device, "kivi_fast::", op, ": ", name, " must be on the samples' device ", device,
+                    ", got ", t.device());
 }
 
 // A given bandwidth: one value per batch element (the kernels read sigma[b]; `or_one`: or one for all),
@@ -121,10 +132,13 @@ void check_sigma(const char* op, const std::optional<Tensor>& sigma, int64_t bat
   if (sigma.has_value()) check_sigma(op, *sigma, batch, device);
 }
 
-// The fit's ridge coefficient, as the kernels need it (kivi_fast/_validate.py holds the public API's
-// stricter lam floor, which is about accuracy, not validity).
+// The fit's ridge coefficient, as the kernels need it: a normal float64 (from a subnormal lam the fit's
+// 1 / (lam n_p n_q) is infinite and the estimate NaN). kivi_fast/_validate.py holds the public API's
+// stricter lam floor, 1e-10, which is about accuracy (bench/lam_floor.py calls below it), not validity.
 void check_lam(const char* op, double lam) {
-  TORCH_CHECK_VALUE(lam > 0.0 && std::isfinite(lam), "kivi_fast::", op, ": lam must be positive and finite, got ", lam);
+  TORCH_CHECK_VALUE(lam >= std::numeric_limits<double>::min() && std::isfinite(lam), "kivi_fast::", op,
+                    ": lam must be positive and finite, and a normal float64 (at least ",
+                    std::numeric_limits<double>::min(), "), got ", lam);
 }
 
 template <bool kCpu>
@@ -198,6 +212,8 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
   TORCH_CHECK_VALUE(alpha.dim() == 2 && alpha.size(0) == batch && alpha.size(1) == denom.size(1),
                     "kivi_fast::ratio: alpha must have shape [B, n_denom] = [", batch, ", ", denom.size(1),
                     "], got ", alpha.sizes());
+  check_alongside("ratio", "alpha", alpha, z.device());
+  TORCH_CHECK_VALUE(std::isfinite(beta), "kivi_fast::ratio: beta must be finite, got ", beta);
   check_sigma("ratio", sigma, batch, z.device(), /*or_one=*/true);
   auto s = sigma.to(at::kDouble).reshape({-1}).expand({batch}).contiguous();
   auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta,
@@ -256,6 +272,8 @@ Tensor weighted_grad_op(const Tensor& row_scale, const Tensor& state, const Tens
                     "] (the ratio op's grad state), got ", state.scalar_type(), " ", state.sizes());
   TORCH_CHECK_VALUE(row_scale.dim() == 2 && row_scale.size(0) == B && row_scale.size(1) == m,
                     "kivi_fast::weighted_grad: row_scale must have shape [", B, ", ", m, "], got ", row_scale.sizes());
+  check_alongside("weighted_grad", "row_scale", row_scale, z.device());
+  check_alongside("weighted_grad", "state", state, z.device());
   return use_cpu<kCpu>() ? cpu::weighted_grad(row_scale, state.contiguous(), z, numer, denom)
                          : generic::weighted_grad(row_scale, state, z, numer, denom);
 }
@@ -269,16 +287,16 @@ Tensor kl_grad_op(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q
   const int64_t width = grad_state_width(prior_z.size(1) + q_z.size(1), q_z.size(2));
   const auto expected = single ? std::vector<int64_t>{q_z.size(1), width}
                                : std::vector<int64_t>{q_z.size(0), q_z.size(1), width};
-  TORCH_CHECK(state_in.sizes() == at::IntArrayRef(expected) && state_in.scalar_type() == at::kDouble,
-              "kivi_fast::kl_grad: state must be the float64 ", at::IntArrayRef(expected),
-              " grad state of kl (called with grad_state=True), got ", state_in.scalar_type(), " ", state_in.sizes());
+  TORCH_CHECK_VALUE(state_in.sizes() == at::IntArrayRef(expected) && state_in.scalar_type() == at::kDouble,
+                    "kivi_fast::kl_grad: state must be the float64 ", at::IntArrayRef(expected),
+                    " grad state of kl (called with grad_state=True), got ", state_in.scalar_type(), " ",
+                    state_in.sizes());
   const Tensor state = batched(state_in, single);
   TORCH_CHECK_VALUE(grad_kl.numel() == q_z.size(0) && at::isFloatingType(grad_kl.scalar_type()),
                     "kivi_fast::kl_grad: grad_kl must be a floating-point tensor of ", q_z.size(0),
                     " elements, got ", grad_kl.scalar_type(), " ", grad_kl.sizes());
-  TORCH_CHECK(state.device() == q_z.device() && grad_kl.device() == q_z.device(),
-              "kivi_fast::kl_grad: state and grad_kl must be on q_z's device ", q_z.device(), ", got ",
-              state.device(), " and ", grad_kl.device());
+  check_alongside("kl_grad", "grad_kl", grad_kl, q_z.device());
+  check_alongside("kl_grad", "state", state, q_z.device());
   const Backend backend = resolve(kB, [&] {
     return cuda::handles_kl_grad(prior_z.size(1) + q_z.size(1), q_z.size(1), q_z.size(2), q_z.size(0));
   });

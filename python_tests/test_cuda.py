@@ -428,8 +428,10 @@ def test_direct_op_calls_with_arguments_on_another_device_raise():
     with pytest.raises(ValueError, match="sigma must be on the samples' device"):
         torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, torch.ones(2, dtype=torch.float64), True, True)
     state = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, True)[1]
-    with pytest.raises(RuntimeError, match="must be on q_z's device"):
+    with pytest.raises(ValueError, match="kl_grad: grad_kl must be on the samples' device"):
         torch.ops.kivi_fast.kl_grad(torch.ones(2), state, q, p, True)
+    with pytest.raises(ValueError, match="kl_grad: state must be on the samples' device"):
+        torch.ops.kivi_fast.kl_grad(torch.ones(2, device=CUDA), state.cpu(), q, p, True)
 
 
 @pytest.mark.parametrize("b,n,d", [(4, 100, 8), (2, 10, 30000), (2, 100, 700), (2, 300, 8), (2, 300, 700)],

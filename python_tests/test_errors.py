@@ -9,6 +9,8 @@ import torch
 import kivi_fast
 from kivi_fast import reference
 
+from conftest import implementation
+
 P = torch.randn(10, 3, dtype=torch.float64)
 Q = torch.randn(8, 3, dtype=torch.float64)
 
@@ -357,3 +359,50 @@ def test_ops_called_directly_check_their_other_arguments():
     with pytest.raises(ValueError, match="kl_grad: grad_kl must be a floating-point tensor of 2 elements"):
         ops.kl_grad(torch.tensor([1, 2]), state, q, p, True)
     torch.testing.assert_close(ops.rbf_gram(p, q, one), ops.rbf_gram(p, q, one[:1]))  # one for all
+
+
+def test_ops_called_directly_refuse_what_they_cannot_compute():
+    """Inputs the kernels would turn into NaN, Inf or a misnamed error, from a review of the ops: a
+    subnormal lam (the fit's 1 / (lam n_p n_q) overflows), points whose squared norms each fit a float64
+    but whose Gram distances overflow, too many points for the median's selection (refused before the
+    N x N distances are allocated), bad alpha, beta or row_scale, sparse samples; and the ratio op's
+    value check on its Gram path names the argument (sqdist's own check calls them x and y)."""
+    kivi_fast.backend()
+    ops = torch.ops.kivi_fast
+    f64 = dict(dtype=torch.float64)
+    p, q = torch.randn(2, 10, 3, **f64), torch.randn(2, 12, 3, **f64)
+    for lam in (1e-310, 5e-324):
+        with pytest.raises(ValueError, match="kl: lam must be positive and finite, and a normal float64"):
+            ops.kl(p, q, lam, 1e-8, None, True)
+    ops.kl(p, q, 1e-300, 1e-8, None, True)  # normal: taken (the public API's floor, 1e-10, is about accuracy)
+    huge_x, huge_y = torch.full((1, 1, 33), 2e153, **f64), torch.full((1, 1, 33), 1.9e153, **f64)
+    for path in ("cpu", "generic"):  # (the generic path as CPU tensors take it: where values are read)
+        with implementation(path):
+            with pytest.raises(ValueError, match="contains NaN or Inf \\(or values too large to square\\)"):
+                ops.sqdist(huge_x, huge_y)
+            with pytest.raises(ValueError, match="contains NaN or Inf \\(or values too large to square\\)"):
+                ops.kl(huge_x.expand(1, 2, 33).contiguous(), huge_y.expand(1, 2, 33).contiguous(), 1e-3, 1e-8,
+                       torch.ones(1, **f64), True)
+    with pytest.raises(ValueError, match="the median bandwidth takes at most 65536 points"):
+        ops.median_bandwidth(torch.randn(1, 65537, 1, **f64))
+    alpha = torch.zeros(2, 12, **f64)
+    for bad in (alpha.long(), alpha.to(torch.complex128)):
+        with pytest.raises(ValueError, match="ratio: alpha must be a dense floating-point tensor"):
+            ops.ratio(q, p, q, bad, 1.0, torch.ones(2, **f64))
+    for beta in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ratio: beta must be finite"):
+            ops.ratio(q, p, q, alpha, beta, torch.ones(2, **f64))
+    _, state = ops.ratio(q, p, q, alpha, 1.0, torch.ones(2, **f64))
+    with pytest.raises(ValueError, match="weighted_grad: row_scale must be a dense floating-point tensor"):
+        ops.weighted_grad(torch.ones(2, 12, dtype=torch.bool), state, q, p, q)
+    with pytest.raises(ValueError, match="kl: q_z must be a dense tensor"):
+        ops.kl(p, q.to_sparse(), 1e-3, 1e-8, None, True)
+    # the ratio op on its Gram path ((N + 1) d float64 above 8 MB): each argument named
+    g = torch.Generator().manual_seed(0)
+    z, numer, denom = (torch.randn(1, 10, 60000, generator=g) for _ in range(3))
+    fit = kivi_fast.DensityRatio(lam=1e-3).fit(numer, denom)
+    for name in ("z", "numer", "denom"):
+        args = {"z": z.clone(), "numer": numer.clone(), "denom": denom.clone()}
+        args[name][0, 3, 7] = float("nan")
+        with pytest.raises(ValueError, match=f"^{name} contains NaN or Inf"):
+            ops.ratio(args["z"], args["numer"], args["denom"], fit.alpha, fit.beta, fit.sigma.reshape(-1))

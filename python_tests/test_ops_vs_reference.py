@@ -555,7 +555,7 @@ def test_kl_clipped_fraction_with_and_without_a_gradient(compiled, reverse):
 def test_kl_grad_rejects_a_state_of_the_wrong_shape(compiled):
     p, q = torch.randn(1, 10, 3, dtype=torch.float64), torch.randn(1, 10, 3, dtype=torch.float64)
     _, state, _, _ = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, True, False)  # no state: width 0
-    with pytest.raises(RuntimeError, match=r"state must be the float64 \[1, 10, 4\] grad state"):
+    with pytest.raises(ValueError, match=r"state must be the float64 \[1, 10, 4\] grad state"):
         torch.ops.kivi_fast.kl_grad(torch.ones(1, dtype=torch.float64), state, q, p, True)
 
 
@@ -751,13 +751,18 @@ def test_median_of_distances_at_the_ends_of_float64(impl):
     assert kivi_fast.median_bandwidth(tiny).item() == pytest.approx(np.median(pdist(tiny.numpy())), rel=1e-12)
 
 
-def test_median_of_overflowing_distances_is_inf():
-    """Squared distances that overflow (finite norms, differences of 2e154): the CPU kernel's bins
-    cannot span the range; it returns numpy's answer, inf (the reference's torch.quantile interpolates
-    between two infinities: NaN)."""
+def test_median_of_overflowing_distances_is_refused():
+    """Squared distances that overflow (finite squared norms of 1e308, differences of 2e154, whose
+    squares numpy's median takes as inf): the CPU kernels refuse points whose squared norm exceeds a
+    quarter of float64's largest, as values too large to square, rather than return inf (the
+    reference's torch.quantile interpolates between two infinities: NaN)."""
     huge = torch.tensor([1e154, -1e154] * 20, dtype=torch.float64).reshape(40, 1)
-    with implementation("cpu"):
-        assert kivi_fast.median_bandwidth(huge).item() == np.median(pdist(huge.numpy())) == float("inf")
+    assert np.median(pdist(huge.numpy())) == float("inf")
+    with implementation("cpu"), pytest.raises(ValueError, match="too large to square"):
+        kivi_fast.median_bandwidth(huge)
+    with implementation("cpu"):  # at a quarter of the range and below: finite
+        fine = huge / 2.5
+        assert kivi_fast.median_bandwidth(fine).item() == pytest.approx(np.median(pdist(fine.numpy())))
 
 
 def test_an_empty_batch_gives_empty_results(compiled):

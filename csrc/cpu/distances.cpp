@@ -128,7 +128,12 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
   const int64_t n = s.rows;
   const Stack::Blocks split = s.column_blocks(workers);  // not a structured binding: lambdas capture these
   const int64_t width = split.width, blocks = split.count;
-  const bool tiles = gram_tiles::enabled() && width <= gram_tiles::kMaxPackColumns;
+  // Several blocks over the threads sum into per-thread n x n partials, where those fit (loops.h);
+  // otherwise the blocks go one after another through BLAS's GEMMs, which use the threads (the
+  // register tiles would run on one).
+  const bool partials = parallel && blocks > 1 && buffer_per_thread_fits(n);
+  const bool tiles = gram_tiles::enabled() && width <= gram_tiles::kMaxPackColumns &&
+                     (!parallel || blocks == 1 || partials);
   const int64_t row_tiles = gram_tiles::row_tiles(n);
   if (tiles && parallel && blocks == 1) {
     double* buf = thread_work().block.get(gram_tiles::packed_size(n, width));
@@ -183,8 +188,8 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
       }
     }
   };
-  if (!parallel || blocks == 1) {
-    add_blocks(0, blocks, out, true);  // one thread, or one block of GEMMs (BLAS uses the threads)
+  if (!partials) {
+    add_blocks(0, blocks, out, true);  // one thread, or GEMMs one block at a time (BLAS uses the threads)
   } else {
     sum_of_thread_partials(n, blocks, 1, wrap(out, {n, n}), [&](int64_t k0, int64_t k1, Tensor part) {
       add_blocks(k0, k1, part.data_ptr<double>(), false);
@@ -215,7 +220,7 @@ void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool pa
 
 void check_finite(const double* norms, int64_t n_den, int64_t n, Names names) {
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(std::isfinite(norms[i]), i < n_den ? names.denom : names.numer, kNotFiniteMessage);
+    TORCH_CHECK_VALUE(squarable(norms[i]), i < n_den ? names.denom : names.numer, kNotFiniteMessage);
   }
 }
 

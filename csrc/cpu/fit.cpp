@@ -110,6 +110,7 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
 Tensor median_bandwidth(const Tensor& x) {
   Stack s({x});
   const int64_t n = s.rows;
+  check_median_points(n);
   auto sigma = at::empty({s.batch}, at::kDouble);
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
     double* sq = work.sq.get(n * n);
@@ -125,6 +126,7 @@ Tensor median_bandwidth(const Tensor& x) {
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names) {
   Stack s({denom, numer});
   const int64_t n = s.rows;
+  if (!sigma.has_value()) check_median_points(n);
   auto coef = at::empty({s.batch, n}, at::kDouble);
   auto used = at::empty({s.batch}, at::kDouble);
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {

@@ -21,6 +21,7 @@
 #include "cpu/gram_tiles.h"
 #include "cpu/kept_outputs.h"
 #include "cpu/loops.h"
+#include "cpu/median.h"
 #include "cpu/simd_rows.h"
 #include "kivi.h"
 
@@ -57,6 +58,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
   const KlRoles roles = kl_roles(prior_z, q_z, reverse);
   Stack s({roles.denom, roles.numer});
   const int64_t n = s.rows, n_den = roles.denom.size(1), m = q_z.size(1), d = s.d;
+  if (!sigma.has_value()) check_median_points(n);
   const bool projection = grad_state && grad_state_is_projection(n, d);
   const int64_t width = grad_state ? grad_state_width(n, d) : 0;
   auto kl_out = at::empty({s.batch}, at::kDouble);

@@ -108,12 +108,23 @@ inline bool parallel_over_batch(const Stack& s) {
 // (100, 51) 4% slower.
 constexpr int64_t kMinSplitWork = int64_t{1} << 21;
 
+// The most bytes that the threads' private n x n float64 buffers may take together: one a thread
+// when batch elements run in parallel (each its distances; the fit's system and smaller buffers come
+// on top), or when one element's Gram sums its column blocks in per-thread partials. Above it the
+// work runs one element, or one block, at a time with the threads inside: at N = 20,000 a buffer is
+// 3.2 GB, and one a thread would exhaust the memory, which ends the process (the pages are touched
+// after the allocation succeeded) rather than raise an error.
+constexpr int64_t kThreadBuffersBytes = int64_t{2} << 30;
+inline bool buffer_per_thread_fits(int64_t n) {
+  return at::get_num_threads() * n * n * static_cast<int64_t>(sizeof(double)) <= kThreadBuffersBytes;
+}
+
 // Runs fn(b, parallel, work) for every batch element: in parallel over the batch when it can
-// occupy the threads, otherwise one element after another, each using the threads inside when it is
-// large enough.
+// occupy the threads (and their buffers fit: above), otherwise one element after another, each using
+// the threads inside when it is large enough.
 template <class Fn>
 void for_each_element(const Stack& s, Fn fn) {
-  if (s.batch >= at::get_num_threads()) {
+  if (s.batch >= at::get_num_threads() && buffer_per_thread_fits(s.rows)) {
     at::parallel_for(0, s.batch, 1, [&](int64_t b0, int64_t b1) {
       Work& work = thread_work();
       for (int64_t b = b0; b < b1; ++b) fn(b, false, work);

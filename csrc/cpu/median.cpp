@@ -165,7 +165,7 @@ std::pair<double, double> select_two_of(const double* values, int64_t count, int
 // entries of sq (middle: what the distances' pass already found of them).
 std::pair<double, double> select_two(const double* sq, int64_t n, int64_t k, bool parallel, const Middle& middle) {
   const int64_t pairs = n * (n - 1) / 2;
-  TORCH_CHECK(pairs < (int64_t{1} << 31), "kivi_fast: the median takes at most 65536 points, got ", n);
+  check_median_points(n);  // (the callers checked before allocating; pairs < 2^31 follows)
   if (middle.values) return *middle.values;
   if (pairs >= kMinSampledPairs && !middle.counted) {
     if (auto found = select_two_sampled(sq, n, k, parallel)) return *found;

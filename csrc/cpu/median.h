@@ -26,6 +26,8 @@
 // The passes over the pairs are row kernels compiled once per ISA level (rows:: below; isa.h).
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -67,6 +69,14 @@ namespace cpu {
 constexpr int64_t kPackedPairs = int64_t{1} << 20;
 // From this many pairs a sample brackets the middle ranks (above).
 constexpr int64_t kMinSampledPairs = 4096;
+
+// The most points whose median distance the selection takes (its 32-bit counts; N^2 float64 is 34 GB
+// there). Checked before the N x N distances are allocated: by the median's callers, where none is given.
+constexpr int64_t kMaxMedianPoints = 65536;
+inline void check_median_points(int64_t n) {
+  TORCH_CHECK_VALUE(n <= kMaxMedianPoints, "kivi_fast: the median bandwidth takes at most ", kMaxMedianPoints,
+                    " points (n_p + n_q, or x's rows), got ", n, "; pass a bandwidth");
+}
 
 // What a pass that computed the distances may leave for the median: whether it already counted the
 // pairs against the sampled bracket (select_two_sampled's work), and the two middle values if that held.

@@ -41,7 +41,7 @@ void check_finite_rows(const T* x, int64_t rows, int64_t d, const char* name) {
   for (int64_t i = 0; i < rows; ++i) {
     double s = 0.0;
     for (int64_t k = 0; k < d; ++k) s += static_cast<double>(x[i * d + k]) * static_cast<double>(x[i * d + k]);
-    TORCH_CHECK_VALUE(std::isfinite(s), name, kNotFiniteMessage);
+    TORCH_CHECK_VALUE(squarable(s), name, kNotFiniteMessage);
   }
 }
 
@@ -59,17 +59,25 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
   // The kernel values k(c, z_j) [B, m, N], where they are kept: in the state (as the weights, in
   // place), or for the projection's GEMM; elsewhere each row in a per-thread buffer (or the Gram's row).
   Tensor state, kernel;
-  if (direct) {
+  auto check_values = [&] {
     AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio_check", [&] {
       check_finite_rows(z.data_ptr<scalar_t>(), B * m, d, "z");
       check_finite_rows(denom.data_ptr<scalar_t>(), B * n_den, d, "denom");
       check_finite_rows(numer.data_ptr<scalar_t>(), B * (N - n_den), d, "numer");
     });
+  };
+  if (direct) {
+    check_values();
     state = at::empty({B, m, width}, at::kDouble);
     if (weights) kernel = state;
     if (projection && !row_dots) kernel = at::empty({B, m, N}, at::kDouble);
   } else {
-    kernel = sqdist(z, stack_points(denom, numer));  // (its own check of the samples' values)
+    try {
+      kernel = sqdist(z, stack_points(denom, numer));  // (its own check of the samples' values)
+    } catch (const c10::ValueError&) {
+      check_values();  // (on the error path only: names the argument, which sqdist calls x or y)
+      throw;
+    }
     state = weights ? kernel : at::empty({B, m, width}, at::kDouble);
   }
   auto r = at::empty({B, m}, at::kDouble);
