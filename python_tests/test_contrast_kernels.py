@@ -108,7 +108,7 @@ class CountedKernels:
 def test_kivi_ac_through_the_kernels_equals_kivi_ac_through_the_composition(shape, dtype, monkeypatch):
     """adaptive_contrast_kl with the diagonal contrast (the VAE's), forward and backward: values and
     gradients through the emulated kernels equal those through the composition, and the kernels take
-    the device ops to at most half (from 40 to 12 in float32, 32 to 10 in float64, with torch 2.13):
+    the device ops to at most half (from 38 to 12 in float32, 32 to 10 in float64, with torch 2.13):
     three launches of the contrast's kernels (the samples', the reference draws', the backward) in
     place of ~30 small ops."""
     q = samples(shape, dtype, 11).requires_grad_()
@@ -119,6 +119,7 @@ def test_kivi_ac_through_the_kernels_equals_kivi_ac_through_the_composition(shap
         kl = kivi_fast.adaptive_contrast_kl(q, None, 1e-3, contrast="diagonal", reference_z=ref_z)
         return kl, torch.autograd.grad((kl * w).sum(), q)[0]
 
+    run()  # (a first call also fills a cache of the contrast's constants: one-time ops, not counted)
     with DeviceOps() as composition:
         want = run()
     kernels = CountedKernels()
@@ -130,7 +131,7 @@ def test_kivi_ac_through_the_kernels_equals_kivi_ac_through_the_composition(shap
         assert g.dtype == dtype
         torch.testing.assert_close(g, wv, **tol)
     assert kernels.calls == 3
-    # torch 2.13: 12 of 40 (float32), 10 of 32 (float64); the bounds leave torch's own ops some room
+    # torch 2.13: 12 of 38 (float32), 10 of 32 (float64); the bounds leave torch's own ops some room
     with_kernels = len(rest.names) + kernels.calls
     assert with_kernels <= 14 and 2 * with_kernels <= len(composition.names), (rest.names, composition.names)
 

@@ -43,8 +43,9 @@ from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, positive_int
 from .graphs import trainer_adam, trainer_step
 from .training import (Checkpoints, Distributed, Position, add_device_options, add_gpu_options, add_training_options,
-                       check_finite_parameters, check_gpu_options, config_of, device_of, finished_run, halved_lr,
-                       kl_share, restore, save_resumable, start, stopped_message, timed, train_epochs)
+                       check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
+                       finished_run, halved_lr, kl_share, restore, save_resumable, start, stopped_message, timed,
+                       train_epochs)
 
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
@@ -172,7 +173,8 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
                            peak_memory_gib=max(earlier_peak, peak_memory_gib(device)))
 
     def step(idx):
-        out = run_step({"x": x_train[idx], "y": y_train[idx]})
+        with diverged_as_run_error(at.epoch, at.step, run_dir):
+            out = run_step({"x": x_train[idx], "y": y_train[idx]})
         # the global batch's estimate (each rank's mean over its shard and its own samples, averaged)
         values = [v / args.train_images for v in comm.mean([out[k] for k in STEP_OUTPUTS])]
         for k, v in zip(STEP_OUTPUTS, values):

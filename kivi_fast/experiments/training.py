@@ -251,8 +251,8 @@ def train_epochs(at: Position, args, *, steps_per_epoch: int, optimizer, data_rn
     save to write): each epoch draws its data order from ``data_rng`` and sets the paper's halved
     learning rate (``args``: epochs, train_images, batch, lr, lr_halve_every); each step calls
     ``step(take(indices))``, ``take`` giving this process's rows of the global batch's indices, and
-    gets the step's loss value (a number, checked to be finite; a ValueError from the KL estimator ends
-    the run with one line) and the progress bar's postfix; each finished epoch calls
+    gets the step's loss value (a number, checked to be finite: the step wraps its training step in
+    :func:`diverged_as_run_error`) and the progress bar's postfix; each finished epoch calls
     ``end_epoch(say)``, ``say`` printing above the bar, before the epoch's checkpoint tick.
 
     Returns True when ``args.epochs`` are trained, False when this call stopped early, saved: by
@@ -273,8 +273,7 @@ def train_epochs(at: Position, args, *, steps_per_epoch: int, optimizer, data_rn
                     checkpoints.save()
                     return False
                 t0 = time.perf_counter()
-                with diverged_as_run_error(at.epoch, at.step, run_dir):
-                    value, postfix = step(take(at.perm[at.step * args.batch:(at.step + 1) * args.batch]))
+                value, postfix = step(take(at.perm[at.step * args.batch:(at.step + 1) * args.batch]))
                 check_finite_loss(loss_name, value, at.epoch, at.step, run_dir)
                 at.train_seconds += time.perf_counter() - t0
                 at.step += 1

@@ -48,8 +48,9 @@ from . import runs
 from .mnist_data import load_binarized_mnist
 from .graphs import trainer_adam, trainer_step
 from .training import (Checkpoints, Distributed, Position, add_device_options, add_gpu_options, add_training_options,
-                       check_finite_parameters, check_gpu_options, config_of, device_of, finished_run, halved_lr,
-                       kl_share, restore, save_resumable, start, stopped_message, timed, train_epochs)
+                       check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
+                       finished_run, halved_lr, kl_share, restore, save_resumable, start, stopped_message, timed,
+                       train_epochs)
 from .options import UsageError, add_common, apply_quick, int_at_least, positive_int
 
 NAME = "vae"
@@ -174,7 +175,9 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
     def step(idx):
         nonlocal running
         draws = slice_draws(model.draws(args.batch, draw_rng, device), lo, hi)
-        value, = comm.mean([-run_step({"x": x_train[idx], **draws})])  # also waits for the device
+        with diverged_as_run_error(at.epoch, at.step, run_dir):
+            loss = run_step({"x": x_train[idx], **draws})
+        value, = comm.mean([-loss])  # also waits for the device
         running = value if running is None else 0.98 * running + 0.02 * value
         return value, {"elbo": f"{running:.1f}"}
 
