@@ -20,9 +20,9 @@
 // Tensor only: the .cu files include this, and ATen.h (every op) costs nvcc ~14 s a file.
 #include <ATen/core/Tensor.h>
 
+#include <limits>
 #include <optional>
 #include <utility>
-#include <limits>
 #include <vector>
 
 namespace kivi_fast {

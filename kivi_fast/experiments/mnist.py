@@ -203,7 +203,7 @@ def train(args, run_dir, comm: Distributed | None = None, max_steps: int | None 
 
     finished = train_epochs(at, args, steps_per_epoch=steps_per_epoch, optimizer=optimizer, data_rng=data_rng,
                             checkpoints=Checkpoints(save, args.checkpoint_every, comm, args.minutes, run_dir),
-                            take=lambda idx: idx[lo:hi].to(device), step=step, end_epoch=end_epoch,
+                            shard=(lo, hi), device=device, step=step, end_epoch=end_epoch,
                             loss_name="lower bound", desc=f"mnist L={args.hidden} {args.method}",
                             show=comm.main and not args.no_progress, run_dir=run_dir, max_steps=max_steps)
     if not finished:

@@ -191,7 +191,8 @@ class Position:
         return cls() if state is None else cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
 
     def saved(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a checkpoint's entries (not copied: the checkpoint is written at once)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 # what every trainer's checkpoint holds; a trainer adds its own random generators' states
@@ -245,23 +246,24 @@ def save_resumable(path, history_path, position: Position, *, config: dict, mode
 
 
 def train_epochs(at: Position, args, *, steps_per_epoch: int, optimizer, data_rng: torch.Generator,
-                 checkpoints: Checkpoints, take, step, end_epoch, loss_name: str, desc: str, show: bool,
-                 run_dir, max_steps: int | None = None) -> bool:
+                 checkpoints: Checkpoints, shard: tuple[int, int], device: torch.device, step, end_epoch,
+                 loss_name: str, desc: str, show: bool, run_dir, max_steps: int | None = None) -> bool:
     """The trainers' loop over epochs and steps, from ``at`` (advanced in place, for ``checkpoints``'
     save to write): each epoch draws its data order from ``data_rng`` and sets the paper's halved
     learning rate (``args``: epochs, train_images, batch, lr, lr_halve_every); each step calls
-    ``step(take(indices))``, ``take`` giving this process's rows of the global batch's indices, and
-    gets the step's loss value (a number, checked to be finite: the step wraps its training step in
+    ``step(indices)`` with this process's rows (``shard``: Distributed.shard's) of the global batch's
+    indices, on ``device``, and gets the step's loss value (a number, checked to be finite: the step wraps its training step in
     :func:`diverged_as_run_error`) and the progress bar's postfix; each finished epoch calls
     ``end_epoch(say)``, ``say`` printing above the bar, before the epoch's checkpoint tick.
 
     Returns True when ``args.epochs`` are trained, False when this call stopped early, saved: by
     ``--minutes`` (``checkpoints.tick``) or after ``max_steps`` steps (a test's interruption).
-    ``step``'s time, the training seconds, includes ``take``."""
+    The training seconds count each step from the slicing of its indices."""
     total = args.epochs * steps_per_epoch
     bar = tqdm(total=total, initial=min(total, at.epoch * steps_per_epoch + at.step), unit="step", desc=desc,
                disable=not show)
     say = bar.write if show else (lambda text: None)
+    lo, hi = shard
     done_here = 0
     try:
         while at.epoch < args.epochs:
@@ -273,7 +275,7 @@ def train_epochs(at: Position, args, *, steps_per_epoch: int, optimizer, data_rn
                     checkpoints.save()
                     return False
                 t0 = time.perf_counter()
-                value, postfix = step(take(at.perm[at.step * args.batch:(at.step + 1) * args.batch]))
+                value, postfix = step(at.perm[at.step * args.batch:(at.step + 1) * args.batch][lo:hi].to(device))
                 check_finite_loss(loss_name, value, at.epoch, at.step, run_dir)
                 at.train_seconds += time.perf_counter() - t0
                 at.step += 1
