@@ -9,7 +9,9 @@ here the two builds are called alternately, A B then B A, on the same inputs, an
 median over the pairs of the ratio A time / B time (> 1: B is faster) with its interquartile range.
 The pass is the kl op's forward keeping the gradient state (fwd) or that plus torch.autograd.grad
 (fwd+bwd, the default), float32, 1 thread (--threads), the inputs of bench/run.py's shapes (n_p = n_q = n).
---op ratio: the ratio op instead (DensityRatio's evaluation, kivi_fast.kl's second kernel term), at q
+--switch NAME=0|1 sets a test switch (csrc/testing.cpp) of each build that has it, e.g. the few-points
+kernels' AVX-512 version (set_few_points_avx512=1; builds before it had set_few_points_avx2) or the
+Gram's GEMMs (set_gram_tiles=0). --op ratio: the ratio op instead (DensityRatio's evaluation, kivi_fast.kl's second kernel term), at q
 against the ratio fitted to p and q (2n points; coefficients and bandwidth made up: the op's time does
 not depend on them), forward without a gradient to come (grad_state=False where the build's op takes
 it) or forward + backward (its weighted_grad).
@@ -36,6 +38,8 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--op", choices=["kl", "ratio"], default="kl")
+    ap.add_argument("--switch", action="append", default=[], metavar="NAME=0|1",
+                    help="a test switch of both builds (their NS_testing.NAME), e.g. set_few_points_avx512=1")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = []
@@ -44,6 +48,13 @@ def main():
         names.append(os.path.basename(lib).split(".")[0])
     if names[0] == names[1]:
         raise SystemExit("the two builds need different namespaces (bench/build_renamed.sh's NS)")
+    for switch in args.switch:  # on each build that has it (a switch renamed between them: give both names)
+        name, _, flag = switch.partition("=")
+        found = [ns for ns in names if hasattr(getattr(torch.ops, ns + "_testing"), name)]
+        if not found:
+            raise SystemExit(f"neither build has the test switch {name}")
+        for ns in found:
+            getattr(getattr(torch.ops, ns + "_testing"), name)(flag == "1")
     b, n, d, _ = parse_shape(args.shape)
     # batched [B, n, d] samples (B = 1 for NxD) at the op: the C++ side only, no Python wrapper
     p, q = make_inputs(b, n, d, True, getattr(torch, args.dtype))

@@ -37,15 +37,24 @@ def switch(name):
 
 
 def settings():
-    """(generic, tiles, few_points_avx2): the device-generic kernels, and the CPU kernels with each setting
-    of the switches this CPU can run."""
+    """(generic, tiles, few_points_avx512): the device-generic kernels, and the CPU kernels with each
+    setting of the switches this CPU can run."""
     tiles = [False, True] if switch("gram_tiles_available")() else [False]
     return [(True, False, False)] + [(False, t, a) for t, a in itertools.product(tiles, [False, True])]
 
 
+def set_few_points_avx512(flag):
+    """The few-points kernels' AVX-512 (True) or AVX2 version; returns the old setting (older builds:
+    their switch forced AVX2)."""
+    try:
+        return switch("set_few_points_avx512")(flag)
+    except (AttributeError, RuntimeError):
+        return not switch("set_few_points_avx2")(not flag)
+
+
 def run_all():
     results = {}
-    for (batch, n, d), dtype, reverse, threads, (generic, tiles, avx2) in itertools.product(
+    for (batch, n, d), dtype, reverse, threads, (generic, tiles, avx512) in itertools.product(
             SHAPES, [torch.float32, torch.float64], [True, False], [1, 2], settings()):
         g = torch.Generator().manual_seed(1000 * n + d + (batch or 0))
         lead = () if batch is None else (batch,)
@@ -53,7 +62,7 @@ def run_all():
         q = (torch.randn(*lead, n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3).to(dtype).requires_grad_(True)
         old_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
-        old_tiles, old_avx2 = switch("set_gram_tiles")(tiles), switch("set_few_points_avx2")(avx2)
+        old_tiles, old_avx512 = switch("set_gram_tiles")(tiles), set_few_points_avx512(avx512)
         old_generic = switch("set_force_generic")(generic)
         try:
             out = torch.ops.kivi_fast.kl(p, q, 1e-3, 1e-8, None, reverse, True)
@@ -62,10 +71,10 @@ def run_all():
         finally:
             switch("set_force_generic")(old_generic)
             switch("set_gram_tiles")(old_tiles)
-            switch("set_few_points_avx2")(old_avx2)
+            set_few_points_avx512(old_avx512)
             torch.set_num_threads(old_threads)
         key = f"{batch}x({n}, {d}) {dtype} reverse={reverse} threads={threads} " + (
-            "generic" if generic else f"tiles={tiles} avx2={avx2}")
+            "generic" if generic else f"tiles={tiles} avx512={avx512}")
         results[key] = [t.detach().clone() for t in out[:3]] + [grad.clone()]
     # the other ops, on the CPU kernels with the default switches (the ratio's backward: weighted_grad)
     ops = torch.ops.kivi_fast

@@ -49,11 +49,26 @@ bool reads_back(const Tensor& t) { return t.is_cpu(); }
 [[maybe_unused]] bool on_cuda(const Tensor& t) { return t.is_cuda(); }
 #endif
 
-// Per squared norm, whether its point can enter the distances (kivi.h's squarable: finite and at most
-// a quarter of float64's range, so that no distance overflows), as the CPU kernels judge it.
+// Per squared norm of a point centred on the first (centred()), whether the point can enter the
+// distances (kivi.h's squarable: finite and at most a quarter of float64's range, so that no distance
+// overflows), as the CPU kernels judge it.
 Tensor squarable_rows(const Tensor& sq_norms) { return sq_norms.le(kMaxSquaredNorm); }
 
-// sq_norms: [B, N] of the stacked points [denom; numer]
+// [B, N, d] float64 points less the first of each batch element ([B, 1, d]; none: unchanged), in place.
+// Distances from a Gram, |x|^2 + |y|^2 - 2 x.y, keep only the norms' difference: far from the origin
+// the norms of uncentred points would cancel to the distances' rounding (at (100, 64), 1e6 standard
+// deviations out, 2e-2 of kernel_kl's value); centred, the norms stay near the distances.
+Tensor centred(Tensor points, const Tensor& first) {
+  return first.defined() ? points.sub_(first) : points;
+}
+
+// The first of the stacked points [a; b] ([B, 1, d], their dtype), or none where there are none.
+Tensor first_point(const Tensor& a, const Tensor& b) {
+  if (a.size(1) > 0) return a.narrow(1, 0, 1);
+  return b.size(1) > 0 ? b.narrow(1, 0, 1) : Tensor();
+}
+
+// sq_norms: [B, N] of the stacked points [denom; numer], centred
 void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
   // A NaN/Inf coordinate makes the squared norm of its row NaN/Inf, so the norms (computed anyway
   // for the distances) tell which input is bad without another pass over the samples. Off the CPU
@@ -143,11 +158,13 @@ int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
 // are (differences, cuda::kernel_block), and the norms, which then only mark non-finite rows, are
 // computed where asked for (a given bandwidth's check; the median's NaN marks non-finite distances).
 // Samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
-// the N x N Gram matrix (small beside the samples), and a block is read from it.
+// the N x N Gram matrix (small beside the samples), and a block is read from it. The Gram and the
+// norms are of the points centred on the first (centred()).
 class StackedDistances {
  public:
   StackedDistances(const Tensor& denom, const Tensor& numer)
-      : B(denom.size(0)), N(denom.size(1) + numer.size(1)), denom_(denom), numer_(numer) {
+      : B(denom.size(0)), N(denom.size(1) + numer.size(1)), denom_(denom), numer_(numer),
+        first_(first_point(denom, numer)) {
 #ifdef KIVI_FAST_WITH_CUDA
     // (read once: a switch flipped during the call would leave pairs() and the blocks without a source)
     kernels_ = on_cuda(denom) && cuda::use_generic_kernels();
@@ -167,13 +184,15 @@ class StackedDistances {
 #endif
         return;
       }
-      points_ = stack_points(denom, numer).to(at::kDouble);
+      points_ = centred(stack_points(denom, numer).to(at::kDouble), first_);
       norms_ = points_.square().sum(-1);
       return;
     }
     auto buf = at::empty({B, N, width}, denom.options().dtype(at::kDouble));
     for (int64_t s = 0; s < d; s += width) {
-      auto x = stacked_chunk(denom, numer, s, std::min(width, d - s), buf);
+      const int64_t c = std::min(width, d - s);
+      auto x = stacked_chunk(denom, numer, s, c, buf);
+      if (first_.defined()) x.sub_(first_.narrow(2, s, c));
       gram_ = s == 0 ? at::bmm(x, x.mT()) : gram_.baddbmm_(x, x.mT());
     }
     norms_ = gram_.diagonal(0, 1, 2).clone();
@@ -241,11 +260,11 @@ class StackedDistances {
     return out;
   }
 
-  // the stacked points in float64 ([B, N, d]): the copy kept, or a new one
-  Tensor points() const { return points_.defined() ? points_ : stack_points(denom_, numer_).to(at::kDouble); }
-  // [B, N]: NaN/Inf for a row with a NaN/Inf coordinate
+  // the stacked points in float64 ([B, N, d]), a new copy (the one kept is centred)
+  Tensor points() const { return stack_points(denom_, numer_).to(at::kDouble); }
+  // [B, N]: the squared norms of the centred points; NaN/Inf for a row with a NaN/Inf coordinate
   const Tensor& norms() const {
-    if (!norms_.defined()) norms_ = stack_points(denom_, numer_).to(at::kDouble).square().sum(-1);  // (fused)
+    if (!norms_.defined()) norms_ = centred(points(), first_).square().sum(-1);  // (fused)
     return norms_;
   }
   // whether the value checks read their results back to raise errors (the CPU), or give NaN
@@ -255,8 +274,9 @@ class StackedDistances {
 
  private:
   Tensor denom_, numer_;
+  Tensor first_;  // [B, 1, d]: the first point, which the Gram's points are centred on
   bool kernels_ = false;  // on CUDA with cuda::use_generic_kernels(): the pairs from the samples
-  Tensor points_;       // few dimensions, not fused: [B, N, d] float64
+  Tensor points_;       // few dimensions, not fused: [B, N, d] float64, centred
   Tensor gram_;         // many dimensions: [B, N, N]
   mutable Tensor norms_;  // (made on demand when fused)
 
@@ -387,8 +407,10 @@ Tensor weighted_points(const Tensor& w, const Tensor& zw, const Tensor& z, const
 }  // namespace
 
 Tensor sqdist(const Tensor& x, const Tensor& y) {
-  auto x64 = x.to(at::kDouble);
-  auto y64 = y.to(at::kDouble);
+  const auto first = first_point(x, y);
+  // (copies: the inputs, float64 already, must not be centred in place)
+  auto x64 = centred(x.to(at::kDouble, false, true), first);
+  auto y64 = centred(y.to(at::kDouble, false, true), first);
   auto xn = x64.pow(2).sum(-1);
   auto yn = y64.pow(2).sum(-1);
   check_finite_rows(at::cat({xn, yn}, 1), x.size(1), {"y", "x"});

@@ -30,7 +30,8 @@ namespace kivi_fast {
 using at::Tensor;
 
 // Error messages shared by both backends (and matched by the tests).
-inline constexpr char kNotFiniteMessage[] = " contains NaN or Inf (or values too large to square)";
+inline constexpr char kNotFiniteMessage[] =
+    " contains NaN or Inf (or points so far apart that their squared distances overflow float64)";
 inline constexpr char kZeroMedianMessage[] =
     "the median pairwise distance of the samples is 0 (at least half of the pairs coincide, or their "
     "squared distances underflow: rescale samples that small); pass an explicit bandwidth=...";
@@ -46,10 +47,10 @@ inline constexpr char kNotPositiveDefiniteMessage[] =
 // MIN_BANDWIDTH is the same; kSmallMedianMessage names it. (median_bandwidth, a statistic, refuses 0 only.)
 inline constexpr double kMinBandwidth = 1e-150;
 
-// The largest squared norm of a sample the CPU kernels take: with |x|^2, |y|^2 <= max / 4 the Gram's
-// |x|^2 + |y|^2 - 2 x.y and the differences' |x - y|^2 stay finite (one squared norm below max is
-// not enough: 2e153 and 1.9e153 in 33 dimensions gave an infinite distance and a zero kernel value).
-// NaN fails the test too.
+// The largest squared norm of a sample, centred on the first stacked point (x - x_0), that the CPU
+// kernels take: with |x|^2, |y|^2 <= max / 4 the Gram's |x|^2 + |y|^2 - 2 x.y and the differences'
+// |x - y|^2 stay finite (one squared norm below max is not enough: two points whose squared norms
+// are each 0.9 max can be 3.6 max apart). NaN fails the test too.
 inline constexpr double kMaxSquaredNorm = std::numeric_limits<double>::max() / 4;
 inline bool squarable(double squared_norm) { return squared_norm <= kMaxSquaredNorm; }
 

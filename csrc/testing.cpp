@@ -18,8 +18,8 @@ namespace kivi_fast {
 TORCH_LIBRARY(kivi_fast_testing, m) {
   // The device-generic kernels (the path CUDA tensors take) for CPU tensors too.
   m.def("set_force_generic(bool flag) -> bool", &set_force_generic);
-  // The few-points kernels' AVX2 version on an AVX-512 CPU.
-  m.def("set_few_points_avx2(bool flag) -> bool", &few_points::set_force_avx2);
+  // The few-points kernels' AVX-512 (true) or AVX2 (false) version, where the CPU has both.
+  m.def("set_few_points_avx512(bool flag) -> bool", &few_points::set_avx512);
   // The Gram's register tiles (true, where the CPU has AVX2 + FMA) or the split GEMMs (false); and
   // whether this CPU can run the tiles.
   m.def("set_gram_tiles(bool flag) -> bool", &gram_tiles::set_enabled);

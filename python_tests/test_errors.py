@@ -363,8 +363,9 @@ def test_ops_called_directly_check_their_other_arguments():
 
 def test_ops_called_directly_refuse_what_they_cannot_compute():
     """Inputs the kernels would turn into NaN, Inf or a misnamed error, from a review of the ops: a
-    subnormal lam (the fit's 1 / (lam n_p n_q) overflows), points whose squared norms each fit a float64
-    but whose Gram distances overflow, too many points for the median's selection (refused before the
+    subnormal lam (the fit's 1 / (lam n_p n_q) overflows), points so far apart that their squared
+    distances overflow (and points whose squared norms do not fit a float64 but whose distances do,
+    computed: the Gram's points are centred), too many points for the median's selection (refused before the
     N x N distances are allocated), bad alpha, beta or row_scale, sparse samples; and the ratio op's
     value check on its Gram path names the argument (sqdist's own check calls them x and y)."""
     kivi_fast.backend()
@@ -375,14 +376,17 @@ def test_ops_called_directly_refuse_what_they_cannot_compute():
         with pytest.raises(ValueError, match="kl: lam must be positive and finite, and a normal float64"):
             ops.kl(p, q, lam, 1e-8, None, True)
     ops.kl(p, q, 1e-300, 1e-8, None, True)  # normal: taken (the public API's floor, 1e-10, is about accuracy)
-    huge_x, huge_y = torch.full((1, 1, 33), 2e153, **f64), torch.full((1, 1, 33), 1.9e153, **f64)
+    far_apart = "contains NaN or Inf \\(or points so far apart that their squared distances overflow float64\\)"
+    huge_x, huge_y = torch.full((1, 1, 33), 1e154, **f64), torch.full((1, 1, 33), -1e154, **f64)
     for path in ("cpu", "generic"):  # (the generic path as CPU tensors take it: where values are read)
         with implementation(path):
-            with pytest.raises(ValueError, match="contains NaN or Inf \\(or values too large to square\\)"):
+            with pytest.raises(ValueError, match=far_apart):
                 ops.sqdist(huge_x, huge_y)
-            with pytest.raises(ValueError, match="contains NaN or Inf \\(or values too large to square\\)"):
+            with pytest.raises(ValueError, match=far_apart):
                 ops.kl(huge_x.expand(1, 2, 33).contiguous(), huge_y.expand(1, 2, 33).contiguous(), 1e-3, 1e-8,
                        torch.ones(1, **f64), True)
+            # squared norms of 1.3e308 each, 3.3e305 apart
+            assert ops.sqdist(huge_x / 5, huge_x * 0.19).item() == pytest.approx(33 * 1e152**2, rel=1e-12)
     with pytest.raises(ValueError, match="the median bandwidth takes at most 65536 points"):
         ops.median_bandwidth(torch.randn(1, 65537, 1, **f64))
     alpha = torch.zeros(2, 12, **f64)

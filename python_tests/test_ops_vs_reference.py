@@ -174,7 +174,7 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     assert kivi_fast.median_bandwidth(x).item() == pytest.approx(expected, rel=1e-12)
 
 
-# Few points in many dimensions (an MNIST layer) take register-tiled kernels on AVX-512 or AVX2 CPUs
+# Few points in many dimensions (an MNIST layer) take register-tiled kernels for AVX-512 or AVX2
 # (csrc/cpu/few_points.h): up to 32 stacked points, up to 16 evaluation points in the backward, columns
 # split over threads above 2 x 16384. The cases sit on both sides of each limit; hypothesis rarely
 # draws them.
@@ -195,11 +195,11 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
     (2, 3, 100, None, torch.float32, 1),      # 5 points (three padding rows in the last tile), one
                                               # block of the Gram (no next block to convert)
 ])
-@pytest.mark.parametrize("avx2", [False, True])  # True: the AVX2 kernels even on an AVX-512 CPU
-def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx2):
+@pytest.mark.parametrize("avx512", [False, True])  # each version where the CPU has AVX-512 (the default: isa.h)
+def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx512):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)
     p, q = make_samples(pr)
-    with switched({torch.ops.kivi_fast_testing.set_few_points_avx2: avx2}, threads):
+    with switched({torch.ops.kivi_fast_testing.set_few_points_avx512: avx512}, threads):
         assert_kl_equals_reference(p, q, 1e-5 if dtype == torch.float32 else 1e-8)
         z = (torch.cat([p, q], dim=-2)[..., 1::3, :] + 0.01).requires_grad_(True)  # points of neither set
         z_ref = z.detach().clone().requires_grad_(True)
@@ -250,7 +250,7 @@ def test_the_cpu_ratio_kernel_equals_the_generic_composition(threads, d, dtype, 
 def test_the_ratio_op_refuses_bad_arguments_and_values(d):
     """A direct call of the ratio op (DensityRatio's arguments are checked before): a bandwidth that is
     not positive or of the wrong size, coefficients of the wrong shape (an error, never a read past the
-    end of a buffer), and on the CPU samples with NaN, Inf or values too large to square, named."""
+    end of a buffer), and on the CPU samples with NaN, Inf or too far apart to square, named."""
     assert kivi_fast.backend() == "cpp"
     z = torch.randn(2, 5, d, dtype=torch.float64)
     alpha, sigma = torch.ones(2, 4, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
@@ -334,6 +334,60 @@ def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads
     with switched({torch.ops.kivi_fast_testing.set_gram_tiles: tiles}, threads):
         assert_kl_equals_reference(p, q, 1e-5 if dtype == torch.float32 else 1e-8)
         torch.testing.assert_close(kivi_fast.median_bandwidth(p), reference.median_bandwidth(p), rtol=1e-10, atol=0)
+
+
+# Each distance path, far from the origin: a Gram's g_ii + g_jj - 2 g_ij keeps only the difference of
+# the points' norms, which the kernels keep near the distances by centring the points on the first
+# (uncentred, at 1e6 standard deviations kernel_kl at (50, 64) moved by ~1e-2 of its value). The
+# reference sums coordinate differences. The gradient's projection, sum_c w_jc (c - z_j), still loses
+# digits in proportion to the offset (~6e-8 of its size at 1e6 standard deviations).
+FAR_PATHS = {  # path: (n_p = n_q, d, threads, test switches)
+    "tiles": (50, 64, 1, {"set_gram_tiles": True}),
+    "tiles, two blocks over two threads": (40, 1003, 2, {"set_gram_tiles": True}),
+    "split GEMMs": (50, 64, 1, {"set_gram_tiles": False}),
+    "few points, AVX2": (10, 300, 1, {"set_few_points_avx512": False}),
+    "few points, AVX-512": (10, 300, 1, {"set_few_points_avx512": True}),  # (AVX2 without it)
+    "few points over two threads": (10, 40000, 2, {}),
+    "differences": (50, 4, 1, {}),
+    "generic": (50, 64, 1, {}),
+    "generic, few points": (10, 300, 1, {}),
+}
+
+
+@pytest.mark.parametrize("path", FAR_PATHS)
+@pytest.mark.parametrize("dtype,offset", [(torch.float64, 1e6), (torch.float32, 1e3)])
+def test_samples_far_from_the_origin_equal_reference(path, dtype, offset):
+    n, d, threads, flags = FAR_PATHS[path]
+    kivi_fast.backend()  # (loads the ops and their test switches)
+    if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
+        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
+    g = torch.Generator().manual_seed(d)
+    shift = offset * (torch.rand(d, generator=g, dtype=torch.float64) - 0.5).sign()
+    p = (torch.randn(n, d, generator=g, dtype=torch.float64) + shift).to(dtype)
+    q = (torch.randn(n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3 + shift).to(dtype)
+    p64, q64 = p.double(), q.double()  # the same values: the reference's are exact differences
+    tol = 1e-9 if dtype == torch.float64 else 1e-6  # (float32 results: rounded once)
+    switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
+    with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
+        for reverse in (True, False):
+            value, grad = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+            ref_value, ref_grad = value_and_grad(reference.kernel_kl, p64, q64, reverse=reverse)
+            assert_close_rel(value.double(), ref_value, tol)
+            assert_close_rel(grad.double(), ref_grad, 1e-6 if dtype == torch.float64 else 1e-5)
+        assert_close_rel(kivi_fast.median_bandwidth(p).double(), reference.median_bandwidth(p64), tol)
+        ratio = kivi_fast.DensityRatio().fit(q, p).ratio(q[:9])
+        assert_close_rel(ratio.double(), reference.DensityRatio().fit(q64, p64).ratio(q64[:9]), tol)
+
+
+def test_generic_gram_in_chunks_of_columns_far_from_the_origin_equals_numpy():
+    """The generic path's Gram of many dimensions, summed over chunks of columns (generic.cpp's
+    StackedDistances), centred too: the median 1e6 standard deviations out, against numpy's
+    differences."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 2000, generator=g, dtype=torch.float64) + 1e6
+    expected = np.median(pdist(x.numpy()))
+    with implementation("generic"):
+        assert kivi_fast.median_bandwidth(x).item() == pytest.approx(expected, rel=1e-10)
 
 
 @pytest.mark.parametrize("n_p,n_q,d,batch,threads", [
@@ -753,15 +807,15 @@ def test_median_of_distances_at_the_ends_of_float64(impl):
 
 def test_median_of_overflowing_distances_is_refused():
     """Squared distances that overflow (finite squared norms of 1e308, differences of 2e154, whose
-    squares numpy's median takes as inf): the CPU kernels refuse points whose squared norm exceeds a
-    quarter of float64's largest, as values too large to square, rather than return inf (the
-    reference's torch.quantile interpolates between two infinities: NaN)."""
+    squares numpy's median takes as inf): the CPU kernels refuse points whose squared distance from
+    the first exceeds a quarter of float64's largest, as points too far apart, rather than return inf
+    (the reference's torch.quantile interpolates between two infinities: NaN)."""
     huge = torch.tensor([1e154, -1e154] * 20, dtype=torch.float64).reshape(40, 1)
     assert np.median(pdist(huge.numpy())) == float("inf")
-    with implementation("cpu"), pytest.raises(ValueError, match="too large to square"):
+    with implementation("cpu"), pytest.raises(ValueError, match="so far apart that their squared distances overflow"):
         kivi_fast.median_bandwidth(huge)
     with implementation("cpu"):  # at a quarter of the range and below: finite
-        fine = huge / 2.5
+        fine = huge / 5
         assert kivi_fast.median_bandwidth(fine).item() == pytest.approx(np.median(pdist(fine.numpy())))
 
 

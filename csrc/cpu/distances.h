@@ -6,6 +6,8 @@
 //    registers (few_points.h), with no float64 copy of the samples;
 //  - otherwise a Gram by column blocks converted to float64 while in cache: gram_tiles' register tiles
 //    on AVX2 CPUs, GEMMs of the split triangle elsewhere; then g_ii + g_jj - 2 g_ij.
+// The Gram paths multiply the points centred on the first, so that the norms stay near the distances
+// at any distance from the origin.
 // The median's counting pass (median.h, BracketTally) runs on the rows as they are computed where that
 // saves a pass over the triangle.
 #pragma once
@@ -37,14 +39,16 @@ bool use_few_points(int64_t rows);
 constexpr int64_t kFewPointsGrain = 16384;
 
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
-// the diagonal: callers read nothing else) and their squared norms into norms ([N]). Where summed
-// from differences (use_direct_distances), the points are left transposed in work.points ([d, N], with
-// room for one more row: kl's ratio column). Where middle is given, the median's counting pass may run
-// on the distances as they are computed, and leaves its findings there.
+// the diagonal: callers read nothing else) and each point's squared distance from the first into norms
+// ([N]: the squared norms of the centred points the Gram paths multiply). Where summed from
+// differences (use_direct_distances), the points are left transposed in work.points ([d, N], with room
+// for one more row: kl's ratio column). Where middle is given, the median's counting pass may run on
+// the distances as they are computed, and leaves its findings there.
 void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool parallel, Work& work,
                    Middle* middle = nullptr);
 
-// NaN/Inf in a sample makes its squared norm NaN/Inf: rows [0, n_den) are denom, then numer.
+// NaN/Inf in a sample makes its norm (distances_one's) NaN/Inf, and so does a point so far from the
+// first that distances could overflow (squarable): rows [0, n_den) are denom, then numer.
 void check_finite(const double* norms, int64_t n_den, int64_t n, Names names);
 
 }  // namespace cpu

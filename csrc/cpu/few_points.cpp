@@ -47,66 +47,16 @@ void with_out_rows(int64_t m, Fn fn) {
   }
 }
 
-// Columns per pass of the Gram kernel: 32 rows of 2048 columns (256 KB as float32) stay in L2 while
-// every register tile of the lower triangle reads them.
-constexpr int64_t kChunk = 2048;
-
-static_assert(kChunk <= x86::kZeroRowLength, "padding rows read from x86::zero_row");
-
 KIVI_AVX512 inline __m512d load8(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
 KIVI_AVX512 inline __m512d load8(const double* p) { return _mm512_loadu_pd(p); }
 KIVI_AVX512 inline void store8(float* p, __m512d v) { _mm256_storeu_ps(p, _mm512_cvtpd_ps(v)); }
 KIVI_AVX512 inline void store8(double* p, __m512d v) { _mm512_storeu_pd(p, v); }
 
-// A 4 x 4 tile of inner products of rows a[0..3] and b[0..3] over columns [0, len8), len8 % 8 == 0,
-// added to acc where (i, j) is in the lower triangle of an n x n matrix.
-template <class T>
-KIVI_AVX512 void gram_tile(const T* const* a, const T* const* b, int64_t len8, int64_t i0, int64_t j0, int64_t n,
-                           double* acc) {
-  __m512d s[4][4];
-  for (auto& row : s)
-    for (auto& v : row) v = _mm512_setzero_pd();
-  for (int64_t c = 0; c < len8; c += 8) {
-    const __m512d a0 = load8(a[0] + c), a1 = load8(a[1] + c), a2 = load8(a[2] + c), a3 = load8(a[3] + c);
-    const __m512d bs[4] = {load8(b[0] + c), load8(b[1] + c), load8(b[2] + c), load8(b[3] + c)};
-    for (int l = 0; l < 4; ++l) {
-      s[0][l] = _mm512_fmadd_pd(a0, bs[l], s[0][l]);
-      s[1][l] = _mm512_fmadd_pd(a1, bs[l], s[1][l]);
-      s[2][l] = _mm512_fmadd_pd(a2, bs[l], s[2][l]);
-      s[3][l] = _mm512_fmadd_pd(a3, bs[l], s[3][l]);
-    }
-  }
-  for (int k = 0; k < 4; ++k)
-    for (int l = 0; l < 4; ++l) {
-      const int64_t i = i0 + k, j = j0 + l;
-      if (i < n && j <= i) acc[i * n + j] += _mm512_reduce_add_pd(s[k][l]);
-    }
-}
-
-template <class T>
-KIVI_AVX512 void add_gram_lower_impl(const T* const* rows, int64_t n, int64_t w, double* acc) {
-  TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);
-  const int64_t tiles = (n + 3) / 4;
-  const T* p[kMaxRows];
-  for (int64_t c0 = 0; c0 < w; c0 += kChunk) {
-    const int64_t len = std::min(kChunk, w - c0), len8 = len & ~int64_t{7};
-    // rows past n read zeros, so that every tile is a full 4 x 4 (their products are not stored)
-    for (int64_t i = 0; i < tiles * 4; ++i) p[i] = i < n ? rows[i] + c0 : x86::zero_row(rows[0]);
-    for (int64_t ib = 0; ib < tiles; ++ib)
-      for (int64_t jb = 0; jb <= ib; ++jb) gram_tile(p + 4 * ib, p + 4 * jb, len8, 4 * ib, 4 * jb, n, acc);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j <= i; ++j) {
-        double t = 0;
-        for (int64_t c = len8; c < len; ++c) t += static_cast<double>(p[i][c]) * static_cast<double>(p[j][c]);
-        acc[i * n + j] += t;
-      }
-  }
-}
-
-// float32 rows: converting every load inside gram_tile costs a conversion per 2 FMAs, and both compete
-// for the same execution port. Instead each block of kBlock columns is converted to float64 once, into
-// a buffer that stays in L1, and every tile of the lower triangle accumulates from it; the tiles'
-// accumulators live in memory between blocks and are reduced once at the end.
+// The Gram kernel for AVX-512: each block of kBlock columns is converted to float64 once, centred on
+// the first row, into a buffer that stays in L1, and every 4 x 4 tile of the lower triangle accumulates
+// from it; the tiles' accumulators live in memory between blocks and are reduced once at the end.
+// Converting float32 inside the tiles instead costs a conversion per 2 FMAs, on the same execution port;
+// float64 rows take the same buffer for the centring. The last, partial block is padded with zeros.
 constexpr int64_t kBlock = 128;
 
 KIVI_AVX512 void tile_block(const double* a, const double* b, __m512d* sums) {
@@ -126,7 +76,8 @@ KIVI_AVX512 void tile_block(const double* a, const double* b, __m512d* sums) {
   for (int t = 0; t < 16; ++t) sums[t] = s[t];
 }
 
-KIVI_AVX512 void add_gram_lower_blocked(const float* const* rows, int64_t n, int64_t w, double* acc) {
+template <class T>
+KIVI_AVX512 void add_gram_lower_blocked(const T* const* rows, int64_t n, int64_t w, double* acc) {
   TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);
   const int64_t tiles = (n + 3) / 4, w_main = w / kBlock * kBlock;
   alignas(64) double buf[kMaxRows * kBlock];
@@ -134,9 +85,18 @@ KIVI_AVX512 void add_gram_lower_blocked(const float* const* rows, int64_t n, int
   constexpr int64_t kMaxTiles = (kMaxRows / 4) * (kMaxRows / 4 + 1) / 2;
   alignas(64) __m512d sums[kMaxTiles * 16];
   for (int64_t t = 0; t < tiles * (tiles + 1) / 2 * 16; ++t) sums[t] = _mm512_setzero_pd();
-  for (int64_t c0 = 0; c0 < w_main; c0 += kBlock) {
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < kBlock; c += 8) _mm512_store_pd(buf + i * kBlock + c, load8(rows[i] + c0 + c));
+  for (int64_t c0 = 0; c0 < w; c0 += kBlock) {
+    const T* const centre = rows[0] + c0;
+    if (c0 < w_main) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < kBlock; c += 8)
+          _mm512_store_pd(buf + i * kBlock + c, _mm512_sub_pd(load8(rows[i] + c0 + c), load8(centre + c)));
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < kBlock; ++c)
+          buf[i * kBlock + c] =
+              c0 + c < w ? static_cast<double>(rows[i][c0 + c]) - static_cast<double>(centre[c]) : 0.0;
+    }
     __m512d* tile_sums = sums;
     for (int64_t ib = 0; ib < tiles; ++ib)
       for (int64_t jb = 0; jb <= ib; ++jb, tile_sums += 16)
@@ -150,11 +110,6 @@ KIVI_AVX512 void add_gram_lower_blocked(const float* const* rows, int64_t n, int
           const int64_t i = 4 * ib + k, j = 4 * jb + l;
           if (i < n && j <= i) acc[i * n + j] += _mm512_reduce_add_pd(tile_sums[4 * k + l]);
         }
-  if (w_main < w) {
-    const float* tail[kMaxRows];
-    for (int64_t i = 0; i < n; ++i) tail[i] = rows[i] + w_main;
-    add_gram_lower_impl(tail, n, w - w_main, acc);
-  }
 }
 
 // One accumulator register per output row: M is a template argument so that they stay in registers.
@@ -245,7 +200,7 @@ int tile_triangle(int64_t rows, Tile* tiles) {
 
 // sums[k (k + 1) / 2 + l] += x_k x_l, l <= k < 4, over rows x[0..3].
 template <class T>
-KIVI_AVX2 void triangle_block(const double* x, __m256d* sums, const T* src, double* dst) {
+KIVI_AVX2 void triangle_block(const double* x, __m256d* sums, const T* src, const double* centre, double* dst) {
   __m256d s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5], s6 = sums[6],
           s7 = sums[7], s8 = sums[8], s9 = sums[9];
   for (int64_t c = 0; c < kBlock; c += 4) {
@@ -256,7 +211,7 @@ KIVI_AVX2 void triangle_block(const double* x, __m256d* sums, const T* src, doub
     s2 = _mm256_fmadd_pd(x1, x1, s2);
     s3 = _mm256_fmadd_pd(x2, x0, s3);
     s4 = _mm256_fmadd_pd(x2, x1, s4);
-    _mm256_store_pd(dst + c, load4(src + c));
+    _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
     s5 = _mm256_fmadd_pd(x2, x2, s5);
     s6 = _mm256_fmadd_pd(x3, x0, s6);
     s7 = _mm256_fmadd_pd(x3, x1, s7);
@@ -270,7 +225,7 @@ KIVI_AVX2 void triangle_block(const double* x, __m256d* sums, const T* src, doub
 // sums[3 k + l] += a_k b_l, k < 4, l < 3: twelve accumulators, three rows of b and one of a at a time
 // fill the sixteen registers.
 template <class T>
-KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, const T* src, double* dst) {
+KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, const T* src, const double* centre, double* dst) {
   __m256d s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5], s6 = sums[6],
           s7 = sums[7], s8 = sums[8], s9 = sums[9], s10 = sums[10], s11 = sums[11];
   for (int64_t c = 0; c < kBlock; c += 4) {
@@ -284,7 +239,7 @@ KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, cons
     s3 = _mm256_fmadd_pd(ak, b0, s3);
     s4 = _mm256_fmadd_pd(ak, b1, s4);
     s5 = _mm256_fmadd_pd(ak, b2, s5);
-    _mm256_store_pd(dst + c, load4(src + c));
+    _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
     ak = _mm256_load_pd(a + 2 * kBlock + c);
     s6 = _mm256_fmadd_pd(ak, b0, s6);
     s7 = _mm256_fmadd_pd(ak, b1, s7);
@@ -300,7 +255,7 @@ KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, cons
 
 // sums[2 k + l] += a_k b_l, k < 4, l < 2.
 template <class T>
-KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, const T* src, double* dst) {
+KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, const T* src, const double* centre, double* dst) {
   __m256d s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5], s6 = sums[6],
           s7 = sums[7];
   for (int64_t c = 0; c < kBlock; c += 4) {
@@ -311,7 +266,7 @@ KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, cons
     s1 = _mm256_fmadd_pd(a0, b1, s1);
     s2 = _mm256_fmadd_pd(a1, b0, s2);
     s3 = _mm256_fmadd_pd(a1, b1, s3);
-    _mm256_store_pd(dst + c, load4(src + c));
+    _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
     s4 = _mm256_fmadd_pd(a2, b0, s4);
     s5 = _mm256_fmadd_pd(a2, b1, s5);
     s6 = _mm256_fmadd_pd(a3, b0, s6);
@@ -320,14 +275,18 @@ KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, cons
   sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3, sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
 }
 
-// kBlock columns of a row in float64.
+// kBlock columns of a row in float64, less those of the centre (the first row's, in float64).
+template <class T>
+KIVI_AVX2 void convert_row(const T* src, const double* centre, double* dst) {
+  for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
+}
 template <class T>
 KIVI_AVX2 void convert_row(const T* src, double* dst) {
   for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(dst + c, load4(src + c));
 }
 
-// Blocks of kBlock columns in float64 (float32 or float64 rows alike), two buffers: the tiles of the
-// lower triangle multiply one block while they convert the next into the other, tile t row t (rows
+// Blocks of kBlock columns in float64, centred on the first row (float32 or float64 rows alike), two
+// buffers: the tiles of the lower triangle multiply one block while they convert the next into the other, tile t row t (rows
 // past the tile count on their own; tiles past the row count convert a zero row into a spare
 // buffer). The tail columns one by one.
 template <class T>
@@ -343,8 +302,13 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
   for (double* buf : bufs) std::fill(buf + n * kBlock, buf + padded * kBlock, 0.0);  // padding: never stored
   alignas(32) __m256d sums[kMaxSums];
   for (int64_t t = 0; t < padded * (padded + 1) / 2; ++t) sums[t] = _mm256_setzero_pd();
-  if (w_main > 0)
-    for (int64_t i = 0; i < n; ++i) convert_row(rows[i], bufs[0] + i * kBlock);
+  // the centre's block in float64, converted once a block rather than by each row's conversion (at
+  // (10, 314000) float32 that took the forward from 2.94 to 3.23 ms)
+  alignas(32) double centre[kBlock];
+  if (w_main > 0) {
+    convert_row(rows[0], centre);
+    for (int64_t i = 0; i < n; ++i) convert_row(rows[i], centre, bufs[0] + i * kBlock);
+  }
   for (int64_t c0 = 0, cur = 0; c0 < w_main; c0 += kBlock, cur ^= 1) {
     const double* const buf = bufs[cur];
     double* const next_buf = bufs[cur ^ 1];
@@ -359,22 +323,24 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
       for (int64_t line = 0; line < kLinesPerBlock; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(rows[i] + ahead + line * kLineElements), _MM_HINT_T0);
     };
+    if (has_next) convert_row(rows[0] + next, centre);  // (this block's conversions are done)
     for (int64_t i = tile_count; i < n; ++i) {
       if (fetch) prefetch_row(i);
-      if (has_next) convert_row(rows[i] + next, next_buf + i * kBlock);
+      if (has_next) convert_row(rows[i] + next, centre, next_buf + i * kBlock);
     }
     for (int64_t t = 0; t < tile_count; ++t) {
       if (fetch && t < n) prefetch_row(t);
       const bool converts = has_next && t < n;
       const T* const src = converts ? rows[t] + next : x86::zero_row(rows[0]);
+      const double* const mid = converts ? centre : x86::kZeroDoubles;
       double* const dst = converts ? next_buf + t * kBlock : spare;
       const Tile& tile = tiles[t];
       const double* a = buf + tile.a * kBlock;
       const double* b = buf + tile.b * kBlock;
       switch (tile.kind) {
-        case TileKind::kTriangle: triangle_block(a, sums + tile.sums, src, dst); break;
-        case TileKind::kRect3: rect3_block(a, b, sums + tile.sums, src, dst); break;
-        case TileKind::kRect2: rect2_block(a, b, sums + tile.sums, src, dst); break;
+        case TileKind::kTriangle: triangle_block(a, sums + tile.sums, src, mid, dst); break;
+        case TileKind::kRect3: rect3_block(a, b, sums + tile.sums, src, mid, dst); break;
+        case TileKind::kRect2: rect2_block(a, b, sums + tile.sums, src, mid, dst); break;
       }
     }
   }
@@ -390,7 +356,10 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j <= i; ++j) {
       double t = 0;
-      for (int64_t c = w_main; c < w; ++c) t += static_cast<double>(rows[i][c]) * static_cast<double>(rows[j][c]);
+      for (int64_t c = w_main; c < w; ++c) {
+        const double x0 = rows[0][c];
+        t += (static_cast<double>(rows[i][c]) - x0) * (static_cast<double>(rows[j][c]) - x0);
+      }
       acc[i * n + j] += t;
     }
 }
@@ -478,22 +447,26 @@ KIVI_AVX2 void weighted_rows_impl(const double* weights, int64_t n, const T* con
 
 }  // namespace avx2
 
-std::atomic<bool> force_avx2{false};
+// Set on first use (isa's answers are not known during the library's static initialization).
+std::atomic<bool>& use_avx512() {
+  static std::atomic<bool> flag{isa::prefer_512_bit()};
+  return flag;
+}
 
-bool has_avx512() { return isa::cpu_has(isa::Level::kAvx512) && !force_avx2.load(); }
+bool has_avx512() { return use_avx512().load() && isa::cpu_has(isa::Level::kAvx512); }
 
 }  // namespace
 
 bool available() { return isa::cpu_has(isa::Level::kAvx2); }
 
-bool set_force_avx2(bool flag) { return force_avx2.exchange(flag); }
+bool set_avx512(bool flag) { return use_avx512().exchange(flag); }
 
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc) {
   if (has_avx512()) return add_gram_lower_blocked(rows, n, w, acc);
   avx2::add_gram_lower(rows, n, w, acc);
 }
 void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc) {
-  if (has_avx512()) return add_gram_lower_impl(rows, n, w, acc);
+  if (has_avx512()) return add_gram_lower_blocked(rows, n, w, acc);
   avx2::add_gram_lower(rows, n, w, acc);
 }
 namespace {
@@ -525,7 +498,7 @@ void weighted_rows(const double* weights, int64_t m, int64_t n, const double* co
 #else  // not an x86-64 GCC/Clang build: the callers keep the GEMM path
 
 bool available() { return false; }
-bool set_force_avx2(bool flag) { return false; }
+bool set_avx512(bool flag) { return false; }
 void add_gram_lower(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
 void add_gram_lower(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
 void weighted_rows(const double*, int64_t, int64_t, const float* const*, const float* const*, const double*,

@@ -1,12 +1,13 @@
-// Kernels for few points in many dimensions (an MNIST BNN layer: n_p = n_q = 10, d = 314000): the Gram
-// matrix and the backward's weighted sums read the float32 (or float64) samples from the input rows
-// once and accumulate in float64 registers (the Gram converts float32 in blocks of columns that stay
-// in L1). The GEMM path copies the samples into a float64 buffer first, and a GEMM with a 20 x 20
+// Kernels for few points in many dimensions (an MNIST BNN layer: n_p = n_q = 10, d = 314000): the
+// Gram matrix and the backward's weighted sums read the float32 (or float64) samples from the input
+// rows once and accumulate in float64 registers (the Gram converts and centres the rows in blocks of
+// columns that stay in L1). The GEMM path copies the samples into a float64 buffer first, and a GEMM with a 20 x 20
 // output and a long inner dimension runs far below peak.
 //
 // Written for AVX-512 (4 x 4 register tiles of 8 doubles) and for AVX2 + FMA (the Gram's triangle
-// in 4 x 4 triangles and 4 x 3 and 4 x 2 rectangles of 4 doubles, the weighted sums in 5 x 2 tiles);
-// available() says whether this CPU has either, and callers keep the GEMM path otherwise.
+// in 4 x 4 triangles and 4 x 3 and 4 x 2 rectangles of 4 doubles, the weighted sums in 5 x 2 tiles,
+// rows prefetched), chosen by isa::prefer_512_bit(); available() says whether this CPU has either, and
+// callers keep the GEMM path otherwise.
 #pragma once
 
 #include <cstdint>
@@ -20,11 +21,13 @@ inline constexpr int64_t kMaxRows = 32;
 inline constexpr int64_t kMaxOutRows = 16;
 
 bool available();
-// Tests: use the AVX2 kernels even on an AVX-512 CPU (so that both run where AVX-512 exists); returns
-// the old setting.
-bool set_force_avx2(bool flag);
+// Tests: the AVX-512 kernels (true; where the CPU has AVX-512) or the AVX2 ones (false), so that both
+// run where AVX-512 exists; by default isa::prefer_512_bit(). Returns the old setting.
+bool set_avx512(bool flag);
 
-// acc[i * n + j] += sum_{c < w} x_i[c] x_j[c] for j <= i < n (lower triangle only), rows[i] = x_i.
+// acc[i * n + j] += sum_{c < w} (x_i[c] - x_0[c]) (x_j[c] - x_0[c]) for j <= i < n (lower triangle
+// only), rows[i] = x_i: the Gram of the points centred on the first, whose norms stay near the
+// distances (far from the origin, uncentred norms would cancel to the distances' rounding).
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc);
 void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc);
 

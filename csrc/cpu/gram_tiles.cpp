@@ -35,19 +35,30 @@ KIVI_AVX2 inline void store_transposed(__m256d r0, __m256d r1, __m256d r2, __m25
 }
 
 template <class T>
+KIVI_AVX2 inline __m256d centred4(const T* row, const T* centre, int64_t c) {
+  return _mm256_sub_pd(load4(row + c), load4(centre + c));
+}
+
+template <class T>
 KIVI_AVX2 void pack_impl(const T* const* rows, int64_t n, int64_t w, double* packed) {
   TORCH_CHECK(w <= kMaxPackColumns, "gram_tiles::pack: at most ", kMaxPackColumns, " columns, got ", w);
   const int64_t w4 = w & ~int64_t{3};
+  const T* const zero = x86::zero_row(rows[0]);
   for (int64_t p0 = 0; p0 < n; p0 += P) {
     double* o = packed + p0 * w;
-    const T* r[P];
-    for (int64_t i = 0; i < P; ++i) r[i] = p0 + i < n ? rows[p0 + i] : x86::zero_row(rows[0]);
+    const T *r[P], *k[P];  // the rows and their centres (the rows past n: zeros less zeros)
+    for (int64_t i = 0; i < P; ++i) {
+      r[i] = p0 + i < n ? rows[p0 + i] : zero;
+      k[i] = p0 + i < n ? rows[0] : zero;
+    }
     for (int64_t c = 0; c < w4; c += 4) {
-      store_transposed(load4(r[0] + c), load4(r[1] + c), load4(r[2] + c), load4(r[3] + c), o + c * P);
-      store_transposed(load4(r[4] + c), load4(r[5] + c), load4(r[6] + c), load4(r[7] + c), o + c * P + 4);
+      store_transposed(centred4(r[0], k[0], c), centred4(r[1], k[1], c), centred4(r[2], k[2], c),
+                       centred4(r[3], k[3], c), o + c * P);
+      store_transposed(centred4(r[4], k[4], c), centred4(r[5], k[5], c), centred4(r[6], k[6], c),
+                       centred4(r[7], k[7], c), o + c * P + 4);
     }
     for (int64_t c = w4; c < w; ++c)
-      for (int64_t i = 0; i < P; ++i) o[c * P + i] = static_cast<double>(r[i][c]);
+      for (int64_t i = 0; i < P; ++i) o[c * P + i] = static_cast<double>(r[i][c]) - static_cast<double>(k[i][c]);
   }
 }
 
@@ -332,9 +343,9 @@ KIVI_AVX2 void gram_upper_impl(const double* packed, int64_t n, int64_t w, doubl
   }
 }
 
-// Set on first use (isa::cpu_level() is not known during the library's static initialization).
+// Set on first use (isa's answers are not known during the library's static initialization).
 std::atomic<bool>& use_tiles() {
-  static std::atomic<bool> flag{isa::cpu_level() == isa::Level::kAvx2};
+  static std::atomic<bool> flag{isa::cpu_has(isa::Level::kAvx2) && !isa::prefer_512_bit()};
   return flag;
 }
 

@@ -12,9 +12,10 @@
 // 1.11-1.13x at (100, 51), 1.19x at (100, 700), 1.29x at (100, 50000); at 2000 points x 32 dimensions
 // the Gram alone is about as fast as MKL's split GEMMs.
 //
-// Written for AVX2 + FMA (4 doubles a register). On an AVX-512 CPU, MKL's 8-wide GEMMs are expected to
-// beat these 4-wide tiles despite their 3/4 of the product (twice the work per instruction; not
-// compared), so callers keep the GEMMs there (enabled()).
+// Written for AVX2 + FMA (4 doubles a register). On an AMD EPYC with AVX-512 (Zen 4) they beat MKL's
+// 8-wide GEMMs too, forward + backward 1.1-1.4x (bench/README.md, "Instruction sets"); on Intel's
+// AVX-512 CPUs, where 512-bit instructions run at full width, the GEMMs' twice the work per
+// instruction may win (not measured), so callers keep the GEMMs there (enabled(), isa::prefer_512_bit()).
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,8 @@ inline constexpr int64_t kPanel = 8;
 
 // Whether the CPU can run the tiles (AVX2 + FMA on x86-64).
 bool available();
-// Whether callers should use them: available() and no AVX-512, unless a test switched them on or off.
+// Whether callers should use them: available() and not isa::prefer_512_bit(), unless a test switched
+// them on or off.
 bool enabled();
 // Tests: use the tiles where available (true) or the split GEMMs (false); returns the old setting.
 bool set_enabled(bool flag);
@@ -36,8 +38,10 @@ bool set_enabled(bool flag);
 inline constexpr int64_t kMaxPackColumns = 2048;
 // Doubles the packed copy of n rows of w columns takes.
 inline int64_t packed_size(int64_t n, int64_t w) { return (n + kPanel - 1) / kPanel * kPanel * w; }
-// x_i[0, w) for i < n (rows[i] = x_i) as float64 into packed: panels of kPanel rows, each stored by
-// column ([w][kPanel]); the rows past n of the last panel are zeros.
+// x_i[0, w) - x_0[0, w) for i < n (rows[i] = x_i) as float64 into packed: the points centred on the
+// first, whose norms stay near the distances (far from the origin, uncentred norms would cancel to
+// the distances' rounding). Panels of kPanel rows, each stored by column ([w][kPanel]); the rows past
+// n of the last panel are zeros.
 void pack(const float* const* rows, int64_t n, int64_t w, double* packed);
 void pack(const double* const* rows, int64_t n, int64_t w, double* packed);
 // Row tiles (of kTileRows rows) of n rows.

@@ -4,15 +4,15 @@
 //    defined), KIVI_FAST_X86_SIMD is defined and functions take an instruction set with KIVI_AVX2 (AVX2 +
 //    FMA) or KIVI_AVX512 (AVX-512F). Elsewhere each family compiles its portable version, or tells its
 //    callers to keep the GEMMs (few_points::available(), gram_tiles::available()).
-//  - At run time, isa::cpu_level() says which of those the CPU runs: few_points.cpp picks its AVX-512 or
-//    AVX2 kernels by it, gram_tiles.cpp whether its AVX2 tiles can run, median.cpp whether its AVX2
-//    counting pass can.
+//  - At run time, isa::cpu_level() says which of those the CPU runs: gram_tiles.cpp whether its AVX2
+//    tiles can run, median.cpp whether its AVX2 counting pass can; isa::prefer_512_bit() whether
+//    few_points.cpp takes its AVX-512 or AVX2 kernels and the Gram MKL's GEMMs or the AVX2 tiles.
 //  - Loops written in plain C++ (simd_rows.cpp, median.cpp) are compiled once per level with
 //    KIVI_FAST_ISA_CLONES (GCC function multiversioning: the loader picks the clone from the CPU's
 //    features), where the platform's loader supports it (glibc's ifunc).
 //
-// Each family keeps its own test switch (in csrc/testing.cpp) to run a lower level where a higher one
-// exists, so that both are tested on an AVX-512 CPU. A CUDA build would dispatch on the device, in
+// Each family keeps its own test switch (in csrc/testing.cpp) to run either choice where the CPU has
+// both, so that both are tested on an AVX-512 CPU. A CUDA build would dispatch on the device, in
 // csrc/cuda/, not here.
 #pragma once
 
@@ -65,6 +65,20 @@ inline Level cpu_level() {
 }
 
 inline bool cpu_has(Level level) { return cpu_level() >= level; }
+
+// Whether the 512-bit choices are taken where 256-bit kernels exist too: few_points.cpp's AVX-512
+// kernels, and MKL's 8-wide GEMMs rather than gram_tiles' 4-wide register tiles. Not on AMD's family
+// 25 (Zen 4), which runs 512-bit instructions as two 256-bit halves: there the 256-bit kernels took
+// 1.1-2.0x less time than the 512-bit choices on every shape measured, float32 and float64 (bench/README.md,
+// "Instruction sets"). Intel's AVX-512 CPUs were not measured: the 512-bit choices stand there.
+inline bool prefer_512_bit() {
+#ifdef KIVI_FAST_X86_SIMD
+  static const bool prefer = cpu_has(Level::kAvx512) && !__builtin_cpu_is("amdfam19h");
+  return prefer;
+#else
+  return false;
+#endif
+}
 
 }  // namespace isa
 }  // namespace kivi_fast

@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z, const Tenso
     // products (d sums in registers). Above, Y goes in gram_tiles' panels for its register tiles
     // (forward+backward 1.04-1.11x faster than MKL's GEMM from (100, 16) to (2000, 32), float32, which
     // spends as much time copying its operands and in its edge cases as in its kernel); where the tiles
-    // are off (AVX-512, no AVX2), [N, d] for one GEMM.
+    // are off (isa::prefer_512_bit(), or no AVX2), [N, d] for one GEMM.
     static_assert(rows::kRowDotsMaxDim + 1 <= rows::kDotsColumnsPerPass, "the row dots and the ratio in one pass");
     const bool tiles = projection && tiled_rows;
     double* const y = !projection ? nullptr

@@ -34,14 +34,22 @@ namespace {
 // BLAS), since the differences would read every point again for each row (3x slower at (10, 314000)).
 constexpr int64_t kDirectPointBytes = int64_t{8} << 20;
 
-// Every point's squared norm finite: no NaN or Inf coordinate, none too large to square (the CPU
-// kernels' check of their samples, with the same message).
-template <typename T>
-void check_finite_rows(const T* x, int64_t rows, int64_t d, const char* name) {
-  for (int64_t i = 0; i < rows; ++i) {
-    double s = 0.0;
-    for (int64_t k = 0; k < d; ++k) s += static_cast<double>(x[i * d + k]) * static_cast<double>(x[i * d + k]);
-    TORCH_CHECK_VALUE(squarable(s), name, kNotFiniteMessage);
+// Every point's squared distance from z's first (the centre of sqdist's Gram path, distances.h)
+// finite and squarable: no NaN or Inf coordinate, no distance that could overflow (the CPU kernels'
+// check of their samples, with the same message). x: [B, rows, d]; centre(b): d values.
+template <typename T, class Centre>
+void check_finite_rows(const T* x, int64_t B, int64_t rows, int64_t d, Centre centre, const char* name) {
+  for (int64_t b = 0; b < B; ++b) {
+    const T* c = centre(b);
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* p = x + (b * rows + i) * d;
+      double s = 0.0;
+      for (int64_t k = 0; k < d; ++k) {
+        const double v = static_cast<double>(p[k]) - static_cast<double>(c[k]);
+        s += v * v;
+      }
+      TORCH_CHECK_VALUE(squarable(s), name, kNotFiniteMessage);
+    }
   }
 }
 
@@ -61,9 +69,12 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
   Tensor state, kernel;
   auto check_values = [&] {
     AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio_check", [&] {
-      check_finite_rows(z.data_ptr<scalar_t>(), B * m, d, "z");
-      check_finite_rows(denom.data_ptr<scalar_t>(), B * n_den, d, "denom");
-      check_finite_rows(numer.data_ptr<scalar_t>(), B * (N - n_den), d, "numer");
+      const scalar_t *zp = z.data_ptr<scalar_t>(), *dp = denom.data_ptr<scalar_t>(), *np = numer.data_ptr<scalar_t>();
+      // the first of the stacked points [z; denom; numer] (none: nothing is read)
+      auto first = [&](int64_t b) { return m > 0 ? zp + b * m * d : n_den > 0 ? dp + b * n_den * d : np + b * (N - n_den) * d; };
+      check_finite_rows(zp, B, m, d, first, "z");
+      check_finite_rows(dp, B, n_den, d, first, "denom");
+      check_finite_rows(np, B, N - n_den, d, first, "numer");
     });
   };
   if (direct) {
