@@ -225,7 +225,8 @@ KIVI_AVX2 void triangle_block(const double* x, __m256d* sums, const T* src, cons
 // sums[3 k + l] += a_k b_l, k < 4, l < 3: twelve accumulators, three rows of b and one of a at a time
 // fill the sixteen registers.
 template <class T>
-KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, const T* src, const double* centre, double* dst) {
+KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, const T* src, const double* centre,
+                           double* dst) {
   __m256d s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5], s6 = sums[6],
           s7 = sums[7], s8 = sums[8], s9 = sums[9], s10 = sums[10], s11 = sums[11];
   for (int64_t c = 0; c < kBlock; c += 4) {
@@ -255,7 +256,8 @@ KIVI_AVX2 void rect3_block(const double* a, const double* b, __m256d* sums, cons
 
 // sums[2 k + l] += a_k b_l, k < 4, l < 2.
 template <class T>
-KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, const T* src, const double* centre, double* dst) {
+KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, const T* src, const double* centre,
+                           double* dst) {
   __m256d s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5], s6 = sums[6],
           s7 = sums[7];
   for (int64_t c = 0; c < kBlock; c += 4) {
@@ -278,17 +280,18 @@ KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, cons
 // kBlock columns of a row in float64, less those of the centre (the first row's, in float64).
 template <class T>
 KIVI_AVX2 void convert_row(const T* src, const double* centre, double* dst) {
-  for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
+  for (int64_t c = 0; c < kBlock; c += 4)
+    _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
 }
 template <class T>
 KIVI_AVX2 void convert_row(const T* src, double* dst) {
   for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(dst + c, load4(src + c));
 }
 
-// Blocks of kBlock columns in float64, centred on the first row (float32 or float64 rows alike), two
-// buffers: the tiles of the lower triangle multiply one block while they convert the next into the other, tile t row t (rows
-// past the tile count on their own; tiles past the row count convert a zero row into a spare
-// buffer). The tail columns one by one.
+// Blocks of kBlock columns in float64, centred on the first row (float32 or float64 rows alike), in
+// two buffers: the tiles of the lower triangle multiply one block while they convert the next into the
+// other, tile t row t (rows past the tile count on their own; tiles past the row count convert a zero
+// row into a spare buffer). The tail columns one by one.
 template <class T>
 KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double* acc) {
   TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);

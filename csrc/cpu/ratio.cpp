@@ -71,7 +71,9 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
     AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio_check", [&] {
       const scalar_t *zp = z.data_ptr<scalar_t>(), *dp = denom.data_ptr<scalar_t>(), *np = numer.data_ptr<scalar_t>();
       // the first of the stacked points [z; denom; numer] (none: nothing is read)
-      auto first = [&](int64_t b) { return m > 0 ? zp + b * m * d : n_den > 0 ? dp + b * n_den * d : np + b * (N - n_den) * d; };
+      auto first = [&](int64_t b) {
+        return m > 0 ? zp + b * m * d : n_den > 0 ? dp + b * n_den * d : np + b * (N - n_den) * d;
+      };
       check_finite_rows(zp, B, m, d, first, "z");
       check_finite_rows(dp, B, n_den, d, first, "denom");
       check_finite_rows(np, B, N - n_den, d, first, "numer");
