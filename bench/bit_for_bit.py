@@ -8,7 +8,7 @@ Runs ``torch.ops.kivi_fast.kl`` forward (value, grad state, bandwidth) and backw
 q_z) with fixed seeds on shapes that take each of the CPU kernels' paths (few points in many dimensions,
 row dots, register tiles, GEMMs, the refined solve, the sampled median, distances inside the Gram's
 tiles), float32 and float64, both settings of ``reverse``, 1 and 2 threads, on the device-generic
-kernels and on the CPU kernels with the Gram's register tiles and the few-points kernels' AVX2 version
+kernels and on the CPU kernels with the Gram's register tiles and the few-points kernels' AVX-512 version
 switched on and off where this CPU has them; and the other ops (sqdist, median_bandwidth, fit, ratio
 and its backward) on the same shapes. Compares with ``torch.equal``: any bit counts.
 """

@@ -1,7 +1,9 @@
-"""The CPU kernels' two instruction-set choices (csrc/cpu/isa.h, prefer_512_bit), each timed both ways
-in one process on this CPU: the few-points kernels' AVX-512 or AVX2 version (an MNIST layer: up to 32
-points in many dimensions), and the Gram by gram_tiles' AVX2 register tiles or MKL's GEMMs (which also
-moves the differences' limit: 8 dimensions with the tiles, 32 without).
+"""The CPU kernels' instruction-set choice (csrc/cpu/isa.h, prefer_512_bit) timed both ways in one
+process on this CPU: the 512-bit kernels (the few-points kernels' AVX-512 version, the Gram by MKL's
+GEMMs) against the 256-bit ones (the few-points kernels' AVX2 version, the Gram by gram_tiles' AVX2
+register tiles, which also moves the differences' limit from 32 dimensions to 8), both switches set
+together as a CPU of either kind runs them. The few-points shapes (an MNIST layer: up to 32 points in
+many dimensions) time the first pair, the others mostly the second.
 
     python bench/isa_choices.py [--seconds 3] [--threads 1] [--json out.json]
 
@@ -61,14 +63,20 @@ def main():
         raise SystemExit("the compiled ops are not built (bash scripts/run.sh setup)")
     switches, ops = torch.ops.kivi_fast_testing, torch.ops.kivi_fast
     old = {switch: switch(True) for switch in (switches.set_few_points_avx512, switches.set_gram_tiles)}
+    # Both switches together, as a CPU of either kind runs them: with the tiles on, the Gram's backward
+    # takes the few-points kernels' weighted sums too.
+    def set_choice(narrow):
+        switches.set_gram_tiles(narrow)
+        switches.set_few_points_avx512(not narrow)
+
     choices = {
-        "few points: AVX-512 / AVX2": (FEW_POINTS, lambda flag: switches.set_few_points_avx512(not flag)),
-        "Gram: MKL GEMMs / AVX2 tiles": (GRAM, switches.set_gram_tiles),
+        "few points: AVX-512 / AVX2": FEW_POINTS,
+        "Gram: MKL GEMMs / AVX2 tiles": GRAM,
     }
     rows = []
     print(f"{args.threads} thread(s); ratio > 1: the 256-bit choice is faster")
     try:
-        for choice, (shapes, set_choice) in choices.items():
+        for choice, shapes in choices.items():
             for b, n, d in shapes:
                 for dtype in (torch.float32, torch.float64):
                     p, q = make_inputs(b, n, d, True, dtype)

@@ -325,7 +325,7 @@ def test_ratio_gradient_at_many_points_equals_reference(compiled, n_p, n_q, n_z,
     (40, 10, 60, None, torch.float32, 1),     # the backward's tiles over 50 rows, 10 evaluation points
                                               # in one pass, a 4-column step
 ])
-@pytest.mark.parametrize("tiles", [True, False])  # False: as on AVX-512 CPUs (GEMMs above 32 dimensions)
+@pytest.mark.parametrize("tiles", [True, False])  # False: the GEMMs, as most AVX-512 CPUs (isa.h)
 def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, tiles):
     if tiles and not torch.ops.kivi_fast_testing.gram_tiles_available():
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
@@ -340,17 +340,21 @@ def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads
 # the points' norms, which the kernels keep near the distances by centring the points on the first
 # (uncentred, at 1e6 standard deviations kernel_kl at (50, 64) moved by ~1e-2 of its value). The
 # reference sums coordinate differences. The gradient's projection, sum_c w_jc (c - z_j), still loses
-# digits in proportion to the offset (~6e-8 of its size at 1e6 standard deviations).
+# digits in proportion to the offset (~6e-8 of its size at 1e6 standard deviations). Only the float64
+# cases would fail uncentred (by ~1e-3); the float32 ones, 1e3 standard deviations out (where float32
+# still resolves the spread), check the float32 conversions' centring against the same bound.
 FAR_PATHS = {  # path: (n_p = n_q, d, threads, test switches)
     "tiles": (50, 64, 1, {"set_gram_tiles": True}),
     "tiles, two blocks over two threads": (40, 1003, 2, {"set_gram_tiles": True}),
     "split GEMMs": (50, 64, 1, {"set_gram_tiles": False}),
     "few points, AVX2": (10, 300, 1, {"set_few_points_avx512": False}),
     "few points, AVX-512": (10, 300, 1, {"set_few_points_avx512": True}),  # (AVX2 without it)
-    "few points over two threads": (10, 40000, 2, {}),
+    # column chunks over two threads (from 2 x 16384 columns); the ratio op's evaluation from its
+    # Gram (above 8 MB of points: 29 points in 60000 dimensions)
+    "few points over two threads, the ratio op's Gram": (10, 60000, 2, {}),
     "differences": (50, 4, 1, {}),
     "generic": (50, 64, 1, {}),
-    "generic, few points": (10, 300, 1, {}),
+    "generic, a Gram in chunks of columns": (10, 30000, 1, {}),  # (26214 columns a chunk at 20 points)
 }
 
 
@@ -438,7 +442,7 @@ def test_own_cholesky_at_block_edges_equals_reference(compiled, n_den):
 def test_blas_and_lapack_paths_equal_reference(compiled, n_p, n_q, d, external_blas):
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=None, dtype=torch.float64, scale=1.0, shift=0.2, seed=d)
     p, q = make_samples(pr)
-    # the Gram by GEMMs (tiles off), as on AVX-512 CPUs
+    # the Gram by GEMMs (tiles off), as on the AVX-512 CPUs that keep them (isa.h)
     with switched({torch.ops.kivi_fast_testing.set_external_blas: external_blas,
                    torch.ops.kivi_fast_testing.set_gram_tiles: False}):
         assert_kl_equals_reference(p, q, 1e-8)

@@ -37,8 +37,8 @@ namespace {
 // (for_each_block), which packs both operands again, is slower from 200 to 1000 points (forward +
 // backward, float32, 1 thread: the tiles 1.07x faster at (100, 700), (100, 50000), (150, 1000) and
 // (300, 2000), 1.2x at (500, 1000)); blocks of 64 KB or chunks of 10 rows are 1-2.5% slower at
-// (100, 50000). Where gram_tiles are off (no AVX2, or isa::prefer_512_bit(): Intel's AVX-512 CPUs,
-// where MKL's 8-wide GEMMs may well do better; not measured), the GEMM stays.
+// (100, 50000). Where gram_tiles are off (no AVX2, or isa::prefer_512_bit(): AVX-512 CPUs but AMD's
+// Zen 4, where MKL's 8-wide GEMMs may well do better; not measured), the GEMM stays.
 constexpr int64_t kTiledGradChunk = 15;
 constexpr int64_t kTiledGradBlockBytes = int64_t{256} << 10;
 void tiled_weighted_grad(const Stack& s, int64_t n, int64_t z_row, const Tensor& weights, const Tensor& scale,

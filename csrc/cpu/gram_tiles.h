@@ -13,9 +13,9 @@
 // the Gram alone is about as fast as MKL's split GEMMs.
 //
 // Written for AVX2 + FMA (4 doubles a register). On an AMD EPYC with AVX-512 (Zen 4) they beat MKL's
-// 8-wide GEMMs too, forward + backward 1.1-1.4x (bench/README.md, "Instruction sets"); on Intel's
-// AVX-512 CPUs, where 512-bit instructions run at full width, the GEMMs' twice the work per
-// instruction may win (not measured), so callers keep the GEMMs there (enabled(), isa::prefer_512_bit()).
+// 8-wide GEMMs too (bench/README.md, "Instruction sets"); on other AVX-512 CPUs (Intel's), where
+// 512-bit instructions may run at full width, the GEMMs' twice the work per instruction may win (not
+// measured), so callers keep the GEMMs there (enabled(), isa::prefer_512_bit()).
 #pragma once
 
 #include <cstdint>

@@ -68,15 +68,16 @@ inline bool cpu_has(Level level) { return cpu_level() >= level; }
 
 // Whether the 512-bit choices are taken where 256-bit kernels exist too: few_points.cpp's AVX-512
 // kernels, and MKL's 8-wide GEMMs rather than gram_tiles' 4-wide register tiles. Not on AMD's family
-// 25 (Zen 4), which runs 512-bit instructions as two 256-bit halves: there the 256-bit kernels took
-// 1.1-2.0x less time than the 512-bit choices on every shape measured, float32 and float64 (bench/README.md,
-// "Instruction sets"). Intel's AVX-512 CPUs were not measured: the 512-bit choices stand there.
+// 25 (Zen 4), which runs 512-bit instructions as two 256-bit halves: there the 256-bit kernels were
+// faster or level on every shape measured, float32 and float64 (bench/isa_choices.py; bench/README.md,
+// "Instruction sets"). Other AVX-512 CPUs (Intel's, AMD's later families) were not measured: the
+// 512-bit choices stand there.
 inline bool prefer_512_bit() {
-#ifdef KIVI_FAST_X86_SIMD
+#if defined(KIVI_FAST_X86_SIMD) && (defined(__clang__) || __GNUC__ >= 11)  // (older GCCs lack amdfam19h)
   static const bool prefer = cpu_has(Level::kAvx512) && !__builtin_cpu_is("amdfam19h");
   return prefer;
 #else
-  return false;
+  return cpu_has(Level::kAvx512);
 #endif
 }
 
