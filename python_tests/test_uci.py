@@ -624,17 +624,25 @@ def test_batch_stopped_by_its_time_limit_resumes_from_the_checkpoints(tmp_path, 
     common = ["uci-batch", "yacht:kivi:4", "--out", str(tmp_path), "--checkpoint-seconds", "0.5", "--minutes", "0.12",
               "--uci-args", "--epochs 100000 --samples 10 --eval-every 100000"]
     folder = tmp_path / "yacht-kivi" / "split_04"
-    stops = []
-    for _ in range(2):
+
+    def stop_once():
         log_before = (folder / "log.txt").read_text() if (folder / "log.txt").exists() else ""
         assert cli.main(common) == 0
         assert "1 left" in capsys.readouterr().err
         assert not (folder / "split_04.json").exists()
-        stops.append(runs.load_checkpoint(folder / "checkpoint.pt", regression.CHECKPOINT_KEYS)["epoch"])
-        log = (folder / "log.txt").read_text()[len(log_before):]
+        return (folder / "log.txt").read_text()[len(log_before):]
+
+    # on a heavily loaded machine a 7-second window can end before the first checkpoint: stop again
+    for _ in range(5):
+        stop_once()
+        if (folder / "checkpoint.pt").exists():
+            break
+    first = runs.load_checkpoint(folder / "checkpoint.pt", regression.CHECKPOINT_KEYS)["epoch"]
+    log = stop_once()
+    second = runs.load_checkpoint(folder / "checkpoint.pt", regression.CHECKPOINT_KEYS)["epoch"]
     # (on a loaded machine the second process may reach its limit before an epoch of its own)
-    assert 0 < stops[0] <= stops[1]
-    assert f" {stops[0]}/100000 [00:00" in log  # the second process's bar starts where the first stopped
+    assert 0 < first <= second
+    assert f" {first}/100000 [00:00" in log  # the second process's bar starts where the first stopped
 
 
 def test_batch_leaves_a_split_that_another_batch_is_running(tmp_path, capsys):
