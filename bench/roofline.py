@@ -10,7 +10,7 @@ Roofline of one call on [B, n_q, d] posterior and [B, n_p, d] prior samples, N =
 all times B, with the rates measured at the same thread count. It is a lower bound no implementation
 can beat on this machine. The n x n part is charged at the float32 rate for both dtypes: the solve
 must be float64-accurate (the evaluation cancels terms ~1/lam), but a float32 factor refined in
-float64 gets there (ours does so above 256 rows; sessions 1-9 charged it at the float64 rate).
+float64 gets there (ours does so above 256 rows).
 """
 
 from __future__ import annotations
