@@ -113,9 +113,22 @@ def test_quick_run_writes_its_files(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", ["--lams=0", "--lams=1e-12", "--clip=1", "--seeds=0", "--steps=-1", "--samples=1",
-                                 "--lr=0", "--noise-std=nan", "--methods=vae", "--eval-samples=1"])
+                                 "--lr=0", "--noise-std=nan", "--methods=vae", "--eval-samples=1",
+                                 "--seed=4294967296", "--model-seed=-1", "--samples=2",
+                                 "--quick --methods ac-full --samples 2"])
 def test_bad_values_are_usage_errors(bad, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["amortized", bad, "--no-progress", "--out", str(tmp_path)])
+        cli.main(["amortized", *bad.split(), "--no-progress", "--out", str(tmp_path)])
     assert exit_.value.code == 2
-    assert "usage:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage:" in err and "Traceback" not in err and not any(tmp_path.iterdir())
+
+
+def test_a_diverged_training_ends_with_one_line_naming_lr(tmp_path, capsys):
+    """lr 1 collapses the encoder's samples (a dimension with zero spread): the estimator's ValueError
+    was a traceback; now one line that says training diverged and names --lr."""
+    assert cli.main(["amortized", "--quick", "--methods", "kl", "--lr", "1", "--no-progress",
+                     "--run-dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "kivi-fast amortized: error: kl lam=0.01, seed 0: training diverged" in err
+    assert "try a smaller --lr" in err and "Traceback" not in err

@@ -15,17 +15,22 @@ BAD_ARGUMENTS = {
            "--lam=0 | --lam=1e-12 | --lr=-1 | --lr=nan | --batch-size=0 | --eval-every=0 | --threads=0 | --checkpoint-seconds=-1 | "
            "--dataset=year | --dataset=mnist | --seed=-1 | --n-hidden=0 | --eval-samples=0",
     "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --clip=1 | --bandwidth=-1 | --bandwidth=1e-200 | "
-           "--bandwidth=abc | --grad-clip=-1 | --eval-samples=1 | --bin-width=0 | --threads=0",
+           "--bandwidth=abc | --grad-clip=-1 | --eval-samples=1 | --bin-width=0 | --threads=0 | "
+           "--seed=99999999999999999999999 | --threads=100000 | --bin-width=1e6 | --bin-width=1e-9 | "
+           "--quick --bin-width=1e-3",
     "uci-batch": "yacht:kivi --workers=0 | yacht:kivi --minutes=0 | yacht:kivi --checkpoint-seconds=-1 | "
                  "boston:kivi:25 | mnist:kivi | boston:svgd | boston | year:kivi",
     "uci-kl-probe": "--epochs=0 | --every=0 | --reps=0 | --split=20 | --split=-1 | --threads=0",
     "blr": "--epochs=0 | --n-data=0 | --batch-size=0 | --lr=0 | --kivi-samples=1 | --vi-samples=0 | --lam=0 | --lam=1e-30 | --clip=2 | "
            "--hmc-chains=0 | --hmc-samples=3 | --hmc-warmup=-1 | --hmc-step-size=0 | --hmc-leapfrog=0 | "
-           "--eval-samples=1 | --kivi-seeds=0 | --contrast=spherical",
+           "--eval-samples=1 | --kivi-seeds=0 | --contrast=spherical | --seed=4294967296 | --data-seed=-1 | "
+           "--seed=4294967295",
     "client-loop": "--seeds=0 | --steps=0 | --lr=0 | --samples=1 | --dim=0 | --n-data=0 | --noise=nan | "
                    "--settings=svgd | --eval-samples=1",
-    "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --clip=1e10 | --lr=0 | --log-every=0 | --eval-samples=1",
-    "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --lams 1e-3 1e-11 | --reps=0 | --clip=0 | --clip=1.5 | --flow-truth-samples=1",
+    "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --clip=1e10 | --lr=0 | --log-every=0 | --eval-samples=1 | "
+                        "--seed=4294967296",
+    "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --lams 1e-3 1e-11 | --reps=0 | --clip=0 | --clip=1.5 | "
+                   "--flow-truth-samples=1 | --ns=2 | --quick --ns 2 --dims 8 | --seed=4294967296",
     "boston-posterior": "--epochs=0 | --samples=1 | --lam=0 | --plot-samples=1 | --split=20",
 }
 BAD = [(command, case.split()) for command, cases in BAD_ARGUMENTS.items() for case in cases.split(" | ")]
@@ -84,6 +89,42 @@ def test_a_diverged_toy_run_ends_with_one_line(tmp_path, capsys):
     assert cli.main(["toy", "--quick", "--lr", "1e6", "--no-progress", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "kivi-fast toy: error:" in err and "try a smaller --lr" in err and "Traceback" not in err
+
+
+def test_toy_failing_before_any_update_does_not_blame_the_learning_rate(tmp_path, capsys):
+    """--s0 1e-300 gives NaN at step 0, before Adam's first update: the message names --s0, not --lr."""
+    assert cli.main(["toy", "--quick", "--s0", "1e-300", "--no-progress", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "kivi-fast toy: error:" in err and "not the learning rate" in err and "--s0" in err
+    assert "smaller --lr" not in err and "Traceback" not in err
+
+
+# per command, options given with --quick and what the run uses: a list the user gives wins over --quick's,
+# a number is at most --quick's value (a smaller one given stays)
+QUICK_AND_GIVEN = [
+    ("kl-accuracy", "--dims 3 --lams 0.5", {"dims": [3], "lams": [0.5], "ns": [50, 100], "reps": 3}),
+    ("grad-accuracy", "--dims 4 --ns 60 --cases blr --base-n 200",
+     {"dims": [4], "ns": [60], "cases": ["blr"], "rules": ["median", "svgd"], "base_n": 40}),
+    ("amortized", "--lams 0.1 --methods kl --steps 50 --samples 10",
+     {"lams": [0.1], "methods": ["kl"], "steps": 30, "samples": 10, "seeds": 1}),
+    ("toy", "--steps 100", {"steps": 100, "n_samples": 50}),
+]
+
+
+@pytest.mark.parametrize("command,given,expected", QUICK_AND_GIVEN, ids=[c for c, _, _ in QUICK_AND_GIVEN])
+def test_quick_keeps_the_lists_the_user_gives(command, given, expected):
+    """--quick replaced every list it sets (kl-accuracy --quick --dims 3 --lams 0.5 ran dims [1, 8] and lams
+    [0.001, 0.1]): a list the user gives now wins; the others take --quick's values."""
+    import importlib
+
+    from kivi_fast.experiments.options import apply_quick
+
+    parser, _ = cli.build_parser()
+    args = parser.parse_args([command, "--quick", *given.split()])
+    quick = importlib.import_module(cli.module_name(command)).QUICK
+    for _ in range(2):  # applied twice (a command's run and runs.begin both apply it): the same values
+        apply_quick(args, quick)
+        assert {k: getattr(args, k) for k in expected} == expected
 
 
 def test_every_option_says_what_it_is_and_its_default():

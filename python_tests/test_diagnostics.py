@@ -139,6 +139,16 @@ def test_quick_smoke_run_writes_its_files(command, files, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.parametrize("command,lr", [("blr", "100"), ("reverse-ablation", "10")])
+def test_a_diverged_training_ends_with_one_line_naming_lr(command, lr, tmp_path, capsys):
+    """A learning rate that sends the posterior's samples to NaN/Inf was the estimator's ValueError as a
+    traceback: now one line that says training diverged and names --lr."""
+    assert cli.main([command, "--quick", "--lr", lr, "--no-progress", "--run-dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert f"kivi-fast {command}: error:" in err and "training diverged" in err and "try a smaller --lr" in err
+    assert "Traceback" not in err
+
+
 def test_blr_with_full_contrast_records_it(tmp_path):
     run_dir = tmp_path / "blr"
     args = ["blr", "--quick", "--no-progress", "--contrast", "full", "--kivi-seeds", "2", "--run-dir", str(run_dir)]

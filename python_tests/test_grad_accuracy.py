@@ -157,14 +157,23 @@ def test_quick_run_writes_its_files(tmp_path, capsys):
 
 BAD = ["--dims=0", "--reps=1", "--base-n=1", "--base-lam=0", "--rules=mean", "--factors=-1", "--lams=0",
        "--ns=1", "--prior-ratios=0", "--grid=all", "--condition=0.5", "--condition=nan", "--clip=0",
-       "--flow-truth-samples=10", "--seed=-1", "--cases=mnist"]
+       "--flow-truth-samples=10", "--seed=-1", "--cases=mnist", "--base-lam=1e-300", "--seed=4294967296",
+       "--base-n=2", "--ns=2", "--quick --base-n 2 --cases blr"]
 
 
 @pytest.mark.parametrize("bad", BAD)
 def test_bad_values_are_usage_errors(bad, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["grad-accuracy", bad, "--no-progress", "--out", str(tmp_path)])
+        cli.main(["grad-accuracy", *bad.split(), "--no-progress", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert err.startswith("usage: kivi-fast grad-accuracy") and "kivi-fast grad-accuracy: error: " in err
     assert "Traceback" not in err and not any(tmp_path.iterdir())
+
+
+def test_derived_seeds_fit_torch_for_every_seed():
+    """--seed up to 2**32 - 1 derived seeds above 2**64, which torch refused; below that they are unchanged."""
+    assert ga._seeds(3, 2, 40, 80) == ((3 * 1_000_003 + 2 * 7_919) * 10_007 + 40,
+                                       (3 * 1_000_003 + 2 * 7_919) * 10_007 + 5_003 + 40 * 1_013 + 80)
+    for value in ga._seeds(2**32 - 1, 9, 200, 800):
+        torch.Generator().manual_seed(value)

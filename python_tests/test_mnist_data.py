@@ -18,6 +18,14 @@ def test_a_damaged_data_file_is_an_error_not_another_benchmark(tmp_path):
         mnist_data.load_binarized_mnist(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("content", [b"PK\x03\x04 truncated", b"not an npz at all", b""])
+def test_a_truncated_or_foreign_data_file_is_an_error_naming_it(tmp_path, content):
+    (tmp_path / "binarized_mnist").mkdir()
+    (tmp_path / "binarized_mnist" / "binarized_mnist.npz").write_bytes(content)
+    with pytest.raises(mnist_data.DataNotFoundError, match="binarized_mnist.npz is damaged"):
+        mnist_data.load_binarized_mnist(tmp_path)
+
+
 def test_the_shipped_binarized_mnist_is_the_larochelle_split():
     train, valid, test = mnist_data.load_binarized_mnist()
     assert train.shape == (50000, 784) and valid.shape == (10000, 784) and test.shape == (10000, 784)

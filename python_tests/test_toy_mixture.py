@@ -93,7 +93,7 @@ def test_cli_parses_the_toy_subcommand():
 
 def test_progress_bar_says_what_it_shows(tmp_path, capsys):
     """The bar shows the training objective, a biased estimate for KIVI, not the evaluated KL."""
-    args = _args(["--steps", "21", "--eval-samples", "1000", "--run-dir", str(tmp_path / "toy")])
+    args = _args(["--steps", "21", "--eval-samples", "1000", "--bin-width", "0.1", "--run-dir", str(tmp_path / "toy")])
     assert toy.run(args) == 0
     captured = capsys.readouterr()
     assert "KL (training estimate)=" in captured.err and "ELBO=" not in captured.err

@@ -198,6 +198,30 @@ def _data_copy(root: pathlib.Path, name: str = "boston") -> pathlib.Path:
     return root
 
 
+@pytest.mark.parametrize("file,content,expected", [
+    ("n_splits.txt", None, "n_splits.txt: missing"),
+    ("data.txt", "1 2 x\n", "data.txt: missing or not a table of numbers"),
+    ("index_train_0.txt", None, "index_train_0.txt: missing"),
+    ("index_train_0.txt", "0\n100000\n", "index_train_0.txt holds an index that is not a whole number in 0..307"),
+    ("index_target.txt", "1.5\n", "index_target.txt holds an index"),
+    ("n_splits.txt", "0\n", "says 0 splits"),
+])
+def test_a_damaged_uci_folder_is_one_line_naming_the_file(tmp_path, capsys, file, content, expected):
+    from kivi_fast import cli
+
+    folder = tmp_path / datasets.DATASETS["yacht"].folder / "data"
+    folder.mkdir(parents=True)
+    for f in (CHECKOUT_DATA / datasets.DATASETS["yacht"].folder / "data").iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / file).unlink()
+    if content is not None:
+        (folder / file).write_text(content)
+    code = cli.main(["uci", "--quick", "--dataset", "yacht", "--no-progress", "--data-dir", str(tmp_path),
+                     "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and expected in err and "Traceback" not in err, err
+
+
 def test_data_dir_option_and_environment_variable(tmp_path, monkeypatch):
     """--data-dir, else KIVI_FAST_DATA, else the checkout: each may name the sets' folder or the one
     above it (holding UCI_Datasets/); an explicit place is the only one looked at."""
@@ -275,6 +299,10 @@ def test_parse_splits_and_paper_settings():
     for bad in ("3-5", "abc", "2-1", "1,,2", "-1"):
         with pytest.raises(ValueError):
             regression.parse_splits(bad, 5)
+    # refused before the range is expanded (0-10^12 once filled the memory)
+    for n in (20, None):
+        with pytest.raises(ValueError, match="out of range"):
+            regression.parse_splits("0-1000000000000", n)
     assert regression.paper_epochs(506) == 3000 and regression.paper_epochs(1030) == 500
     assert datasets.DATASETS["protein"].n_hidden == 100
     model = regression.build_model("yacht", 6, "kivi", 50, 1e-3, 100)
@@ -357,7 +385,7 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tmp_path, monkeyp
         assert a["history"]["elbo"] == b["history"]["elbo"] and a["history"]["rmse"] == b["history"]["rmse"]
     # what the checkpoint holds is tensors and plain values: torch's safe loader reads it
     state = torch.load(resumed / "checkpoint.pt", weights_only=True)
-    assert set(state) == set(regression.CHECKPOINT_KEYS) and state["rng"].dtype == torch.uint8
+    assert set(state) == {*regression.CHECKPOINT_KEYS, "settings"} and state["rng"].dtype == torch.uint8
 
 
 class _Touch:
@@ -411,6 +439,42 @@ def test_resume_refuses_other_settings(tmp_path, monkeypatch):
     assert uci.run(make_args(tmp_path, *common, "--epochs", "1")) == 0
     assert uci.run(make_args(tmp_path, *common, "--epochs", "2")) == 2
     assert uci.run(make_args(tmp_path, *common, "--epochs", "1", "--generator-init", "torch")) == 2
+
+
+def test_a_checkpoint_trained_with_other_settings_or_another_model_is_refused(tmp_path, monkeypatch):
+    """Without config.json (boston-posterior's folders, a folder copied by hand) the checkpoint itself
+    says what it was trained with: another lam, more epochs, or another method's model are refused,
+    not resumed as this run's (they were, and reported the old model's numbers)."""
+    monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = make_args(tmp_path, "--dataset", "yacht", "--epochs", "2", "--eval-samples", "5")
+    args.lam, args.n_hidden, args.eval_every = 1e-3, 50, 2
+    regression.train_split(args, 0, run_dir)
+    again = argparse.Namespace(**vars(args))
+    assert regression.train_split(again, 0, run_dir)["epochs"] == 2  # the same settings resume
+    for key, value, said in (("lam", 0.5, "lam 0.001 there, 0.5 here"), ("epochs", 1, "epochs 2 there, 1 here"),
+                             ("seed", 7, "seed 0 there, 7 here")):
+        other = argparse.Namespace(**{**vars(args), key: value})
+        with pytest.raises(runs.CheckpointError, match=said):
+            regression.train_split(other, 0, run_dir)
+    # a checkpoint from before checkpoints carried their settings: another model is still refused
+    state = runs.load_checkpoint(run_dir / "checkpoint.pt", regression.CHECKPOINT_KEYS)
+    del state["settings"]
+    runs.save_checkpoint(run_dir / "checkpoint.pt", state)
+    other = argparse.Namespace(**{**vars(args), "method": "factorized", "generator_init": None})
+    with pytest.raises(runs.CheckpointError, match="holds another model than --dataset yacht --method factorized"):
+        regression.train_split(other, 0, run_dir)
+
+
+def test_training_that_diverges_ends_with_one_line(tmp_path, capsys):
+    from kivi_fast import cli
+
+    code = cli.main(["uci", "--quick", "--dataset", "yacht", "--method", "factorized", "--lr", "100",
+                     "--no-progress", "--checkpoint-seconds", "1000", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and "the training ELBO became nan" in err and "try a smaller --lr" in err, err
+    assert "Traceback" not in err and not (tmp_path / "run" / "split_00.json").exists()
 
 
 def test_run_folders_from_before_generator_init_resume_as_torch_init(tmp_path, monkeypatch):
@@ -525,7 +589,7 @@ def test_batch_jobs_expand_to_one_task_per_split_and_reject_bad_names():
                            "--run-dir", "f", "--threads", "1", "--no-profile", "--checkpoint-seconds", "15.0",
                            "--data-dir", "d", "--quick", "--no-progress", "--epochs", "3"]
     for bad, word in (("yacht", "dataset:method"), ("yaht:kivi", "yaht"), ("yacht:svgd", "svgd"),
-                      ("yacht:kivi:25", "out of range")):
+                      ("yacht:kivi:25", "out of range"), ("yacht:kivi:", "no splits after")):
         with pytest.raises(ValueError, match=word):
             uci_batch.parse_job(bad)
 
@@ -538,9 +602,13 @@ def test_batch_refuses_uci_args_it_sets_itself_before_any_split_starts(tmp_path,
     for uci_args, message in (("--splits 3", "--splits is set by uci-batch"),
                               ("--epochs 2 --dataset=boston", "--dataset is set by uci-batch"),
                               ("--meth kivi-ac", "--method is set by uci-batch"),  # (argparse's abbreviation)
-                              ("--epochs 'x", "--uci-args: No closing quotation")):
+                              ("--epochs 'x", "--uci-args: No closing quotation"),
+                              # uci's own parser, before any split starts (each split used to fail on its own)
+                              ("--bogus", "--uci-args: unrecognized arguments: --bogus"),
+                              ("--epochs -1", "--uci-args: argument --epochs: expected a positive integer"),
+                              ("-h", "--uci-args: -h/--help would print uci's help")):
         with pytest.raises(SystemExit) as exit_info:
-            cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch"), "--uci-args", uci_args])
+            cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch"), f"--uci-args={uci_args}"])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
         assert not (tmp_path / "batch").exists()
     a_file = tmp_path / "a_file"

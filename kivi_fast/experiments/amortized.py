@@ -49,7 +49,9 @@ import kivi_fast
 
 from . import runs
 from .grad_accuracy import gaussian_kl
-from .options import add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, positive_float, positive_int
+from .options import (add_common, apply_quick, check_full_contrast_samples, int_at_least, kivi_clip, kivi_lam,
+                      positive_float, positive_int, random_seed)
+from .training import check_loss_is_finite, estimator_refusal_as_run_error
 
 NAME = "amortized"
 METHODS = ("plain", "kl", "ac-diag", "ac-full", "gaussian")
@@ -69,14 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lams", type=kivi_lam, nargs="+", default=[1e-3, 1e-2],
                         help="KIVI's ridge coefficients (plain, kl, ac-diag, ac-full)")
     parser.add_argument("--seeds", type=positive_int, default=4, help="number of seeds per method and lam")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="first seed")
+    parser.add_argument("--seed", type=random_seed, default=0, help="first seed")
     parser.add_argument("--steps", type=positive_int, default=2000, help="Adam steps per run")
     parser.add_argument("--batch", type=positive_int, default=64, help="data points per minibatch")
     parser.add_argument("--samples", type=int_at_least(2), default=100, help="samples of z per data point")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="Adam's learning rate (constant)")
     parser.add_argument("--hidden", type=positive_int, default=64, help="units in each of the 2 hidden layers")
     parser.add_argument("--clip", type=kivi_clip, default=1e-8, help="lower clip of the density ratio")
-    parser.add_argument("--model-seed", type=nonnegative_int, default=0,
+    parser.add_argument("--model-seed", type=random_seed, default=0,
                         help="seed of the decoder (W, b) and of the held-out x")
     parser.add_argument("--w-scale", type=positive_float, default=0.5, help="std of the entries of W")
     parser.add_argument("--noise-std", type=positive_float, default=0.5, help="observation noise s")
@@ -190,11 +192,15 @@ def train(model: LinearGaussian, method: str, lam: float, seed: int, args, on_st
     encoder = (GaussianEncoder if method == "gaussian" else ImplicitEncoder)(args.hidden)
     opt = torch.optim.Adam(encoder.parameters(), lr=args.lr)
     loss = torch.tensor(float("nan"))
-    for _ in range(args.steps):
+    what = f"{label(method, lam)}, seed {seed}"
+    for step in range(args.steps):
+        where, updated = f"step {step + 1}", step > 0
         x = model.sample(args.batch, gen)
         z = encoder(x, args.samples, gen)
         recon = model.log_likelihood(x, z).mean(-1)
-        loss = (kl_term(method, encoder, x, z, lam, args.clip, gen) - recon).mean()
+        with estimator_refusal_as_run_error(what, where, updated):
+            loss = (kl_term(method, encoder, x, z, lam, args.clip, gen) - recon).mean()
+        check_loss_is_finite(what, loss.item(), where, updated)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -354,6 +360,9 @@ def _load_previous(path, settings: dict) -> list[dict]:
 
 
 def run(args) -> int:
+    apply_quick(args, QUICK)  # (begin applies it too: the same values) for --samples in the check below
+    if "ac-full" in args.methods:
+        check_full_contrast_samples("--samples", args.samples, LATENT, "ac-full")
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     model = LinearGaussian.from_seed(args.model_seed, args.w_scale, args.noise_std)

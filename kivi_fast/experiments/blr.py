@@ -47,9 +47,10 @@ from ..contrast import standard_normal_log_prob
 from ..nn import FactorizedGaussian, stochastic_net_2d
 from . import runs
 from .hmc import hmc_sample, split_r_hat
-from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_float,
-                      positive_int)
+from .options import (SEED_LIMIT, UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam,
+                      nonnegative_int, plural, positive_float, positive_int, random_seed)
 from .sample_metrics import mmd2_rbf, moment_gaps
+from .training import check_loss_is_finite, estimator_refusal_as_run_error
 
 NAME = "blr"
 
@@ -129,8 +130,8 @@ def posterior_moments_on_grid(data: LogisticData, centre, half_width, size: int 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=nonnegative_int, default=1, help="seed of the training, HMC and evaluation")
-    parser.add_argument("--data-seed", type=nonnegative_int, default=3,
+    parser.add_argument("--seed", type=random_seed, default=1, help="seed of the training, HMC and evaluation")
+    parser.add_argument("--data-seed", type=random_seed, default=3,
                         help="seed of the data set (default 3: w_true = (-1.14, 0.94), a diagonal |w| ~ 1.5 that "
                              "gives the correlated posterior of the paper's figure; seed 1 draws |w_true| = 0.23 "
                              "and an almost round posterior)")
@@ -187,15 +188,19 @@ def fit_vi(posterior, kl_term, data: LogisticData, *, epochs: int, batch_size: i
             group["lr"] = lr * annealed_lr_factor(epoch)
         sums = {"elbo": 0.0, "kl": 0.0}
         batches = torch.randperm(n, generator=generator).split(batch_size)
-        for idx in batches:
+        for step, idx in enumerate(batches):
+            where, updated = f"epoch {epoch}, step {step + 1}", epoch > 1 or step > 0
             w = posterior.sample(n_samples, generator)
             expected_ll = log_likelihood(w, data.x[idx], data.y[idx]).mean() * (n / len(idx))
-            kl = kl_term(w)
+            with estimator_refusal_as_run_error(desc, where, updated):
+                kl = kl_term(w)
             loss = kl - expected_ll
+            value = loss.item()
+            check_loss_is_finite(desc, value, where, updated)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            sums["elbo"] -= loss.item() / len(batches)
+            sums["elbo"] -= value / len(batches)
             sums["kl"] += float(kl.detach()) / len(batches)
         history.append({"epoch": epoch, "lr": lr * annealed_lr_factor(epoch), **sums})
     return history
@@ -269,6 +274,10 @@ def plot_figure(path, data, grid, vi: FactorizedGaussian, samples: dict, window,
 
 
 def run(args) -> int:
+    apply_quick(args, QUICK)  # (begin applies it too: the same values) for --hmc-chains in the check below
+    if args.seed + args.hmc_chains > SEED_LIMIT:  # HMC chain c seeds numpy (through Pyro) with seed + c
+        raise UsageError(f"--seed {args.seed} with --hmc-chains {args.hmc_chains}: HMC seeds its chains with "
+                         f"--seed + chain, which must stay below {SEED_LIMIT}")
     out = runs.begin(args, NAME, QUICK)
     torch.manual_seed(args.seed)
     data = make_data(args.n_data, generator=torch.Generator().manual_seed(args.data_seed))

@@ -27,7 +27,7 @@ import torch
 from ..nn.generator import INITS
 from . import datasets, regression, runs
 from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_lam, nonnegative_int, plural,
-                      positive_int)
+                      positive_int, random_seed)
 
 NAME = "boston-posterior"
 METHODS = {"factorized": "factorized VI", "kivi": "KIVI"}
@@ -35,7 +35,7 @@ QUICK = {"epochs": 2, "samples": 20}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed (as kivi-fast uci's)")
+    parser.add_argument("--seed", type=random_seed, default=0, help="random seed (as kivi-fast uci's)")
     parser.add_argument("--split", type=nonnegative_int, default=0, help="which of the 20 standard Boston splits")
     parser.add_argument("--epochs", type=positive_int, default=3000, help="training epochs (paper: 3000 for Boston)")
     parser.add_argument("--samples", type=int_at_least(2), default=100, help="n_p = n_q = M during training")

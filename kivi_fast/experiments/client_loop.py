@@ -43,7 +43,7 @@ import kivi_fast
 
 from . import runs
 from .amortized import TARGET_MEAN_ERROR, TARGET_RATIOS, meets_target, worst_ratio  # the same target
-from .options import add_common, int_at_least, nonnegative_int, plural, positive_float, positive_int
+from .options import add_common, int_at_least, plural, positive_float, positive_int, random_seed
 
 NAME = "client-loop"
 SETTINGS = ("kl-paper", "kl", "ac-paper", "ac")
@@ -147,14 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
                         help="estimator settings to train with")
     parser.add_argument("--seeds", type=positive_int, default=16, help="generators (seeds) per setting")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="first seed")
+    parser.add_argument("--seed", type=random_seed, default=0, help="first seed")
     parser.add_argument("--steps", type=positive_int, default=1500, help="Adam steps")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="Adam's learning rate, constant")
     parser.add_argument("--samples", type=int_at_least(2), default=100, help="posterior samples per step")
     parser.add_argument("--dim", type=positive_int, default=4, help="number of regression weights d")
     parser.add_argument("--n-data", type=positive_int, default=30, help="data points")
     parser.add_argument("--noise", type=positive_float, default=0.5, help="observation noise std")
-    parser.add_argument("--data-seed", type=nonnegative_int, default=0, help="seed of the data")
+    parser.add_argument("--data-seed", type=random_seed, default=0, help="seed of the data")
     parser.add_argument("--eval-samples", type=int_at_least(2), default=20000,
                         help="samples per generator for the final moments")
     add_common(parser, name=NAME, quick="a seconds-long smoke run (2 seeds, 20 steps)")

@@ -92,30 +92,56 @@ def _folder(name: str, data_dir: str | os.PathLike | None) -> Path:
         "of the kivi_fast source repository; its README.md says where the files come from)")
 
 
-def _indices(path: Path) -> np.ndarray:
+def _table(path: Path) -> np.ndarray:
+    """A whitespace-separated table of numbers; a missing or damaged file is a DataNotFoundError naming it."""
+    try:
+        table = np.loadtxt(path, ndmin=1)
+    except (OSError, ValueError) as err:
+        raise DataNotFoundError(f"{path}: missing or not a table of numbers ({err}); copy the data set's "
+                                "folder again (data/UCI_Datasets/README.md)") from None
+    if table.size == 0:
+        raise DataNotFoundError(f"{path} is empty; copy the data set's folder again (data/UCI_Datasets/README.md)")
+    return table
+
+
+def _indices(path: Path, bound: int) -> np.ndarray:
     # the index files hold one 0-based integer per line (some written as floats)
-    return np.atleast_1d(np.loadtxt(path)).astype(np.int64)
+    index = _table(path).reshape(-1)
+    if (index != np.round(index)).any() or index.min() < 0 or index.max() >= bound:
+        raise DataNotFoundError(f"{path} holds an index that is not a whole number in 0..{bound - 1}; copy the "
+                                "data set's folder again (data/UCI_Datasets/README.md)")
+    return index.astype(np.int64)
 
 
 def n_splits(name: str, data_dir=None) -> int:
-    return int(np.loadtxt(_folder(name, data_dir) / "n_splits.txt"))
+    path = _folder(name, data_dir) / "n_splits.txt"
+    count = int(_indices(path, 10**6)[0])
+    if count < 1:
+        raise DataNotFoundError(f"{path} says {count} splits; copy the data set's folder again "
+                                "(data/UCI_Datasets/README.md)")
+    return count
 
 
 def load_arrays(name: str, data_dir=None) -> tuple[np.ndarray, np.ndarray]:
     """All rows of a data set: inputs [N, D] and targets [N], float64, in original units."""
     folder = _folder(name, data_dir)
-    data = np.loadtxt(folder / "data.txt")
-    features = _indices(folder / "index_features.txt")
-    target = int(_indices(folder / "index_target.txt")[0])
+    data = _table(folder / "data.txt")
+    if data.ndim != 2:
+        raise DataNotFoundError(f"{folder / 'data.txt'} is not a table of rows and columns; copy the data set's "
+                                "folder again (data/UCI_Datasets/README.md)")
+    features = _indices(folder / "index_features.txt", data.shape[1])
+    target = int(_indices(folder / "index_target.txt", data.shape[1])[0])
     return data[:, features], data[:, target]
 
 
-def split_indices(name: str, split: int, data_dir=None) -> tuple[np.ndarray, np.ndarray]:
-    """The 0-based (train, test) row indices of one standard split."""
+def split_indices(name: str, split: int, data_dir=None, n_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The 0-based (train, test) row indices of one standard split (checked against ``n_rows`` if given)."""
     folder = _folder(name, data_dir)
     if not 0 <= split < n_splits(name, data_dir):
         raise IndexError(f"{name} has splits 0..{n_splits(name, data_dir) - 1}, got {split}")
-    return _indices(folder / f"index_train_{split}.txt"), _indices(folder / f"index_test_{split}.txt")
+    bound = n_rows if n_rows is not None else np.iinfo(np.int64).max
+    return (_indices(folder / f"index_train_{split}.txt", bound),
+            _indices(folder / f"index_test_{split}.txt", bound))
 
 
 @dataclass(frozen=True)
@@ -161,7 +187,7 @@ class Split:
 
 def load_split(name: str, split: int, data_dir=None, dtype=torch.float32) -> Split:
     x, y = load_arrays(name, data_dir)
-    train, test = split_indices(name, split, data_dir)
+    train, test = split_indices(name, split, data_dir, n_rows=len(y))
     x_scaler, y_scaler = Standardizer.fit(x[train]), Standardizer.fit(y[train])
 
     def t(a):

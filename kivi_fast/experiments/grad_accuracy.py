@@ -90,8 +90,8 @@ from kivi_fast.contrast import DEFAULT_LAM, GaussianFit, gaussian_contrast, stan
 
 from ..nn import PlanarFlow
 from . import runs
-from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_float,
-                      positive_int)
+from .options import (add_common, apply_quick, check_full_contrast_samples, int_at_least, kivi_clip, kivi_lam,
+                      plural, positive_float, positive_int, random_seed)
 
 NAME = "grad-accuracy"
 RULES = ("median", "median-q", "svgd", "silverman")
@@ -106,7 +106,7 @@ BLR_COV = ((0.02857, -0.02035), (-0.02035, 0.02080))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    parser.add_argument("--seed", type=random_seed, default=0, help="random seed")
     parser.add_argument("--dims", type=positive_int, nargs="+", default=[2, 8, 32, 128],
                         help="dimensions d of the shift, iso, corr and flow cases (blr is 2-D)")
     parser.add_argument("--cases", choices=CASE_FAMILIES, nargs="+", default=list(CASE_FAMILIES),
@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int_at_least(2), default=40,
                         help="independent draws per cell (one batched estimator call)")
     parser.add_argument("--base-n", type=int_at_least(2), default=100, help="n_q of the base setting")
-    parser.add_argument("--base-lam", type=positive_float, default=1e-3, help="lam of the base setting")
+    parser.add_argument("--base-lam", type=kivi_lam, default=1e-3, help="lam of the base setting")
     parser.add_argument("--rules", choices=RULES, nargs="+", default=list(RULES), help="bandwidth rules")
     parser.add_argument("--factors", type=positive_float, nargs="+", default=[0.5, 2.0],
                         help="multiples of each rule's bandwidth (plain; every estimator with --grid full)")
@@ -426,7 +426,8 @@ def gradient_stats(grads: torch.Tensor, truth: torch.Tensor, n_m: int | None = N
 
 def _seeds(seed: int, case_index: int, n_q: int, n_p: int) -> tuple[int, int]:
     base = (seed * 1_000_003 + case_index * 7_919) * 10_007
-    return base + n_q, base + 5_003 + n_q * 1_013 + n_p
+    # modulo torch's seed range (2**64): the same seeds as before wherever they fit, and any --seed works
+    return (base + n_q) % 2**64, (base + 5_003 + n_q * 1_013 + n_p) % 2**64
 
 
 def run_cell(case, case_index: int, variant: Variant, reps: int, clip: float, seed: int) -> dict:
@@ -780,6 +781,12 @@ def write_results(path, header: dict, cases: list, rows: list[dict]) -> None:
 
 
 def run(args) -> int:
+    apply_quick(args, QUICK)  # (begin applies it too: the same values) for the sample sizes checked below
+    dims = set(args.dims) if set(args.cases) != {"blr"} else set()  # the cases' d: --dims, and 2 for blr
+    if "blr" in args.cases:
+        dims.add(2)
+    for option, n in (("--base-n", args.base_n), *(("--ns", n) for n in args.ns)):
+        check_full_contrast_samples(option, n, max(dims), "ac-full")
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     cases = make_cases(args.cases, args.dims, args.condition, args.flow_truth_samples, args.seed)

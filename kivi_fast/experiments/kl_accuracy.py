@@ -43,7 +43,8 @@ import kivi_fast
 from ..contrast import GaussianFit, gaussian_contrast
 from ..nn import PlanarFlow, gaussian_kl_to_standard_normal
 from . import runs
-from .options import add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_int
+from .options import (add_common, apply_quick, check_full_contrast_samples, int_at_least, kivi_clip, kivi_lam, plural,
+                      positive_int, random_seed)
 
 NAME = "kl-accuracy"
 FAMILIES = ("N(0,I)", "shift |mu|=1.5", "narrow s=0.5", "wide s=2", "planar flow")
@@ -53,7 +54,7 @@ CONTRAST = {"ac-diag": "diagonal", "ac-full": "full"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    parser.add_argument("--seed", type=random_seed, default=0, help="random seed")
     parser.add_argument("--dims", type=positive_int, nargs="+", default=[1, 2, 8, 32], help="dimensions d")
     parser.add_argument("--ns", type=int_at_least(2), nargs="+", default=[50, 100, 200, 500],
                         help="sample sizes n = n_p = n_q")
@@ -236,6 +237,9 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
 
 
 def run(args) -> int:
+    apply_quick(args, QUICK)  # (begin applies it too: the same values) for the sample sizes checked below
+    for n in args.ns:
+        check_full_contrast_samples("--ns", n, max(args.dims), "ac-full")
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     families = [Family(f, d, args.flow_truth_samples, args.seed) for d in args.dims for f in FAMILIES]

@@ -40,7 +40,7 @@ import torch
 from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
-from .options import UsageError, add_common, int_at_least, positive_int
+from .options import UsageError, add_common, int_at_least, plural, positive_int
 from .graphs import trainer_adam, trainer_step
 from .training import (Checkpoints, Distributed, Position, add_device_options, add_gpu_options, add_training_options,
                        check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
@@ -96,7 +96,7 @@ def run(args) -> int:
     comm, run_dir = start(args, QUICK, lambda a: f"{NAME}-{a.hidden}-{a.method}")  # (named after --quick's L)
     result = train(args, run_dir, comm)
     if comm.main and result is not None:
-        print(f"mnist L = {args.hidden} {args.method}: {result['epochs']} epochs, test error "
+        print(f"mnist L = {args.hidden} {args.method}: {plural(result['epochs'], 'epoch')}, test error "
               f"{100 * result['test_error']:.2f}% (validation {100 * result['valid_error']:.2f}%), "
               f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; {run_dir}")
     elif comm.main:

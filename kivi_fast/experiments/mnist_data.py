@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +53,12 @@ def load_arrays(spec, data_dir=None) -> dict[str, np.ndarray]:
     """The arrays of one of :data:`BINARIZED_MNIST`, :data:`MNIST`, each checked against its SHA-256."""
     folder, file, digests = spec
     path = find_file(folder, file, data_dir)
-    with np.load(path, allow_pickle=False) as npz:
-        arrays = {key: npz[key] for key in digests if key in npz.files}
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in digests if key in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:  # truncated, or not an .npz of arrays
+        raise DataNotFoundError(f"{path} is damaged or not a NumPy .npz of arrays ({type(err).__name__}: "
+                                f"{err}); copy it again (data/{folder}/README.md)") from None
     for key, digest in digests.items():
         if key not in arrays or hashlib.sha256(np.ascontiguousarray(arrays[key]).tobytes()).hexdigest() != digest:
             raise DataNotFoundError(f"{path}: array {key!r} is missing or not the published one (its SHA-256 "

@@ -109,7 +109,7 @@ def comparisons(summaries: dict) -> dict:
 def run(args) -> int:
     loaded = runs.collect_runs(args.runs, load_run, lambda r: run_label(r["results.json"]["config"]))
     out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(out, "--results")
     order = sorted(loaded, key=lambda k: (loaded[k][1]["results.json"]["hidden"], k))
     summary = {"paper_test_error_percent": PAPER_TABLE, "runs": {}}
     for label in order:

@@ -71,15 +71,53 @@ def kivi_clip(text: str) -> float:
     return _number(float, text, "a number in (0, 1)", lambda v: 0 < v < 1)
 
 
+# Seeds below 2**32 are numpy's range (np.random.seed, which Pyro's HMC calls), and the seeds the
+# trainers derive from them (seed * 1000 + split, seed * 100_003 + cell, ...) stay within torch's 64 bits
+# (grad-accuracy's larger products are taken modulo 2**64).
+SEED_LIMIT = 2**32
+MAX_THREADS = 1024  # torch.set_num_threads crashes the process (no exception) at 100000
+
+
+def random_seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**32)."""
+    return _number(int, text, f"an integer from 0 to {SEED_LIMIT - 1} (a seed)", lambda v: 0 <= v < SEED_LIMIT)
+
+
+def thread_count(text: str) -> int:
+    """Torch CPU threads: an integer in [1, MAX_THREADS]."""
+    return _number(int, text, f"an integer from 1 to {MAX_THREADS} (CPU threads)", lambda v: 1 <= v <= MAX_THREADS)
+
+
 def apply_quick(args, settings: dict) -> None:
-    """With ``--quick``, each setting at most its quick value (a smaller one given stays); lists are
-    replaced."""
+    """With ``--quick``, each number setting at most its quick value (a smaller one given stays), and each
+    other setting (a list, a choice) its quick value unless the user gave one, which wins.
+
+    An option counts as given when its value differs from the parser's default (add_common leaves the
+    parser in ``args._parser``; a command that defines ``--quick`` itself has none: its settings are
+    replaced). Numbers are capped instead, as a command may fill one in before this is called (uci's
+    --epochs from the data set), which would then count as given."""
     if not args.quick:
         return
+    parser = getattr(args, "_parser", None)
     for key, value in settings.items():
         current = getattr(args, key)
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, current))
-        setattr(args, key, min(current, value) if numbers else value)
+        if _is_number(current) and _is_number(value):
+            setattr(args, key, min(current, value))
+        elif parser is None or current == parser.get_default(key):
+            setattr(args, key, value)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_full_contrast_samples(option: str, n: int, d: int, methods: str) -> None:
+    """A full-covariance contrast fitted to ``n`` samples in ``d`` dimensions: n = 2 with d >= 2 is a usage
+    error. (Two samples are perfectly correlated in every pair of dimensions, so their covariance stays
+    singular even shrunk toward its diagonal; from 3 samples on the shrunk fit works, also for n <= d.)"""
+    if n < 3 and d >= 2:
+        raise UsageError(f"{option} {n}: {methods} (a full-covariance contrast) needs at least 3 samples in "
+                         f"d = {d} (2 samples lie on a line, so their covariance is singular)")
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -92,6 +130,7 @@ def add_common(parser: argparse.ArgumentParser, *, quick: str, name: str | None 
     """The options every experiment has: ``--quick`` (what it does: ``quick``), ``--no-progress``,
     and, with ``out``, ``--out`` / ``--run-dir`` (run folders named ``name``-<time>)."""
     parser.add_argument("--quick", action="store_true", help=quick)
+    parser.set_defaults(_parser=parser)  # for apply_quick: the defaults tell the options the user gave
     parser.add_argument("--no-progress", action="store_true", help=progress)
     if out:
         parser.add_argument("--out", default="runs", help="root folder of the run folders")

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..contrast import DEFAULT_LAM
 from ..nn import FactorizedGaussian, MLPGenerator, bnn
-from . import datasets, runs
+from . import datasets, runs, training
 
 METHODS = ("kivi", "kivi-ac", "kivi-contrast", "factorized")
 
@@ -91,11 +91,16 @@ def parse_splits(text: str | None, n: int | None = None) -> list[int]:
             raise ValueError(f"splits must look like 0-19 or 0,3,5, got {text!r}") from None
         if lo < 0 or hi < lo:
             raise ValueError(f"splits must look like 0-19 or 0,3,5 (ascending ranges of numbers >= 0), got {text!r}")
+        # checked before the range is expanded: 0-100000000000 must not fill the memory first
+        if n is not None and hi >= n:
+            raise ValueError(f"split {hi} is out of range 0..{n - 1}")
+        if hi >= MAX_SPLITS:
+            raise ValueError(f"split {hi} is out of range (no data set has more than {MAX_SPLITS} splits)")
         out.update(range(lo, hi + 1))
-    bad = [s for s in out if n is not None and s >= n]
-    if bad:
-        raise ValueError(f"splits {sorted(bad)} out of range 0..{n - 1}")
     return sorted(out)
+
+
+MAX_SPLITS = 1000  # a bound on split numbers where the data set's count is not at hand
 
 
 def default_lam(method: str) -> float:
@@ -153,7 +158,8 @@ def train_epoch(model, opt, data: datasets.Split, batch_size: int, n_samples: in
     return {k: v / n_batches for k, v in sums.items()}
 
 
-# what a checkpoint of train_split holds: tensors (state dicts, torch's RNG state) and plain values
+# what a checkpoint of train_split holds: tensors (state dicts, torch's RNG state) and plain values;
+# also "settings" (the RESUME_KEYS it was trained with), which checkpoints written before it lack
 CHECKPOINT_KEYS = ("split", "epoch", "model", "optimizer", "rng", "history", "elapsed")
 
 
@@ -174,16 +180,26 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
     start_epoch, elapsed = 0, 0.0
     ckpt_path = run_dir / "checkpoint.pt"
     ckpt = runs.load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    # the checkpoint carries the settings it was trained with: a run folder without config.json
+    # (boston-posterior's, or one copied by hand) must not resume another run's model as this one's
+    settings = {k: getattr(args, k, None) for k in RESUME_KEYS}
     if ckpt is not None and ckpt["split"] == split:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        _check_resumable(ckpt_path, ckpt, settings)
+        try:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as err:  # another model's parameters
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise runs.CheckpointError(f"{ckpt_path} holds another model than --dataset {args.dataset} "
+                                       f"--method {args.method} builds ({first_line}); remove it, or use "
+                                       "another --run-dir") from None
         torch.set_rng_state(ckpt["rng"])
         history, start_epoch, elapsed = ckpt["history"], ckpt["epoch"], ckpt["elapsed"]
 
     def save(epoch):
         runs.save_checkpoint(ckpt_path, {"split": split, "epoch": epoch, "model": model.state_dict(),
                                          "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                                         "history": history, "elapsed": elapsed})
+                                         "history": history, "elapsed": elapsed, "settings": settings})
 
     last_save = time.time()
     bar = tqdm(range(start_epoch, args.epochs), initial=start_epoch, total=args.epochs, desc=f"split {split}",
@@ -192,6 +208,9 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
         t0 = time.perf_counter()
         terms = train_epoch(model, opt, data, args.batch_size, args.samples)
         elapsed += time.perf_counter() - t0
+        if not math.isfinite(terms["elbo"]):  # diverged: end with one line, keeping the last good checkpoint
+            raise runs.RunError(f"split {split}: the training ELBO became {terms['elbo']} at epoch {epoch + 1} "
+                                f"(try a smaller --lr); {training.last_checkpoint(run_dir)}")
         history["epoch"].append(epoch + 1)
         for k, v in terms.items():
             history[k].append(v)
@@ -226,6 +245,21 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
 # settings that must match for a run folder to be resumed (and for run folders to be pooled)
 RESUME_KEYS = ("dataset", "method", "epochs", "samples", "lam", "batch_size", "lr", "n_hidden", "seed",
                "eval_samples", "eval_every", "generator_init")
+
+
+def _check_resumable(path: Path, ckpt: dict, settings: dict) -> None:
+    """Refuse a checkpoint trained with other settings (or for more epochs than asked). Checkpoints
+    written before they carried their settings are trusted: the run folder's config.json vouches."""
+    old = ckpt.get("settings")
+    if isinstance(old, dict):
+        differ = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if differ:
+            said = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+            raise runs.CheckpointError(f"{path} was trained with other settings ({said}); remove it, or use "
+                                       "another --run-dir")
+    if ckpt["epoch"] > settings["epochs"]:
+        raise runs.CheckpointError(f"{path} has trained {ckpt['epoch']} epochs, more than --epochs "
+                                   f"{settings['epochs']}; remove it, or use another --run-dir")
 
 
 def resume_config(old: dict) -> dict:

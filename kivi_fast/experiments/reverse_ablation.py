@@ -24,9 +24,9 @@ import kivi_fast
 
 from ..nn import MLPGenerator, stochastic_net_2d
 from . import runs
-from .options import (add_common, int_at_least, kivi_clip, kivi_lam, nonnegative_int, plural, positive_float,
-                      positive_int)
+from .options import add_common, int_at_least, kivi_clip, kivi_lam, plural, positive_float, positive_int, random_seed
 from .sample_metrics import mmd2_rbf, moment_gaps
+from .training import check_loss_is_finite, estimator_refusal_as_run_error
 
 NAME = "reverse-ablation"
 VARIANTS = {"with the reverse ratio trick": True, "without (fit q/p)": False}
@@ -34,7 +34,7 @@ QUICK = {"steps": 10, "samples": 100, "log_every": 5, "eval_samples": 100}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    parser.add_argument("--seed", type=random_seed, default=0, help="random seed")
     parser.add_argument("--steps", type=positive_int, default=1000, help="Adam steps of each variant")
     parser.add_argument("--samples", type=int_at_least(2), default=1000,
                         help="q samples per step (and as many prior samples)")
@@ -62,9 +62,12 @@ def train(net: MLPGenerator, reverse: bool, args, generator: torch.Generator, de
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     history = []
     for step in tqdm(range(1, args.steps + 1), desc=desc, disable=args.no_progress):
+        where, updated = f"step {step}", step > 1
         q = net.sample(args.samples, generator)
         prior = torch.randn(args.samples, 2, generator=generator)
-        loss = kivi_fast.kernel_kl(prior, q, args.lam, clip=args.clip, reverse=reverse)
+        with estimator_refusal_as_run_error(desc, where, updated):
+            loss = kivi_fast.kernel_kl(prior, q, args.lam, clip=args.clip, reverse=reverse)
+        check_loss_is_finite(desc, loss.item(), where, updated)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -53,6 +53,31 @@ def make_folder(path: Path, option: str) -> None:
         raise UsageError(f"{option}: cannot make the folder {path}: {err.strerror or err}") from None
 
 
+# how a JSON value's Python type reads in a message
+_JSON_KINDS = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def read_json(path, expect=dict):
+    """The JSON value in ``path``, which must be of type ``expect`` (dict: a JSON object, list: an array).
+
+    A file that cannot be read, is not JSON or holds another type raises :class:`RunError` naming it:
+    the run folders and results the commands read may be damaged or another command's.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise RunError(f"{path}: cannot read it: {err.strerror or err}") from None
+    except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+        raise RunError(f"{path}: not JSON ({err})") from None
+    if not isinstance(data, expect):
+        got = _JSON_KINDS.get(type(data), type(data).__name__)
+        raise RunError(f"{path}: expected a JSON {_JSON_KINDS.get(expect, expect.__name__)}, got "
+                       f"{'an' if got[0] in 'aeiou' else 'a'} {got}")
+    return data
+
+
 def write_json(path: str | os.PathLike, data) -> None:
     """Write atomically, so an interrupted run never leaves half a file."""
     path = Path(path)
@@ -84,11 +109,10 @@ def load_checkpoint(path: str | os.PathLike, keys=()) -> dict | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:  # (OSError: truncated)
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
-            f"{path} is not a kivi_fast checkpoint that can be loaded safely: it holds something other than "
-            f"tensors and plain Python values, or is damaged ({first_line}); remove it, or use another "
-            "--run-dir") from None
+            f"{path} is not a kivi_fast checkpoint that can be loaded safely: not one kivi_fast wrote (it holds "
+            f"something other than tensors and plain Python values), or damaged ({_load_failure(err)}); remove "
+            "it, or use another --run-dir") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is not a kivi_fast checkpoint: it holds a {type(state).__name__}, not a "
                               "dict; remove it, or use another --run-dir")
@@ -97,6 +121,15 @@ def load_checkpoint(path: str | os.PathLike, keys=()) -> dict | None:
         raise CheckpointError(f"{path} is not a kivi_fast checkpoint: it lacks {', '.join(map(str, missing))}; "
                               "remove it, or use another --run-dir")
     return state
+
+
+def _load_failure(err: Exception) -> str:
+    """What ``torch.load`` found wrong, in a few words. Its message first advises reloading with
+    ``weights_only=False`` (or allow-listing the class): that would run whatever code the file holds, so
+    only torch's diagnosis, after "WeightsUnpickler error:", and its first sentence are kept."""
+    text = str(err).split("WeightsUnpickler error:", 1)[-1]
+    line = next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
+    return line.split(". ", 1)[0]
 
 
 def collect_runs(folders, load, label_of) -> dict:
@@ -115,11 +148,12 @@ def collect_runs(folders, load, label_of) -> dict:
 
 
 def load_finished_run(folder: Path, command: str) -> dict:
-    """A finished run folder's results.json and history.json, parsed; a RunError naming ``command`` when
-    the folder holds no results.json."""
+    """A finished run folder's results.json (an object) and history.json (a list, one entry per evaluation),
+    parsed; a RunError naming ``command`` when the folder holds no results.json, or naming a damaged file."""
     if not (folder / "results.json").exists():
         raise RunError(f"{folder} holds no results.json: not a finished kivi-fast {command} run")
-    return {name: json.loads((folder / name).read_text()) for name in ("results.json", "history.json")}
+    return {"results.json": read_json(folder / "results.json"),
+            "history.json": read_json(folder / "history.json", list)}
 
 
 def copy_run_files(folder: Path, dest: Path, names) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -25,7 +24,7 @@ from torch import distributed as dist
 from tqdm.auto import tqdm
 
 from .options import (UsageError, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, positive_float,
-                      positive_int)
+                      positive_int, random_seed, thread_count)
 from . import runs
 from .runs import CheckpointError
 
@@ -122,16 +121,48 @@ def diverged_as_run_error(epoch: int, step: int, run_dir):
     try:
         yield
     except ValueError as err:
-        raise runs.RunError(f"the KL estimate failed at epoch {epoch}, step {step}: {err}; the last checkpoint "
-                            f"is in {run_dir}") from err
+        raise runs.RunError(f"the KL estimate failed at epoch {epoch}, step {step}: {err}; "
+                            f"{last_checkpoint(run_dir)}") from err
 
 
 def check_finite_loss(what: str, value: float, epoch: int, step: int, run_dir) -> None:
     """A step's loss that is not finite ends the run (without a save: the last checkpoint is the last
     good state)."""
     if not math.isfinite(value):
-        raise runs.RunError(f"the {what} became {value} at epoch {epoch}, step {step}; the last checkpoint is in "
-                            f"{run_dir}")
+        raise runs.RunError(f"the {what} became {value} at epoch {epoch}, step {step}; {last_checkpoint(run_dir)}")
+
+
+def last_checkpoint(run_dir) -> str:
+    """Where a stopped run can resume from, for its error message (a run may stop before its first save)."""
+    if run_dir is not None and (Path(run_dir) / "checkpoint.pt").exists():
+        return f"the last checkpoint is in {run_dir}"
+    return f"no checkpoint was written yet (run folder {run_dir})"
+
+
+@contextlib.contextmanager
+def estimator_refusal_as_run_error(what: str, where: str, updated: bool, initial: str = ""):
+    """A training step whose KL estimator refuses its samples (NaN/Inf, or all equal in a dimension:
+    the posterior diverged or collapsed) ends the run with one line (:func:`diverged`), not a traceback."""
+    try:
+        yield
+    except ValueError as err:
+        raise diverged(what, where, f"the KL estimate failed: {err}", updated, initial) from err
+
+
+def check_loss_is_finite(what: str, value: float, where: str, updated: bool, initial: str = "") -> None:
+    """A training loss that is not finite ends the run with one line (:func:`diverged`)."""
+    if not math.isfinite(value):
+        raise diverged(what, where, f"the loss became {value}", updated, initial)
+
+
+def diverged(what: str, where: str, problem: str, updated: bool, initial: str = "") -> runs.RunError:
+    """The error of a training run of ``what`` that broke down at ``where`` (e.g. "step 3"). Only after
+    an optimizer update (``updated``) can the learning rate be the cause; before the first one it is the
+    initial posterior (``initial``: what sets it, e.g. "check --s0")."""
+    if updated:
+        return runs.RunError(f"{what}: training diverged at {where}: {problem}; try a smaller --lr")
+    return runs.RunError(f"{what}: the initial posterior gives unusable samples (at {where}, before any update, so not "
+                    f"the learning rate): {problem}" + (f"; {initial}" if initial else ""))
 
 
 def stopped_message(command: str, minutes: float, run_dir) -> str:
@@ -221,7 +252,7 @@ def finished_run(run_dir, epoch: int, epochs: int) -> dict | None:
                             f"{epochs}: pass --epochs {epoch} or more to continue it, or use another --run-dir")
     results = Path(run_dir) / "results.json"
     if epoch == epochs and results.exists():
-        return json.loads(results.read_text())
+        return runs.read_json(results)
     return None
 
 
@@ -327,7 +358,7 @@ def add_training_options(p, *, epochs: int, batch: int, lr_halve_every: int) -> 
                    help="halve the learning rate every N epochs")
     p.add_argument("--lam", type=kivi_lam, default=1e-3, help="KIVI's ridge coefficient (the paper's)")
     p.add_argument("--clip", type=kivi_clip, default=1e-8, help="KIVI's lower clip of the ratio")
-    p.add_argument("--seed", type=int, default=0, help="initialization, data order and draws")
+    p.add_argument("--seed", type=random_seed, default=0, help="initialization, data order and draws")
     p.add_argument("--checkpoint-every", type=nonnegative_float, default=300.0, help="seconds between checkpoints")
     p.add_argument("--minutes", type=nonnegative_float, default=0.0,
                    help="stop after training this many minutes, with a checkpoint; rerunning the same command "
@@ -337,7 +368,7 @@ def add_training_options(p, *, epochs: int, batch: int, lr_halve_every: int) -> 
 def add_device_options(p, data_folder: str) -> None:
     """``--device``, ``--threads`` and ``--data-dir`` (the folder holding ``data_folder``/)."""
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads per process")
     p.add_argument("--data-dir", default=None,
                    help=f"folder holding {data_folder}/ (default: the checkout's data/)")
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import sys
 import time
@@ -36,8 +35,8 @@ import kivi_fast
 from ..nn import bnn
 from ..nn.generator import INITS
 from . import datasets, regression, runs
-from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_lam, nonnegative_float,
-                      nonnegative_int, plural, positive_float, positive_int)
+from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_lam, nonnegative_float, plural,
+                      positive_float, positive_int, random_seed, thread_count)
 
 QUICK_EPOCHS = 10
 
@@ -104,10 +103,6 @@ def profile_epoch(args, run_dir: Path) -> dict:
     return out
 
 
-def _read_json(path: Path):
-    return json.loads(Path(path).read_text())
-
-
 def summarize(args, results: list[dict], profile: dict | None) -> dict:
     return {
         "dataset": args.dataset, "method": args.method, **regression.split_statistics(results),
@@ -162,12 +157,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="epochs between test evaluations for the curves (default: a 30th of the epochs)")
     p.add_argument("--checkpoint-seconds", type=nonnegative_float, default=30.0,
                    help="seconds between checkpoints (0: after every epoch)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (the machine is shared)")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads (the machine is shared)")
     p.add_argument("--no-profile", action="store_true", help="skip the one-epoch profile (profile.json)")
     p.add_argument("--data-dir", default=None,
                    help=f"folder holding the UCI sets' folders (default: ${datasets.ENV_VAR}, else the source "
                         "checkout's data/UCI_Datasets)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="random seed (split s uses seed * 1000 + s)")
+    p.add_argument("--seed", type=random_seed, default=0, help="random seed (split s uses seed * 1000 + s)")
     p.add_argument("--generator-init", default="glorot", choices=INITS,
                    help="initialization of the implicit posteriors (MLPGenerator): Glorot-uniform (TensorFlow's, "
                         "the paper's code base) or torch.nn.Linear's")
@@ -197,14 +192,14 @@ def run(args, callback=None) -> int:
 
     run_dir = runs.run_folder(args.out, f"uci-{args.dataset}-{args.method}", args.run_dir)
     config = {k: getattr(args, k) for k in regression.RESUME_KEYS}
-    old = _read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else None
+    old = runs.read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else None
     if old is not None and regression.resume_config(old) != config:
         print(f"{run_dir} holds a run with other settings ({old}); use another --run-dir", file=sys.stderr)
         return 2
     runs.write_json(run_dir / "config.json", {**config, "splits": splits, "data_dir": str(args.data_dir or "")})
     print(f"run folder: {run_dir}", file=sys.stderr)
 
-    profile = _read_json(run_dir / "profile.json") if (run_dir / "profile.json").exists() else None
+    profile = runs.read_json(run_dir / "profile.json") if (run_dir / "profile.json").exists() else None
     if profile is None and not args.no_profile:
         profile = profile_epoch(args, run_dir)
         print(f"profile of one epoch: {profile['epoch_seconds']:.3f} s, weight KL {100 * profile['kl_share']:.0f}%, "
@@ -215,7 +210,7 @@ def run(args, callback=None) -> int:
     for split in splits:
         path = run_dir / f"split_{split:02d}.json"
         if path.exists():
-            results.append(_read_json(path))
+            results.append(runs.read_json(path))
             continue
         result = regression.train_split(args, split, run_dir, callback)
         runs.write_json(path, result)

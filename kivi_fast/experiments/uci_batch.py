@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import datasets, runs
+from . import datasets, runs, uci
 from .options import UsageError, add_common, nonnegative_float, plural, positive_float, positive_int
 from .regression import METHODS, parse_splits
 
@@ -38,6 +38,8 @@ def parse_job(text: str, data_dir=None) -> list[tuple[str, str, int]]:
     if len(parts) not in (2, 3):
         raise ValueError(f"job {text!r}: expected dataset:method[:splits], e.g. energy:kivi:0-19")
     dataset, method = parts[0], parts[1]
+    if len(parts) == 3 and not parts[2]:
+        raise ValueError(f"job {text!r}: no splits after the last ':' (leave out ':' for all of them)")
     if dataset in datasets.UNAVAILABLE:
         raise ValueError(f"job {text!r}: {datasets.UNAVAILABLE[dataset]}")
     if dataset not in datasets.DATASETS:
@@ -87,7 +89,25 @@ def uci_arguments(text: str) -> list[str]:
     if taken:
         raise UsageError(f"--uci-args: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by uci-batch for "
                          "each split (use its own options, or the job's dataset:method:splits)")
+    _check_with_the_uci_parser(words)
     return words
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _check_with_the_uci_parser(words: list[str]) -> None:
+    """A mistake in --uci-args is said once, before any split starts, not once a split in its log."""
+    if any(w in ("-h", "--help") for w in words):
+        raise UsageError("--uci-args: -h/--help would print uci's help instead of training (see kivi-fast uci -h)")
+    parser = _RaisingParser(prog="kivi-fast uci", add_help=False)
+    uci.add_arguments(parser)
+    try:
+        parser.parse_args(words)
+    except UsageError as err:
+        raise UsageError(f"--uci-args: {err}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,8 @@ import kivi_fast
 
 from ..nn import bnn
 from . import datasets, runs
-from .options import UsageError, add_common, apply_quick, nonnegative_int, plural, positive_int
+from .options import (UsageError, add_common, apply_quick, nonnegative_int, plural, positive_int, random_seed,
+                      thread_count)
 from .regression import build_model, evaluate, train_epoch
 
 # name -> (method, weight of the weight KL in the ELBO, generator initialization)
@@ -116,8 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every", type=positive_int, default=100, help="epochs between evaluations (and the last epoch)")
     p.add_argument("--reps", type=positive_int, default=5, help="draws for the gradient norms at initialization")
     p.add_argument("--n-hidden", type=positive_int, default=None, help="hidden units (default: the set's, 50 or 100)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--seed", type=random_seed, default=0, help="random seed")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
     p.add_argument("--data-dir", default=None,
                    help=f"folder holding the UCI sets' folders (default: ${datasets.ENV_VAR}, else the source "
                         "checkout's data/UCI_Datasets)")

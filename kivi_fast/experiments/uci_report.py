@@ -15,7 +15,6 @@ methods (with the number of splits run) and the paper's Table 1 (KIVI, SVGD, Dro
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -36,6 +35,12 @@ def generator_init(summary: dict) -> str | None:
     return summary.get("generator_init", "torch")
 
 
+def is_uci_summary(summary: dict) -> bool:
+    """Whether a summary.json is a uci run's or result's (other commands' name no data set, e.g. vae's and
+    mnist's reports)."""
+    return {"dataset", "method"} <= summary.keys()
+
+
 def result_name(summary: dict) -> str:
     """<dataset>-<method>, with -torchinit for runs whose generators had torch's initialization."""
     suffix = "-torchinit" if generator_init(summary) == "torch" else ""
@@ -47,7 +52,7 @@ def _exported_splits(run_dir: Path) -> list[dict]:
     ``eval_every`` epochs stay, with the training ELBO at those epochs."""
     splits = []
     for path in sorted(run_dir.glob("split_*.json")):
-        result = json.loads(path.read_text())
+        result = runs.read_json(path)
         history = result.pop("history", {})
         result["eval_history"] = {k: history.get(k, []) for k in ("eval_epoch", "rmse", "test_ll")}
         elbo_by_epoch = dict(zip(history.get("epoch", []), history.get("elbo", [])))
@@ -86,8 +91,8 @@ def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> 
     sources = [d for d in run_dirs if (d / "summary.json").exists() and any(d.glob("split_*.json"))]
     if not sources:
         return None
-    summaries = [json.loads((d / "summary.json").read_text()) for d in sources]
-    configs = [json.loads((d / "config.json").read_text()) for d in sources]
+    summaries = [runs.read_json(d / "summary.json") for d in sources]
+    configs = [runs.read_json(d / "config.json") for d in sources]
     names = {result_name(s) for s in summaries}
     if len(names) > 1 or any(_settings(c) != _settings(configs[0]) for c in configs):
         raise ValueError(f"run folders {[str(d) for d in sources]} hold different runs ({sorted(names)}); "
@@ -95,13 +100,12 @@ def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> 
     dest = results_root / names.pop()
     by_split: dict[int, tuple[str, dict]] = {}
     commands = {c for s in summaries for c in s.get("commands", [s.get("command")]) if c}
-    profile = next((json.loads((d / "profile.json").read_text()) for d in sources if (d / "profile.json").exists()),
-                   None)
+    profile = next((runs.read_json(d / "profile.json") for d in sources if (d / "profile.json").exists()), None)
     if merge and (dest / "splits.json").exists():
-        old_summary = json.loads((dest / "summary.json").read_text())
-        if _settings(json.loads((dest / "config.json").read_text())) != _settings(configs[0]):
+        old_summary = runs.read_json(dest / "summary.json")
+        if _settings(runs.read_json(dest / "config.json")) != _settings(configs[0]):
             raise ValueError(f"{dest} holds a run with other settings than {sources[0]}; cannot merge")
-        by_split = {s["split"]: (str(dest), s) for s in json.loads((dest / "splits.json").read_text())}
+        by_split = {s["split"]: (str(dest), s) for s in runs.read_json(dest / "splits.json", list)}
         commands |= {c for c in old_summary.get("commands", [old_summary.get("command")]) if c}
         profile = profile or old_summary.get("profile")
     first_source_splits = 0
@@ -170,7 +174,10 @@ def _summaries(results_root: Path) -> dict:
     """(dataset, method, torch_init) -> summary of every exported result."""
     summaries = {}
     for path in sorted(results_root.glob("*/summary.json")):
-        s = json.loads(path.read_text())
+        s = runs.read_json(path)
+        if not is_uci_summary(s):  # e.g. --results results: the vae and mnist reports' folders
+            raise runs.RunError(f"{path} is not a uci-report result (it names no data set and method): is --results "
+                                "the folder of uci results?")
         summaries[(s["dataset"], s["method"], generator_init(s) == "torch")] = s
     return summaries
 
@@ -279,13 +286,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     root = Path(args.results)
-    root.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(root, "--results")
+    _summaries(root)  # a --results holding other results: stop before writing into it
     groups: dict[str, list[Path]] = {}
     for run_dir in map(Path, args.run_dirs):
         if not (run_dir / "summary.json").exists():
             print(f"{run_dir}: no finished split, skipped")
             continue
-        groups.setdefault(result_name(json.loads((run_dir / "summary.json").read_text())), []).append(run_dir)
+        summary = runs.read_json(run_dir / "summary.json")
+        if not is_uci_summary(summary):  # e.g. results/vae in a glob: skipped, as other non-run folders are
+            print(f"{run_dir}: not a kivi-fast uci run folder (its summary.json names no data set), skipped")
+            continue
+        groups.setdefault(result_name(summary), []).append(run_dir)
     pooled = {}
     for name, dirs in groups.items():  # check every group before writing any
         try:

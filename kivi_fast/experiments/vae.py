@@ -51,7 +51,7 @@ from .training import (Checkpoints, Distributed, Position, add_device_options, a
                        check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
                        finished_run, halved_lr, kl_share, restore, save_resumable, start, stopped_message, timed,
                        train_epochs)
-from .options import UsageError, add_common, apply_quick, int_at_least, positive_int
+from .options import UsageError, add_common, apply_quick, int_at_least, plural, positive_int
 
 NAME = "vae"
 PAPER = {"gaussian": -97.3, "kivi-ac": -94.8}  # AIS test LL after 3000 epochs, 2048 test images (Sec. 5.3)
@@ -250,7 +250,7 @@ def finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test
 
 def summary_line(result: dict) -> str:
     f = result["final"]
-    return (f"vae {result['method']}: {result['epochs']} epochs on {result['train_images']} images, ELBO train "
+    return (f"vae {result['method']}: {plural(result['epochs'], 'epoch')} on {result['train_images']} images, ELBO train "
             f"{f['train_elbo']:.2f}, test {f['test_elbo']:.2f} (gap {f['train_elbo'] - f['test_elbo']:.2f}); "
             f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; test log-likelihood: kivi-fast "
             "vae-ais <this run folder>")

@@ -13,7 +13,6 @@ the settings, the time) and prints it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -21,19 +20,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..nn.vae import build_vae
+from ..nn.vae import KL_ESTIMATORS, build_vae
 from . import runs
 from .ais import ais_log_likelihood, iwae_log_likelihood
 from .mnist_data import load_binarized_mnist
-from .options import UsageError, apply_quick, nonnegative_int, positive_int
+from .options import UsageError, apply_quick, int_at_least, nonnegative_int, positive_int, random_seed
 from .training import add_device_options, device_of
 
 QUICK = {"images": 8, "chains": 2, "steps": 20, "leapfrog": 2, "iwae_k": 100}
+# what a vae run's config.json must hold for its model to be rebuilt and its training images found
+CONFIG_KEYS = ("method", "n_q", "n_p", "lam", "clip", "contrast", "train_images")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="run folder(s) of kivi-fast vae")
-    p.add_argument("--images", type=positive_int, default=2048, help="random test images (the paper: 2048)")
+    # two at least: the standard error over images (and vae-report's paired difference) needs two
+    p.add_argument("--images", type=int_at_least(2), default=2048, help="random test images (the paper: 2048)")
     p.add_argument("--split", choices=("test", "train"), default="test",
                    help="test images, or the training images the run was trained on (an overfitting measure "
                         "free of the KL estimator: the train - test log-likelihood gap); writes ais.json or "
@@ -44,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=positive_int, default=256, help="images per AIS batch")
     p.add_argument("--iwae-k", type=nonnegative_int, default=5000,
                    help="IWAE samples per image for a Gaussian encoder (0: none)")
-    p.add_argument("--seed", type=int, default=0, help="the images and the chains")
+    p.add_argument("--seed", type=random_seed, default=0, help="the images and the chains")
     add_device_options(p, "binarized_mnist")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 images, 2 chains, 20 temperatures")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -54,13 +56,27 @@ def load_model(run_dir: Path, device: torch.device):
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise runs.RunError(f"{run_dir} is not a kivi-fast vae run folder (no config.json)")
-    config = json.loads(config_path.read_text())
+    config = runs.read_json(config_path)
+    # another command's run (mnist's config also says "kivi") must not get as far as a KeyError
+    missing = [k for k in CONFIG_KEYS if k not in config]
+    if missing:
+        raise runs.RunError(f"{run_dir} is not a kivi-fast vae run folder: its config.json lacks {', '.join(missing)}")
+    if config["method"] not in KL_ESTIMATORS:
+        raise runs.RunError(f"{run_dir} is not a kivi-fast vae run folder: its config.json's method "
+                            f"{config['method']!r} is not a VAE's ({', '.join(KL_ESTIMATORS)})")
     state = runs.load_checkpoint(run_dir / "checkpoint.pt", ("model", "epoch"))
     if state is None:
         raise runs.RunError(f"{run_dir} has no checkpoint.pt to evaluate")
     model = build_vae(config["method"], n_q=config["n_q"], n_p=config["n_p"], lam=config["lam"],
                       clip=config["clip"], contrast=config["contrast"])
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, TypeError) as err:  # missing or other-shaped weights; not a dict at all
+        # torch's RuntimeError: a header, then a line per problem (e.g. "Missing key(s) in state_dict: <all>")
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        problem = lines[min(1, len(lines) - 1)].split(": ", 1)[0]
+        raise runs.RunError(f"{run_dir} is not a kivi-fast vae run folder: its checkpoint.pt does not hold the "
+                            f"model its config.json describes ({problem})") from None
     return model.to(device).eval(), config, state["epoch"]
 
 

@@ -13,7 +13,6 @@ beside the paper's numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -50,16 +49,24 @@ def run_label(config: dict) -> str:
 def load_run(folder: Path) -> dict:
     run = runs.load_finished_run(folder, "vae")
     result = run["results.json"]
-    if not ({"final", "step_profile", "config", "epochs"} <= result.keys() and "method" in result["config"]):
+    if not ({"final", "step_profile", "config", "epochs"} <= result.keys() and isinstance(result["config"], dict)
+            and "method" in result["config"]):
         raise runs.RunError(f"{folder}/results.json is not a kivi-fast vae run's (it lacks the final ELBOs or the "
                             "settings)")
     for name in ("ais.json", "ais_train.json"):
-        run[name] = json.loads((folder / name).read_text()) if (folder / name).exists() else None
+        ais = run[name] = runs.read_json(folder / name) if (folder / name).exists() else None
+        if ais is None:
+            continue
+        split = " --split train" if "train" in name else ""
         # an AIS of an earlier epoch than the run's end (the run continued after it) is not this run's
-        if run[name] is not None and run[name].get("epoch") != result["epochs"]:
-            split = " --split train" if "train" in name else ""
-            raise runs.RunError(f"{folder}/{name} is of epoch {run[name].get('epoch')}, the run ended at epoch "
+        if ais.get("epoch") != result["epochs"]:
+            raise runs.RunError(f"{folder}/{name} is of epoch {ais.get('epoch')}, the run ended at epoch "
                                 f"{result['epochs']}: rerun kivi-fast vae-ais{split} {folder}")
+        # one image has no standard error (an older vae-ais wrote NaN), nor a paired difference to gaussian
+        images = len(ais.get("per_image", ()))
+        if images < 2:
+            raise runs.RunError(f"{folder}/{name} holds {images} image(s): rerun kivi-fast vae-ais{split} {folder} "
+                                "with --images 2 or more")
     return run
 
 
@@ -92,6 +99,11 @@ def summarize(run: dict) -> dict:
 
 
 def paired(a: list[float], b: list[float]) -> dict:
+    """The mean of a - b over the same images and its standard error; a RunError unless both have the same 2
+    or more images (zip would drop the extra ones unsaid; one image has no standard error)."""
+    if len(a) != len(b) or len(a) < 2:
+        raise runs.RunError(f"a paired AIS difference needs the same 2 or more images of both runs, got {len(a)} "
+                            f"and {len(b)}")
     d = [x - y for x, y in zip(a, b)]
     mean = sum(d) / len(d)
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
@@ -101,7 +113,7 @@ def paired(a: list[float], b: list[float]) -> dict:
 def run(args) -> int:
     loaded = runs.collect_runs(args.runs, load_run, lambda r: run_label(r["results.json"]["config"]))
     out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(out, "--results")
     summary = {"paper_ais_test_ll": PAPER, "methods": {}}
     for method, (folder, r) in loaded.items():
         runs.copy_run_files(folder, out / method, FILES)
