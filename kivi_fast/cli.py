@@ -53,12 +53,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, subparsers
 
 
+def given_options(command: str, argv) -> frozenset[str]:
+    """The destinations of the options the command line names, whatever their values (--quick's presets
+    give way to them: options.apply_quick). Parsed again with no defaults, so only those named are set."""
+    _, probe = build_parser()
+    sub = probe[command]
+    for action in sub._actions:
+        action.default = argparse.SUPPRESS
+    words = list(argv)
+    named = vars(sub.parse_args(words[words.index(command) + 1:]))
+    return frozenset(k for k in named if not k.startswith("_"))
+
+
 def main(argv=None) -> int:
     from .experiments.options import UsageError
     from .experiments.runs import RunError
 
     parser, subparsers = build_parser()
     args = parser.parse_args(argv)
+    args._given = given_options(args.command, sys.argv[1:] if argv is None else argv)
     try:
         return int(args._run(args) or 0)
     except UsageError as err:

@@ -108,6 +108,9 @@ QUICK_AND_GIVEN = [
     ("amortized", "--lams 0.1 --methods kl --steps 50 --samples 10",
      {"lams": [0.1], "methods": ["kl"], "steps": 30, "samples": 10, "seeds": 1}),
     ("toy", "--steps 100", {"steps": 100, "n_samples": 50}),
+    # a list typed as it is by default is given too (told apart by the command line, not the value)
+    ("kl-accuracy", "--dims 1 2 8 32", {"dims": [1, 2, 8, 32], "lams": [1e-3, 0.1]}),
+    ("grad-accuracy", "--rules median median-q svgd silverman", {"rules": ["median", "median-q", "svgd", "silverman"]}),
 ]
 
 
@@ -120,7 +123,9 @@ def test_quick_keeps_the_lists_the_user_gives(command, given, expected):
     from kivi_fast.experiments.options import apply_quick
 
     parser, _ = cli.build_parser()
-    args = parser.parse_args([command, "--quick", *given.split()])
+    argv = [command, "--quick", *given.split()]
+    args = parser.parse_args(argv)
+    args._given = cli.given_options(command, argv)  # as cli.main sets it
     quick = importlib.import_module(cli.module_name(command)).QUICK
     for _ in range(2):  # applied twice (a command's run and runs.begin both apply it): the same values
         apply_quick(args, quick)

@@ -205,6 +205,7 @@ def _data_copy(root: pathlib.Path, name: str = "boston") -> pathlib.Path:
     ("index_train_0.txt", "0\n100000\n", "index_train_0.txt holds an index that is not a whole number in 0..307"),
     ("index_target.txt", "1.5\n", "index_target.txt holds an index"),
     ("n_splits.txt", "0\n", "says 0 splits"),
+    ("n_splits.txt", "2.5\n", "says 2.5 splits, not a positive whole number"),
 ])
 def test_a_damaged_uci_folder_is_one_line_naming_the_file(tmp_path, capsys, file, content, expected):
     from kivi_fast import cli
@@ -463,8 +464,12 @@ def test_a_checkpoint_trained_with_other_settings_or_another_model_is_refused(tm
     del state["settings"]
     runs.save_checkpoint(run_dir / "checkpoint.pt", state)
     other = argparse.Namespace(**{**vars(args), "method": "factorized", "generator_init": None})
-    with pytest.raises(runs.CheckpointError, match="holds another model than --dataset yacht --method factorized"):
+    with pytest.raises(runs.CheckpointError, match=r"holds another model than this run's \(yacht, factorized\)"):
         regression.train_split(other, 0, run_dir)
+    # and one that has trained more epochs than asked is refused rather than reported as a shorter run
+    fewer = argparse.Namespace(**{**vars(args), "epochs": 1})
+    with pytest.raises(runs.CheckpointError, match="has trained 2 epochs, more than --epochs 1"):
+        regression.train_split(fewer, 0, run_dir)
 
 
 def test_training_that_diverges_ends_with_one_line(tmp_path, capsys):
@@ -473,7 +478,7 @@ def test_training_that_diverges_ends_with_one_line(tmp_path, capsys):
     code = cli.main(["uci", "--quick", "--dataset", "yacht", "--method", "factorized", "--lr", "100",
                      "--no-progress", "--checkpoint-seconds", "1000", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 1 and "the training ELBO became nan" in err and "try a smaller --lr" in err, err
+    assert code == 1 and "the training ELBO became nan" in err and "try a smaller learning rate" in err, err
     assert "Traceback" not in err and not (tmp_path / "run" / "split_00.json").exists()
 
 

@@ -115,11 +115,11 @@ def _indices(path: Path, bound: int) -> np.ndarray:
 
 def n_splits(name: str, data_dir=None) -> int:
     path = _folder(name, data_dir) / "n_splits.txt"
-    count = int(_indices(path, 10**6)[0])
-    if count < 1:
-        raise DataNotFoundError(f"{path} says {count} splits; copy the data set's folder again "
-                                "(data/UCI_Datasets/README.md)")
-    return count
+    count = _table(path).reshape(-1)[0]
+    if count != round(count) or count < 1:
+        raise DataNotFoundError(f"{path} says {count:g} splits, not a positive whole number; copy the data set's "
+                                "folder again (data/UCI_Datasets/README.md)")
+    return int(count)
 
 
 def load_arrays(name: str, data_dir=None) -> tuple[np.ndarray, np.ndarray]:

@@ -39,6 +39,13 @@ def _number(kind, text: str, what: str, ok) -> int | float:
     return value
 
 
+def positive_float_at_most(high: float):
+    """An argparse type: a number in (0, ``high``]."""
+    def parse(text: str) -> float:
+        return _number(float, text, f"a number in (0, {high:g}]", lambda v: 0 < v <= high)
+    return parse
+
+
 def int_at_least(low: int):
     """An argparse type: an integer >= ``low``."""
     what = {0: "an integer >= 0", 1: "a positive integer"}.get(low, f"an integer >= {low}")
@@ -92,18 +99,17 @@ def apply_quick(args, settings: dict) -> None:
     """With ``--quick``, each number setting at most its quick value (a smaller one given stays), and each
     other setting (a list, a choice) its quick value unless the user gave one, which wins.
 
-    An option counts as given when its value differs from the parser's default (add_common leaves the
-    parser in ``args._parser``; a command that defines ``--quick`` itself has none: its settings are
-    replaced). Numbers are capped instead, as a command may fill one in before this is called (uci's
-    --epochs from the data set), which would then count as given."""
+    The options given are those the command line names (``args._given``, from ``cli.given_options``;
+    args made another way name none, and the presets replace them). Numbers are capped instead: at most
+    the quick value keeps a quick run quick whatever the command line says."""
     if not args.quick:
         return
-    parser = getattr(args, "_parser", None)
+    given = getattr(args, "_given", frozenset())
     for key, value in settings.items():
         current = getattr(args, key)
         if _is_number(current) and _is_number(value):
             setattr(args, key, min(current, value))
-        elif parser is None or current == parser.get_default(key):
+        elif key not in given:
             setattr(args, key, value)
 
 
@@ -130,7 +136,6 @@ def add_common(parser: argparse.ArgumentParser, *, quick: str, name: str | None 
     """The options every experiment has: ``--quick`` (what it does: ``quick``), ``--no-progress``,
     and, with ``out``, ``--out`` / ``--run-dir`` (run folders named ``name``-<time>)."""
     parser.add_argument("--quick", action="store_true", help=quick)
-    parser.set_defaults(_parser=parser)  # for apply_quick: the defaults tell the options the user gave
     parser.add_argument("--no-progress", action="store_true", help=progress)
     if out:
         parser.add_argument("--out", default="runs", help="root folder of the run folders")

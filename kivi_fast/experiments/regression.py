@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..contrast import DEFAULT_LAM
 from ..nn import FactorizedGaussian, MLPGenerator, bnn
-from . import datasets, runs, training
+from . import datasets, runs
 
 METHODS = ("kivi", "kivi-ac", "kivi-contrast", "factorized")
 
@@ -190,9 +190,8 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
             opt.load_state_dict(ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as err:  # another model's parameters
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise runs.CheckpointError(f"{ckpt_path} holds another model than --dataset {args.dataset} "
-                                       f"--method {args.method} builds ({first_line}); remove it, or use "
-                                       "another --run-dir") from None
+            raise runs.CheckpointError(f"{ckpt_path} holds another model than this run's ({args.dataset}, "
+                                       f"{args.method}): {first_line}; remove it, or use another --run-dir") from None
         torch.set_rng_state(ckpt["rng"])
         history, start_epoch, elapsed = ckpt["history"], ckpt["epoch"], ckpt["elapsed"]
 
@@ -210,7 +209,7 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
         elapsed += time.perf_counter() - t0
         if not math.isfinite(terms["elbo"]):  # diverged: end with one line, keeping the last good checkpoint
             raise runs.RunError(f"split {split}: the training ELBO became {terms['elbo']} at epoch {epoch + 1} "
-                                f"(try a smaller --lr); {training.last_checkpoint(run_dir)}")
+                                f"(try a smaller learning rate); {runs.last_checkpoint(run_dir)}")
         history["epoch"].append(epoch + 1)
         for k, v in terms.items():
             history[k].append(v)

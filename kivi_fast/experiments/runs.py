@@ -132,6 +132,13 @@ def _load_failure(err: Exception) -> str:
     return line.split(". ", 1)[0]
 
 
+def last_checkpoint(run_dir) -> str:
+    """Where a stopped run can resume from, for its error message (a run may stop before its first save)."""
+    if run_dir is not None and (Path(run_dir) / "checkpoint.pt").exists():
+        return f"the last checkpoint is in {run_dir}"
+    return f"no checkpoint was written yet (run folder {run_dir})"
+
+
 def collect_runs(folders, load, label_of) -> dict:
     """The reports' input: ``load(folder)`` for each run folder, named by ``label_of(run)``, as
     {label: (folder, run)} in the order given. Two runs with one label are a usage error."""

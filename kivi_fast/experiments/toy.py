@@ -79,7 +79,7 @@ from kivi_fast._validate import MIN_BANDWIDTH
 from ..nn import FactorizedGaussian, MLPGenerator
 from . import runs
 from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float,
-                      plural, positive_float, positive_int, random_seed, thread_count)
+                      plural, positive_float, positive_float_at_most, positive_int, random_seed, thread_count)
 from .training import check_loss_is_finite, estimator_refusal_as_run_error
 
 # the target: equal-weight mixture of N(-3, 1) and N(3, 1)
@@ -312,17 +312,6 @@ MAX_BIN_WIDTH = 1.0
 MIN_BIN_SAMPLES = 100
 
 
-def _bin_width(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= MAX_BIN_WIDTH:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, {MAX_BIN_WIDTH:g}] (wider bins blur the "
-                                         f"target's modes, of std 1), got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=3000, help="Adam steps for each method")
     parser.add_argument("--n-samples", type=int_at_least(2), default=100,
@@ -347,7 +336,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KIVI's KL: against N(0, s0^2) (reference, the paper's form) or adaptive contrast")
     parser.add_argument("--eval-samples", type=int_at_least(2), default=1_000_000,
                         help="samples of each q for the final ELBO/KL")
-    parser.add_argument("--bin-width", type=_bin_width, default=0.02,
+    parser.add_argument("--bin-width", type=positive_float_at_most(MAX_BIN_WIDTH), default=0.02,
                         help=f"histogram bin width of the KIVI density estimate, at most {MAX_BIN_WIDTH:g} (the "
                              f"target's modes have std 1) and at least {MIN_BIN_SAMPLES} / --eval-samples")
     parser.add_argument("--seed", type=random_seed, default=0, help="random seed")

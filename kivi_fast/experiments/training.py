@@ -122,21 +122,14 @@ def diverged_as_run_error(epoch: int, step: int, run_dir):
         yield
     except ValueError as err:
         raise runs.RunError(f"the KL estimate failed at epoch {epoch}, step {step}: {err}; "
-                            f"{last_checkpoint(run_dir)}") from err
+                            f"{runs.last_checkpoint(run_dir)}") from err
 
 
 def check_finite_loss(what: str, value: float, epoch: int, step: int, run_dir) -> None:
     """A step's loss that is not finite ends the run (without a save: the last checkpoint is the last
     good state)."""
     if not math.isfinite(value):
-        raise runs.RunError(f"the {what} became {value} at epoch {epoch}, step {step}; {last_checkpoint(run_dir)}")
-
-
-def last_checkpoint(run_dir) -> str:
-    """Where a stopped run can resume from, for its error message (a run may stop before its first save)."""
-    if run_dir is not None and (Path(run_dir) / "checkpoint.pt").exists():
-        return f"the last checkpoint is in {run_dir}"
-    return f"no checkpoint was written yet (run folder {run_dir})"
+        raise runs.RunError(f"the {what} became {value} at epoch {epoch}, step {step}; {runs.last_checkpoint(run_dir)}")
 
 
 @contextlib.contextmanager

@@ -286,8 +286,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     root = Path(args.results)
+    _summaries(root)  # a --results holding other results: stop before writing into it (or making it)
     runs.make_folder(root, "--results")
-    _summaries(root)  # a --results holding other results: stop before writing into it
     groups: dict[str, list[Path]] = {}
     for run_dir in map(Path, args.run_dirs):
         if not (run_dir / "summary.json").exists():
