@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -478,7 +479,8 @@ def test_training_that_diverges_ends_with_one_line(tmp_path, capsys):
     code = cli.main(["uci", "--quick", "--dataset", "yacht", "--method", "factorized", "--lr", "100",
                      "--no-progress", "--checkpoint-seconds", "1000", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 1 and "the training ELBO became nan" in err and "try a smaller learning rate" in err, err
+    assert code == 1 and re.search(r"the training ELBO became (nan|-?inf) at epoch", err), err
+    assert "try a smaller learning rate" in err
     assert "Traceback" not in err and not (tmp_path / "run" / "split_00.json").exists()
 
 

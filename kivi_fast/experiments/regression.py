@@ -147,7 +147,8 @@ def train_epoch(model, opt, data: datasets.Split, batch_size: int, n_samples: in
         try:
             terms = model.elbo(data.x_train[idx], data.y_train[idx], n, n_samples)
         except ValueError as err:  # the estimator refusing its samples: said once, not as a traceback
-            raise runs.RunError(f"the weight KL failed: {err} (if training diverged, try a smaller learning rate)") from err
+            raise runs.RunError(f"the weight KL failed: {err} (if training diverged, try a smaller learning "
+                                "rate)") from err
         opt.zero_grad(set_to_none=True)
         loss = terms["log_lik"] - kl_weight * terms["kl_weights"] - terms["kl_precision"]  # = elbo at weight 1
         (-loss / n).backward()  # per data point, so lr means the same for every set

@@ -154,8 +154,8 @@ def diverged(what: str, where: str, problem: str, updated: bool, initial: str = 
     initial posterior (``initial``: what sets it, e.g. "check --s0")."""
     if updated:
         return runs.RunError(f"{what}: training diverged at {where}: {problem}; try a smaller --lr")
-    return runs.RunError(f"{what}: the initial posterior gives unusable samples (at {where}, before any update, so not "
-                    f"the learning rate): {problem}" + (f"; {initial}" if initial else ""))
+    return runs.RunError(f"{what}: the initial posterior gives unusable samples (at {where}, before any update, so "
+                         f"not the learning rate): {problem}" + (f"; {initial}" if initial else ""))
 
 
 def stopped_message(command: str, minutes: float, run_dir) -> str:

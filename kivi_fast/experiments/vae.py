@@ -250,8 +250,8 @@ def finish(args, model, run_dir, history, train_seconds, steps_per_epoch, x_test
 
 def summary_line(result: dict) -> str:
     f = result["final"]
-    return (f"vae {result['method']}: {plural(result['epochs'], 'epoch')} on {result['train_images']} images, ELBO train "
-            f"{f['train_elbo']:.2f}, test {f['test_elbo']:.2f} (gap {f['train_elbo'] - f['test_elbo']:.2f}); "
+    return (f"vae {result['method']}: {plural(result['epochs'], 'epoch')} on {result['train_images']} images, "
+            f"ELBO train {f['train_elbo']:.2f}, test {f['test_elbo']:.2f} (gap {f['train_elbo'] - f['test_elbo']:.2f}); "
             f"{result['seconds_per_epoch']:.1f} s/epoch on {result['device']}; test log-likelihood: kivi-fast "
             "vae-ais <this run folder>")
 
