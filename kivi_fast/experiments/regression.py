@@ -190,9 +190,9 @@ def train_split(args, split: int, run_dir: Path, callback=None) -> dict:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as err:  # another model's parameters
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise runs.CheckpointError(f"{ckpt_path} holds another model than this run's ({args.dataset}, "
-                                       f"{args.method}): {first_line}; remove it, or use another --run-dir") from None
+                                       f"{args.method}): {runs.state_dict_mismatch(err)}; remove it, or use "
+                                       "another --run-dir") from None
         torch.set_rng_state(ckpt["rng"])
         history, start_epoch, elapsed = ckpt["history"], ckpt["epoch"], ckpt["elapsed"]
 

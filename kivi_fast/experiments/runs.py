@@ -123,6 +123,13 @@ def load_checkpoint(path: str | os.PathLike, keys=()) -> dict | None:
     return state
 
 
+def state_dict_mismatch(err: Exception) -> str:
+    """What ``load_state_dict`` found wrong, in a few words. torch's RuntimeError is a header ("Error(s) in
+    loading state_dict for ...:") and then a line per problem; the first problem's kind is kept."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    return lines[min(1, len(lines) - 1)].split(": ", 1)[0]
+
+
 def _load_failure(err: Exception) -> str:
     """What ``torch.load`` found wrong, in a few words. Its message first advises reloading with
     ``weights_only=False`` (or allow-listing the class): that would run whatever code the file holds, so

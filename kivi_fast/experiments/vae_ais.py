@@ -72,11 +72,8 @@ def load_model(run_dir: Path, device: torch.device):
     try:
         model.load_state_dict(state["model"])
     except (RuntimeError, TypeError) as err:  # missing or other-shaped weights; not a dict at all
-        # torch's RuntimeError: a header, then a line per problem (e.g. "Missing key(s) in state_dict: <all>")
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        problem = lines[min(1, len(lines) - 1)].split(": ", 1)[0]
         raise runs.RunError(f"{run_dir} is not a kivi-fast vae run folder: its checkpoint.pt does not hold the "
-                            f"model its config.json describes ({problem})") from None
+                            f"model its config.json describes ({runs.state_dict_mismatch(err)})") from None
     return model.to(device).eval(), config, state["epoch"]
 
 
