@@ -426,22 +426,22 @@ class _KL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        """grad q = -grad_out s (W [q; p]): two GEMMs on the saved tensors (the fit is held fixed)."""
         weights, s, q, p = ctx.saved_tensors
-        n_q, n = weights.shape[1:]
-        scale = (-grad_out.to(s.dtype)[:, None] * s)[..., None]          # [B, n_q, 1]
-        if torch.compiler.is_compiling():
-            # Out of place: torch 2.11's dynamo traced the in-place baddbmm_ and mul_ below into a
-            # gradient of 0 (an H200 lease; eager, and torch 2.13 here, were right). Inductor plans the
-            # buffers itself.
-            return torch.baddbmm(torch.bmm(weights[:, :, :n_q], q), weights[:, :, n_q:], p) * scale, \
-                None, None, None, None, None
-        if n <= q.shape[-1]:  # scale the smaller of the weights and the gradient
-            weights = weights * scale
-        grad = torch.bmm(weights[:, :, :n_q], q).baddbmm_(weights[:, :, n_q:], p)
-        if n > q.shape[-1]:
-            grad.mul_(scale)
-        return grad, None, None, None, None, None
+        return _fixed_ratio_grad(weights, s, q, p, grad_out), None, None, None, None, None
+
+
+def _fixed_ratio_grad(weights, s, q, p, grad_out):
+    """grad q = -grad_out s (W [q; p]): two GEMMs on the saved tensors (the fit is held fixed)."""
+    n_q, n = weights.shape[1:]
+    scale = (-grad_out.to(s.dtype)[:, None] * s)[..., None]              # [B, n_q, 1]
+    if torch.compiler.is_compiling():  # out of place: Inductor plans the buffers itself
+        return torch.baddbmm(torch.bmm(weights[:, :, :n_q], q), weights[:, :, n_q:], p) * scale
+    if n <= q.shape[-1]:  # scale the smaller of the weights and the gradient
+        weights = weights * scale
+    grad = torch.bmm(weights[:, :, :n_q], q).baddbmm_(weights[:, :, n_q:], p)
+    if n > q.shape[-1]:
+        grad.mul_(scale)
+    return grad
 
 
 def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, clip: float = 1e-8,
@@ -457,6 +457,16 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, clip: float 
     q = q_z if batched else q_z.unsqueeze(0)
     p = (prior_z if batched else prior_z.unsqueeze(0)).detach()
     need_grad = q.requires_grad and torch.is_grad_enabled()
-    out = _KL.apply(q, p, float(lam), float(clip), side, need_grad)
+    if need_grad and torch.compiler.is_compiling():
+        # torch 2.11's dynamo traced _KL into a gradient of 0 (backend "eager" too; an H200 lease, torch
+        # 2.13 here is right): compiled, the gradient is computed in the forward and joins the value
+        # through a surrogate of plain ops, sum(q * grad), whose gradient AOTAutograd derives itself
+        with torch.no_grad():
+            value, (weights, s) = _forward(q.detach(), p, float(lam), float(clip), side, True)
+            grad = _fixed_ratio_grad(weights, s, q.detach(), p, torch.ones_like(value))
+        surrogate = (q * grad).sum((-2, -1))
+        out = value + (surrogate - surrogate.detach())
+    else:
+        out = _KL.apply(q, p, float(lam), float(clip), side, need_grad)
     return out if batched else out[0]
 
