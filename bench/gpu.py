@@ -170,7 +170,10 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     set_generic_kernels (many points: the generic path's CUDA kernels, or ATen's composition of the
     same steps),
     set_gemm_kernel_values (off by default; the generic path's kernel values from a GEMM of the points
-    and one pass, or from differences in tiles)."""
+    and one pass, or from differences in tiles),
+    set_tile_subblocks (the tiled distances, pair_tile_kernel's and kernel_block's: only the 16 x 16
+    sub-blocks that hold a needed pair, or all 16 of a tile),
+    set_paired_weight_dims (the weight state's backward: two dimensions a thread, or one)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
                    p, q, True, target_s)
@@ -266,6 +269,11 @@ def main(argv=None) -> int:
                     print(floors(p, q))
                 if batched and b > torch.cuda.get_device_properties(dev).multi_processor_count:
                     print(switch_ab(p, q, "set_two_blocks_per_sm", args.target_s))
+                # the tiled distances: more than 64 points, outside the fused kernel's small regime
+                if 2 * n > 64 and not (2 * n <= 512 and 2 * n * d <= 6144):
+                    print(switch_ab(p, q, "set_tile_subblocks", args.target_s))
+                if d + 1 >= 2 * n and n * 2 * n <= 2**16:  # the weight state's backward kernel
+                    print(switch_ab(p, q, "set_paired_weight_dims", args.target_s))
                 if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches
                     print(switch_ab(p, q, "set_generic_kernels", args.target_s))
                     print(switch_ab(p, q, "set_gemm_kernel_values", args.target_s))

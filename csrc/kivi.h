@@ -252,6 +252,12 @@ bool use_gemm_kernel_values();
 // is cuda/median.cu's either way); returns the old value. use_generic_kernels reads it.
 bool set_generic_kernels(bool flag);
 bool use_generic_kernels();
+// Benches and tests: whether the tiled distances (pair_sqdist's tiles, kernel_block) compute only the
+// 16 x 16 sub-blocks that hold a needed pair (the default) or all 16 of a tile; returns the old value.
+bool set_tile_subblocks(bool flag);
+// Benches and tests: whether the weight state's backward kernel takes two dimensions a thread (the
+// default) or one; returns the old value.
+bool set_paired_weight_dims(bool flag);
 }  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path

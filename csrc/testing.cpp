@@ -53,6 +53,11 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // Whether the generic path on CUDA tensors (many points) takes its CUDA kernels (default true) or
   // ATen's composition of the same steps. An error in a build without the CUDA kernels.
   m.def("set_generic_kernels(bool flag) -> bool", &cuda::set_generic_kernels);
+  // Whether the CUDA tiled distances compute only the sub-blocks that hold a needed pair (default
+  // true), and whether the weight state's CUDA backward takes two dimensions a thread (default true).
+  // Errors in a build without the CUDA kernels.
+  m.def("set_tile_subblocks(bool flag) -> bool", &cuda::set_tile_subblocks);
+  m.def("set_paired_weight_dims(bool flag) -> bool", &cuda::set_paired_weight_dims);
 }
 
 }  // namespace kivi_fast

@@ -261,6 +261,40 @@ def test_each_elimination_equals_the_cpu_kernels(mode, shape, reverse):
         assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
 
 
+@pytest.mark.parametrize("switch, shape", [("set_tile_subblocks", (1, 100, 100, 300)),
+                                           ("set_tile_subblocks", (2, 100, 100, 40)),
+                                           ("set_tile_subblocks", (1, 300, 290, 3)),
+                                           ("set_paired_weight_dims", (1, 9, 13, 3000)),
+                                           ("set_paired_weight_dims", (2, 40, 150, 400))],
+                         ids=["tiles-wide", "tiles-generic-200", "tiles-generic", "weights-fused", "weights-tiled"])
+def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, shape):
+    """The tiled distances with every sub-block (set_tile_subblocks(False)) and the weight state's
+    backward with one dimension a thread (set_paired_weight_dims(False)) against the CPU kernels, and
+    against the defaults: the backward's variants on one forward, the same bits; the distances' within
+    1e-6 (their ranges of dimensions add up by atomics in any order, so two forwards may differ in the
+    last bits whichever variant runs)."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape), 1.2, 0.3)
+    for flag in (True, False):
+        with switched(switch, flag):
+            assert_cuda_equals_cpu_kernels(p, q, False, 1e-5)
+    if switch == "set_paired_weight_dims":
+        qc = q.to(CUDA).requires_grad_(True)
+        value = kivi_fast.kernel_kl(p.to(CUDA), qc).sum()
+        grads = []
+        for flag in (True, False):
+            with switched(switch, flag):
+                grads.append(torch.autograd.grad(value, qc, retain_graph=True)[0])
+        assert torch.equal(*grads)
+    else:
+        runs = []
+        for flag in (True, False):
+            with switched(switch, flag):
+                runs.append(value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA)))
+        for default, other in zip(*runs):
+            assert_close_rel(other, default.cpu(), 1e-6)
+
+
 def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():
     """bench/gpu.py --profile's per-stage latency: block 0's clock at each stage, nondecreasing; none
     once the buffer is unset."""

@@ -164,7 +164,7 @@ def test_the_emulated_cuda_kernels_equal_the_cpu_kernels(shape, dtype, reverse):
     names = [launch[0] for launch in launches()]
     wide = N * d > 6144
     distances = ["pair_tile_kernel<scalar_t>"] if wide and N > 64 else ["pair_sqdist_kernel<scalar_t>"] if wide else []
-    backward = "grad_from_projection_kernel<scalar_t>" if d + 1 < N else "grad_from_weights_kernel<scalar_t>"
+    backward = "grad_from_projection_kernel<scalar_t>" if d + 1 < N else "grad_from_weights"
     assert names == distances + ["forward", backward]
 
 
@@ -307,6 +307,29 @@ def test_the_paired_elimination_switch_acts():
     (a, ag), (e, eg) = runs
     assert not all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
     assert_close_rel(a[0], e[0], 1e-12)
+
+
+@pytest.mark.parametrize("switch, shape", [
+    ("set_tile_subblocks", (1, 100, 100, 300)),  # the fused wide path's pair_tile_kernel: the last tile of 8 points
+    ("set_tile_subblocks", (2, 100, 100, 40)),   # the generic path's: its pairs' tiles as above, kernel_block's
+    ("set_tile_subblocks", (1, 300, 290, 3)),    # the generic path: kernel_block's tiles, the last partial
+    ("set_paired_weight_dims", (1, 9, 13, 3000)),  # the weight state's backward: 3000 = 5 x 512 + 440
+    ("set_paired_weight_dims", (2, 40, 150, 400)),  # a block's second dimensions past d: 400 < 512
+], ids=["tiles-wide", "tiles-generic-200", "tiles-generic", "weights-fused", "weights-tiled"])
+def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
+    """The tiled distances with every sub-block computed (set_tile_subblocks(False)) and the weight
+    state's backward with one dimension a thread (set_paired_weight_dims(False)): each sum is taken in
+    the same order as by the defaults, so the outputs and gradients are the same bits, and each equals
+    the CPU kernels."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape), 1.2, 0.3)
+    runs = []
+    for flag in (True, False):
+        with _cuda_emulation.switched(switch, flag):
+            runs.append(emulated_kl(p, q, False))
+            assert_equals_cpu_kernels(p, q, False)
+    (a, ag), (e, eg) = runs
+    assert all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
 
 
 @pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],
@@ -464,7 +487,7 @@ def test_the_fused_forward_and_backward_are_one_launch_each(b, n_p, n_q, d, dtyp
         grads = [EMU.kl_grad(g, state, q, p, True) for g in grad_kls]
     names = [launch.kernel for launch in launches()]
     assert names == ["forward"] + ["grad_from_projection_kernel<scalar_t>" if d + 1 < n_p + n_q
-                                 else "grad_from_weights_kernel<scalar_t>"] * 3  # (the forward: by its pointer)
+                                 else "grad_from_weights"] * 3  # (the forward, the backward: by their pointers)
     aten = [e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_LAUNCH]
     assert aten == ([] if d + 1 < n_p + n_q else ["aten::sum"] * 3), aten
     grad_kls.append(cotangent(b)._neg_view())  # a direct caller's negated view: its sign is resolved
@@ -509,7 +532,7 @@ def generic_gpu_launches(b, n_p, n_q, d, reverse, gemm=False) -> list[str]:
     rhs, system, evaluation = block * chunks(n_den, N - n_den), block, block * chunks(n_q, N)
     end = ["kl_finish_kernel"] * (n_q * width <= 2**17)
     kernels_backward = EMU.handles_kl_grad(N, n_q, d, b)
-    backward = ["grad_from_projection_kernel<scalar_t>" if width == d + 1 else "grad_from_weights_kernel<scalar_t>"]
+    backward = ["grad_from_projection_kernel<scalar_t>" if width == d + 1 else "grad_from_weights"]
     return (["pair_tile_kernel<scalar_t>"] + median + rhs + system + ["fit_coef_kernel"] + evaluation + end
             + backward * kernels_backward)
 
@@ -616,6 +639,7 @@ def packed_pairs(x, y=None):
 @pytest.mark.parametrize("n_den,n_num,d,dtype", [
     (30, 20, 5, torch.float64),      # 50 points: pair_sqdist_kernel
     (150, 140, 3, torch.float32),    # 290: pair_tile_kernel, 5 x 5 tiles, the last partial
+    (100, 100, 40, torch.float32),   # 200, the (100, 50000) tiling: the last tile of 8 points, one sub-block
     (70, 0, 300, torch.float64),     # one side (median_bandwidth), dimensions split in ranges
     (1300, 0, 2, torch.float64),     # 21 x 21 tiles: the tile pair from the closed form, stored
 ])

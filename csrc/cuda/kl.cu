@@ -686,16 +686,62 @@ __global__ void __launch_bounds__(kPairThreads)
 // warp per pair, as pair_sqdist_kernel, would load two values per difference). Differences, not the
 // GEMM's norms minus products: the same rounding as the other paths' distances, and exact zeros for a
 // point against itself. Called by every thread of the block (barriers).
+//
+// Only the 16 x 16 sub-blocks (u, v) that hold a point on both sides are computed (a tile past the
+// last point has fewer), and with kUpperOnly (pair_tile_kernel, which keeps the pairs a < b) of a tile
+// against itself only those with u <= v: the others' acc stay 0 (`subblocks`, set_tile_subblocks;
+// false: all 16, for the benches' A/B). At (100, 50000) (200 points, tiles
+// of 64: 10 tile pairs, the last tile holding 8 points) that is 91 sub-blocks of the 160 a full
+// computation takes, for 19,900 pairs in 23,296 computed. The choice is the same for the whole block,
+// so each slab's loop is one of the variants below, whose loads and multiply-adds are all unrolled.
 struct TileStage {
   double a[kTileDims][kTile + 1];  // +1: the staging stores (a point's dimensions by consecutive
   double b[kTileDims][kTile + 1];  // threads) fall in distinct banks
 };
 
-template <typename T>
+template <int kU, int kV, bool kUpper>
+__device__ __forceinline__ void slab_sqdist(const double (*ta)[kTile + 1], const double (*tb)[kTile + 1], int len,
+                                            int tx, int ty, double (&acc)[4][4]) {
+  for (int k = 0; k < len; ++k) {
+    double xa[kU], xb[kV];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) xa[u] = ta[k][ty + 16 * u];
+#pragma unroll
+    for (int v = 0; v < kV; ++v) xb[v] = tb[k][tx + 16 * v];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+      for (int v = kUpper ? u : 0; v < kV; ++v) {
+        const double diff = xa[u] - xb[v];
+        acc[u][v] = fma(diff, diff, acc[u][v]);
+      }
+    }
+  }
+}
+
+// slab_sqdist for kU row and nv column sub-blocks (1..4), upper: only u <= v (a tile against itself)
+template <int kU>
+__device__ __forceinline__ void slab_sqdist_rows(int nv, bool upper, const double (*ta)[kTile + 1],
+                                                 const double (*tb)[kTile + 1], int len, int tx, int ty,
+                                                 double (&acc)[4][4]) {
+  if (upper && nv == kU) return slab_sqdist<kU, kU, true>(ta, tb, len, tx, ty, acc);
+  switch (nv) {
+    case 1: return slab_sqdist<kU, 1, false>(ta, tb, len, tx, ty, acc);
+    case 2: return slab_sqdist<kU, 2, false>(ta, tb, len, tx, ty, acc);
+    case 3: return slab_sqdist<kU, 3, false>(ta, tb, len, tx, ty, acc);
+    default: return slab_sqdist<kU, 4, false>(ta, tb, len, tx, ty, acc);
+  }
+}
+
+template <bool kUpperOnly, typename T>
 __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a_end, int b0, int b_end, bool same,
-                                            int64_t t_begin, int64_t t_end, TileStage& st, double (&acc)[4][4]) {
+                                            int64_t t_begin, int64_t t_end, bool subblocks, TileStage& st,
+                                            double (&acc)[4][4]) {
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  double (*tb)[kTile + 1] = same ? st.a : st.b;
+  const double (*tb)[kTile + 1] = same ? st.a : st.b;
+  // the sub-blocks that hold a point: rows 16 u .. 16 u + 15 of the tile (a0 < a_end, b0 < b_end)
+  const int nu = subblocks ? min(4, (a_end - a0 + 15) / 16) : 4, nv = subblocks ? min(4, (b_end - b0 + 15) / 16) : 4;
+  const bool upper = kUpperOnly && same && subblocks;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileDims) {
     const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
     __syncthreads();  // the previous slab's reads are done
@@ -709,18 +755,11 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
       if (!same) st.b[k][r] = (ib < b_end && k < len) ? static_cast<double>(pts.row(ib)[t0 + k]) : 0.0;
     }
     __syncthreads();
-    for (int k = 0; k < len; ++k) {
-      double xa[4], xb[4];
-      for (int u = 0; u < 4; ++u) {
-        xa[u] = st.a[k][ty + 16 * u];
-        xb[u] = tb[k][tx + 16 * u];
-      }
-      for (int u = 0; u < 4; ++u) {
-        for (int v = 0; v < 4; ++v) {
-          const double diff = xa[u] - xb[v];
-          acc[u][v] = fma(diff, diff, acc[u][v]);
-        }
-      }
+    switch (nu) {
+      case 1: slab_sqdist_rows<1>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+      case 2: slab_sqdist_rows<2>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+      case 3: slab_sqdist_rows<3>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+      default: slab_sqdist_rows<4>(nv, upper, st.a, tb, len, tx, ty, acc); break;
     }
   }
 }
@@ -734,7 +773,7 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_pair_sqdist sizes the grid for that
     pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
-                     int64_t dims_per_split, double* __restrict__ dist_all) {
+                     int64_t dims_per_split, bool subblocks, double* __restrict__ dist_all) {
   __shared__ TileStage stage;
   const int N = n_den + n_num, tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
   const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
@@ -744,7 +783,7 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_p
   const int I = tile.x, J = tile.y;
   const int64_t t_begin = blockIdx.y * dims_per_split, t_end = min(d, t_begin + dims_per_split);
   double acc[4][4] = {};
-  tile_sqdist(pts, I * kTile, N, J * kTile, N, I == J, t_begin, t_end, stage, acc);
+  tile_sqdist<true>(pts, I * kTile, N, J * kTile, N, I == J, t_begin, t_end, subblocks, stage, acc);
   double* dist = dist_all + b * P;
   for (int u = 0; u < 4; ++u) {
     for (int v = 0; v < 4; ++v) {
@@ -772,14 +811,15 @@ template <typename T>
 __global__ void __launch_bounds__(kTileThreads)
     kernel_block_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
                         int r0, int rows, int c0, int cols, const double* __restrict__ scale, double divisor,
-                        double diagonal, double* __restrict__ out_all) {
+                        double diagonal, bool subblocks, double* __restrict__ out_all) {
   __shared__ TileStage stage;
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
                       n_den, d};
   const int a0 = r0 + blockIdx.y * kTile, b0 = c0 + blockIdx.x * kTile;
   double acc[4][4] = {};
-  tile_sqdist(pts, a0, r0 + rows, b0, c0 + cols, a0 == b0 && r0 + rows == c0 + cols, 0, d, stage, acc);
+  tile_sqdist<false>(pts, a0, r0 + rows, b0, c0 + cols, a0 == b0 && r0 + rows == c0 + cols, 0, d, subblocks, stage,
+                     acc);
   const double gamma = 1.0 / scale[b];
   double* out = out_all + static_cast<int64_t>(b) * rows * cols;
   for (int u = 0; u < 4; ++u) {
@@ -910,11 +950,19 @@ __global__ void grad_from_projection_kernel(const RowScale row_scale, const doub
   }
 }
 
-// grad[b, j, t] = row_scale_b (sum_c W_jc x_c[t] - wsum_j z_j[t]) (weight state, wsum_j = sum_c W_jc): one
-// thread per dimension t and kWeightRows rows j per block (grid: dimensions, row tiles, batch), W's
-// tile staged in shared memory kWeightCols points at a time, so that each thread reads each point's
-// coordinate t once per row tile and does kWeightRows multiply-adds with it. No buffer besides the
-// gradient, and the samples in their own dtype: float64 products without a float64 copy.
+// grad[b, j, t] = row_scale_b (sum_c W_jc x_c[t] - wsum_j z_j[t]) (weight state, wsum_j = sum_c W_jc):
+// kDims dimensions a thread (t, t + kWeightThreads, ...) and kWeightRows rows j per block (grid:
+// dimension ranges, row tiles, batch), W's tile staged in shared memory kWeightCols points at a time,
+// so that each thread reads each point's coordinates once per row tile. Each weight read from shared
+// memory (a broadcast) serves kDims multiply-adds: with one dimension a thread the shared-memory
+// loads, one a multiply-add, would hold the float64 units to half their rate (an SM's shared memory
+// serves one warp's broadcast load a cycle, its float64 units two warps' multiply-adds; on an H200 the
+// one-dimension kernel ran at ~19% of the float64 rate, 0.31 ms at (100, 50000)). No buffer besides
+// the gradient, and the samples in their own dtype: float64 products without a float64 copy. Each sum
+// runs over c in the same order whatever kDims: the same bits (kDims = 2, the default; 1 with
+// set_paired_weight_dims(false), for the benches' A/B). Four blocks an SM: ptxas (sm_90) fits the
+// float kernels in 64 registers without spills (the double ones spill 4 and 32 bytes), where
+// unbounded the two-dimension one took 76 and three blocks.
 constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256;
 // Weights per batch element (n_q N) up to which the backward takes this kernel: each point coordinate
 // it reads serves kWeightRows multiply-adds, so for many more weights cuBLAS's float64 GEMM (the generic
@@ -922,22 +970,30 @@ constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256;
 // with many posterior samples, has 20,000. The crossover is not measured yet.
 constexpr int64_t kMaxWeightWork = int64_t{1} << 16;
 
-template <typename T>
-__global__ void __launch_bounds__(kWeightThreads)
+template <typename T, int kDims>
+__global__ void __launch_bounds__(kWeightThreads, 4)
     grad_from_weights_kernel(const RowScale row_scale, const double* __restrict__ W_all,
                              const double* __restrict__ wsum_all, const T* __restrict__ den_all,
                              const T* __restrict__ num_all, int n_den, int n_num, int n_q, int row0, int64_t d,
                              T* __restrict__ grad_all) {
   __shared__ double w_tile[kWeightRows][kWeightCols];
   const int b = blockIdx.z, j0 = blockIdx.y * kWeightRows, N = n_den + n_num;
-  const int64_t t = blockIdx.x * static_cast<int64_t>(kWeightThreads) + threadIdx.x;
-  const bool active = t < d;  // the others still stage W's tiles
+  int64_t t[kDims];
+  bool active[kDims];  // (the inactive threads still stage W's tiles)
+#pragma unroll
+  for (int u = 0; u < kDims; ++u) {
+    t[u] = (static_cast<int64_t>(blockIdx.x) * kDims + u) * kWeightThreads + threadIdx.x;
+    active[u] = t[u] < d;
+  }
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
                       n_den, d};
   const double* W = W_all + static_cast<int64_t>(b) * n_q * N;
-  double acc[kWeightRows];
+  double acc[kDims][kWeightRows];
 #pragma unroll
-  for (int k = 0; k < kWeightRows; ++k) acc[k] = 0.0;
+  for (int u = 0; u < kDims; ++u) {
+#pragma unroll
+    for (int k = 0; k < kWeightRows; ++k) acc[u][k] = 0.0;
+  }
   for (int c0 = 0; c0 < N; c0 += kWeightCols) {
     const int cols = min(kWeightCols, N - c0);
     __syncthreads();  // the previous tile is read by every thread
@@ -946,23 +1002,33 @@ __global__ void __launch_bounds__(kWeightThreads)
       w_tile[k][c] = (j0 + k < n_q && c < cols) ? W[static_cast<int64_t>(j0 + k) * N + c0 + c] : 0.0;
     }
     __syncthreads();
-    if (active) {
+    if (active[0]) {  // (t[0] is the smallest)
       for (int c = 0; c < cols; ++c) {
-        const double x = static_cast<double>(pts.row(c0 + c)[t]);
+        const T* row = pts.row(c0 + c);
+        double x[kDims];
 #pragma unroll
-        for (int k = 0; k < kWeightRows; ++k) acc[k] += w_tile[k][c] * x;
+        for (int u = 0; u < kDims; ++u) x[u] = active[u] ? static_cast<double>(row[t[u]]) : 0.0;
+#pragma unroll
+        for (int k = 0; k < kWeightRows; ++k) {
+          const double w = w_tile[k][c];
+#pragma unroll
+          for (int u = 0; u < kDims; ++u) acc[u][k] += w * x[u];
+        }
       }
     }
   }
-  if (!active) return;
   const double s = row_scale[b];
 #pragma unroll
-  for (int k = 0; k < kWeightRows; ++k) {
-    const int j = j0 + k;
-    if (j < n_q) {
-      const int64_t row = static_cast<int64_t>(b) * n_q + j;
-      const double zt = static_cast<double>(pts.row(row0 + j)[t]);
-      grad_all[row * d + t] = static_cast<T>(s * (acc[k] - wsum_all[row] * zt));
+  for (int u = 0; u < kDims; ++u) {
+    if (!active[u]) continue;
+#pragma unroll
+    for (int k = 0; k < kWeightRows; ++k) {
+      const int j = j0 + k;
+      if (j < n_q) {
+        const int64_t row = static_cast<int64_t>(b) * n_q + j;
+        const double zt = static_cast<double>(pts.row(row0 + j)[t[u]]);
+        grad_all[row * d + t[u]] = static_cast<T>(s * (acc[u][k] - wsum_all[row] * zt));
+      }
     }
   }
 }
@@ -980,6 +1046,10 @@ std::atomic<bool> gathered_selection{true};
 std::atomic<bool> gemm_kernel_values{false};
 // set_generic_kernels's switch (benches: the generic path's CUDA kernels against its ATen composition).
 std::atomic<bool> generic_kernels{true};
+// set_tile_subblocks's switch (benches: tile_sqdist's needed sub-blocks against all 16).
+std::atomic<bool> tile_subblocks{true};
+// set_paired_weight_dims's switch (benches: grad_from_weights_kernel's two dimensions a thread against one).
+std::atomic<bool> paired_weight_dims{true};
 
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
@@ -1032,7 +1102,7 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
       if (ranges > 1) zero();
       const dim3 grid(static_cast<unsigned>(tile_pairs), static_cast<unsigned>(ranges), static_cast<unsigned>(nb));
       pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, dims_per_split,
-                                                                    dist_b);
+                                                                    tile_subblocks.load(), dist_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
@@ -1171,6 +1241,10 @@ bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 
 bool use_generic_kernels() { return generic_kernels.load(); }
 
+bool set_tile_subblocks(bool flag) { return tile_subblocks.exchange(flag); }
+
+bool set_paired_weight_dims(bool flag) { return paired_weight_dims.exchange(flag); }
+
 void set_stage_clocks(const std::optional<Tensor>& buffer) {
   if (!buffer.has_value()) {
     stage_clocks_device.store(-1);
@@ -1237,7 +1311,8 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
       kernel_block_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(
           den + b0 * n_den * d, num + b0 * n_num * d, static_cast<int>(n_den), static_cast<int>(n_num), d,
           static_cast<int>(r0), static_cast<int>(rows), static_cast<int>(c0), static_cast<int>(cols),
-          scale.data_ptr<double>() + b0, divisor, diagonal, out.data_ptr<double>() + b0 * rows * cols);
+          scale.data_ptr<double>() + b0, divisor, diagonal, tile_subblocks.load(),
+          out.data_ptr<double>() + b0 * rows * cols);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
@@ -1354,9 +1429,14 @@ Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_
     } else {
       const KlRoles roles = kl_roles(prior_z, q_z, reverse);
       const auto wsum = state.sum(-1);  // [B, n_q]
-      const dim3 grid(static_cast<unsigned>((d + kWeightThreads - 1) / kWeightThreads),
+      // two dimensions a thread, or one (set_paired_weight_dims): the launch names the pointer
+      const bool paired = paired_weight_dims.load();
+      const auto grad_from_weights =
+          paired ? grad_from_weights_kernel<scalar_t, 2> : grad_from_weights_kernel<scalar_t, 1>;
+      const int64_t dims_per_block = int64_t{kWeightThreads} * (paired ? 2 : 1);
+      const dim3 grid(static_cast<unsigned>((d + dims_per_block - 1) / dims_per_block),
                       static_cast<unsigned>((n_q + kWeightRows - 1) / kWeightRows), static_cast<unsigned>(B));
-      grad_from_weights_kernel<scalar_t><<<grid, kWeightThreads, 0, stream>>>(
+      grad_from_weights<<<grid, kWeightThreads, 0, stream>>>(
           row_scale, state.data_ptr<double>(), wsum.data_ptr<double>(),
           roles.denom.data_ptr<scalar_t>(), roles.numer.data_ptr<scalar_t>(), static_cast<int>(roles.denom.size(1)),
           static_cast<int>(roles.numer.size(1)), static_cast<int>(n_q), static_cast<int>(roles.row0), d,
