@@ -14,7 +14,7 @@
 #             warp-state and scheduler metrics of one launch (where ncu is installed; OUT_DIR/stalls.txt)
 #   steps     bench/train_steps.py: the VAE and MNIST steps, eager and graphed (train_steps.json)
 #   compiled  the pure sides and ours under torch.compile with CUDA graphs on the shapes where that can
-#             pay (bench/gpu.py --compiled: minutes of compiling; cuda_compiled.json)
+#             pay (bench/gpu.py --compiled: a minute or two of compiling; cuda_compiled.json)
 #   sanitizer compute-sanitizer memcheck over every kernel path, racecheck and synccheck on the kernels
 #             that use shared memory (where compute-sanitizer is installed)
 #   bench64   bench/gpu.py, float64 (cuda_results64.json)
@@ -29,7 +29,7 @@
 # started with less left than it needs at the least (MIN_S below); those skipped or cut off are named
 # at the end with the command that runs them. On an H200 (torch 2.11, commit 6eb403b) the build took 50 s,
 # the tests 152 s (four worker processes), the bench 38 s, the profile 38 s, the stalls 14 s, the steps 13 s,
-# the compiled phase 64 s, the sanitizer 33 s and bench64 18 s: 427 s in all. A lease of 15 minutes of
+# the compiled phase 64 s (three shapes then), the sanitizer 33 s and bench64 18 s: 427 s in all. A lease of 15 minutes of
 # device time, one command at most 10:
 # BUDGET_S=540 with timeout_s 570, then the phases it names in a second call if time is left.
 set -uo pipefail
@@ -123,12 +123,13 @@ phase_steps() {
   step steps 600 python3 bench/train_steps.py --json "$out/train_steps.json"
 }
 phase_compiled() {
-  # the shapes of the 10x target and the host-bound one: launches are what compiling and CUDA graphs
-  # save, so the strongest pure sides there are compiled with reduce-overhead; ours the same way beside
-  # them, like for like; forward + backward only, the targets' pass: each shape costs three compiles,
-  # tens of seconds each with Triton
+  # the shapes where the eager pure sides' launches may bound them: the 10x target's, the host-bound
+  # generic one, and the tall ones (a few launches a 16 MB chunk of dimensions): launches are what
+  # compiling and CUDA graphs save, so the strongest pure sides there are compiled with
+  # reduce-overhead; ours the same way beside them, like for like; forward + backward only, the
+  # targets' pass: each shape costs three compiles, tens of seconds each with Triton
   step compiled 900 python3 bench/gpu.py --compiled --compile-mode reduce-overhead --dtypes float32 \
-    --passes fwd+bwd --shapes 128x100x8,1024x100x8,1000x32 --json "$out/cuda_compiled.json"
+    --passes fwd+bwd --shapes 128x100x8,1024x100x8,1000x32,10x314000,100x50000 --json "$out/cuda_compiled.json"
 }
 phase_sanitizer() {
   if ! command -v compute-sanitizer > /dev/null; then echo "gpu_check: no compute-sanitizer here"; return 0; fi
