@@ -100,7 +100,7 @@ phase_bench() {
 }
 phase_profile() {
   step profile 600 python3 bench/gpu.py --profile --dtypes float32 \
-    --shapes 128x100x8,1024x100x8,100x50000,100x700,1000x32,5000x64
+    --shapes 128x100x8,1024x100x8,10x314000,100x50000,100x700,1000x32,5000x64
   step steps-profile 300 python3 bench/train_steps.py --profile
 }
 phase_stalls() {
