@@ -377,7 +377,7 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
     elif bool((sigma == 0).any()):
         raise ValueError("the median pairwise distance is 0; the median bandwidth is undefined")
     traced = torch.compiler.is_compiling()
-    if traced:  # out of place, as the backward (_KL.backward)
+    if traced:  # out of place, as _fixed_ratio_grad compiled
         k = torch.exp(d2 * (-0.5 / sigma**2)[:, None, None])
     else:
         k = d2.mul_((-0.5 / sigma**2)[:, None, None]).exp_()         # [B, n_q, N], the kernel, in place
@@ -407,7 +407,7 @@ def _forward(q: torch.Tensor, p: torch.Tensor, lam: float, clip: float, side: st
     # 1e-3), on the samples as given.
     s = torch.where(r > clip, 1.0 / (n_q * sigma[:, None] ** 2 * r), 0.0)  # [B, n_q]
     w = torch.cat([-x_fit, x_fit.new_full((bsz, n_p), 1.0 / (lam * n_p))], 1)
-    if traced:  # out of place, as the backward (_KL.backward)
+    if traced:  # out of place, as _fixed_ratio_grad compiled
         weights = k.to(q.dtype) * w.to(q.dtype)[:, None, :]
         weights = weights - torch.nn.functional.pad(torch.diag_embed(r.to(q.dtype)), (0, n_p))
     else:

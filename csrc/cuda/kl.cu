@@ -690,10 +690,10 @@ __global__ void __launch_bounds__(kPairThreads)
 // Only the 16 x 16 sub-blocks (u, v) that hold a point on both sides are computed (a tile past the
 // last point has fewer), and with kUpperOnly (pair_tile_kernel, which keeps the pairs a < b) of a tile
 // against itself only those with u <= v: the others' acc stay 0 (`subblocks`, set_tile_subblocks;
-// false: all 16, for the benches' A/B). At (100, 50000) (200 points, tiles
-// of 64: 10 tile pairs, the last tile holding 8 points) that is 91 sub-blocks of the 160 a full
-// computation takes, for 19,900 pairs in 23,296 computed. The choice is the same for the whole block,
-// so each slab's loop is one of the variants below, whose loads and multiply-adds are all unrolled.
+// false: all 16, for the benches' A/B). At (100, 50000) (200 points, tiles of 64: 10 tile pairs, the
+// last tile holding 8 points) that is 91 sub-blocks of the 160 a full computation takes, for 19,900
+// pairs in 23,296 computed. The choice is the same for the whole block, so each slab's loop is one of
+// the variants below, whose loads and multiply-adds are all unrolled.
 struct TileStage {
   double a[kTileDims][kTile + 1];  // +1: the staging stores (a point's dimensions by consecutive
   double b[kTileDims][kTile + 1];  // threads) fall in distinct banks
@@ -740,7 +740,8 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const double (*tb)[kTile + 1] = same ? st.a : st.b;
   // the sub-blocks that hold a point: rows 16 u .. 16 u + 15 of the tile (a0 < a_end, b0 < b_end)
-  const int nu = subblocks ? min(4, (a_end - a0 + 15) / 16) : 4, nv = subblocks ? min(4, (b_end - b0 + 15) / 16) : 4;
+  const int nu = subblocks ? min(4, (a_end - a0 + 15) / 16) : 4;
+  const int nv = subblocks ? min(4, (b_end - b0 + 15) / 16) : 4;
   const bool upper = kUpperOnly && same && subblocks;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileDims) {
     const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
