@@ -21,7 +21,7 @@ import kivi_fast
 from kivi_fast import _cuda_emulation, reference
 
 from conftest import bench_module, implementation
-from test_cuda import CUDA_KERNEL_SHAPES, WEIGHT_STATE_SHAPES, seeded_samples
+from test_cuda import CUDA_KERNEL_SHAPES, VARIANT_CASES, VARIANT_IDS, WEIGHT_STATE_SHAPES, seeded_samples
 
 peak_bytes = bench_module("alloc_peak").peak_bytes
 
@@ -309,13 +309,7 @@ def test_the_paired_elimination_switch_acts():
     assert_close_rel(a[0], e[0], 1e-12)
 
 
-@pytest.mark.parametrize("switch, shape", [
-    ("set_tile_subblocks", (1, 100, 100, 300)),  # the fused wide path's pair_tile_kernel: the last tile of 8 points
-    ("set_tile_subblocks", (2, 100, 100, 40)),   # the generic path's: its pairs' tiles as above, kernel_block's
-    ("set_tile_subblocks", (1, 300, 290, 3)),    # the generic path: kernel_block's tiles, the last partial
-    ("set_paired_weight_dims", (1, 9, 13, 3000)),  # the weight state's backward: 3000 = 5 x 512 + 440
-    ("set_paired_weight_dims", (2, 40, 150, 400)),  # a block's second dimensions past d: 400 < 512
-], ids=["tiles-wide", "tiles-generic-200", "tiles-generic", "weights-fused", "weights-tiled"])
+@pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)
 def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     """The tiled distances with every sub-block computed (set_tile_subblocks(False)) and the weight
     state's backward with one dimension a thread (set_paired_weight_dims(False)): each sum is taken in
