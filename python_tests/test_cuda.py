@@ -267,10 +267,11 @@ VARIANT_CASES = [
     ("set_tile_subblocks", (1, 100, 100, 300)),    # the fused wide path's pair_tile_kernel: the last tile of 8 points
     ("set_tile_subblocks", (2, 100, 100, 40)),     # the generic path's: its pairs' tiles as above, kernel_block's
     ("set_tile_subblocks", (1, 300, 290, 3)),      # the generic path: kernel_block's tiles, the last partial
+    ("set_tile_subblocks", (1, 70, 60, 2011)),     # 3 tiles (the last of 2 points): pairs' ranges of 1 to 63 slabs
     ("set_paired_weight_dims", (1, 9, 13, 3000)),  # the weight state's backward: 3000 = 5 x 512 + 440
     ("set_paired_weight_dims", (2, 40, 150, 400)),  # a block's second dimensions past d: 400 < 512
 ]
-VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "weights-fused", "weights-tiled"]
+VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "weights-fused", "weights-tiled"]
 
 
 @pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)

@@ -27,9 +27,9 @@
 #   CUDA_ARCH=90 bash scripts/gpu_check.sh           (default: the GPUs of this machine)
 # BUDGET_S: each command runs under `timeout` for what is left of the budget, and a phase is not
 # started with less left than it needs at the least (MIN_S below); those skipped or cut off are named
-# at the end with the command that runs them. On an H200 (torch 2.11, commit 6eb403b) the build took 50 s,
-# the tests 152 s (four worker processes), the bench 38 s, the profile 38 s, the stalls 14 s, the steps 13 s,
-# the compiled phase 64 s (three shapes then), the sanitizer 33 s and bench64 18 s: 427 s in all. A lease of 15 minutes of
+# at the end with the command that runs them. On an H200 (torch 2.11, commit ce3d55c) the build took 58 s,
+# the tests 163 s (four worker processes), the bench 41 s, the profile 50 s, the stalls 15 s, the steps 13 s,
+# the compiled phase 86 s, the sanitizer 33 s and bench64 18 s: 485 s in all. A lease of 15 minutes of
 # device time, one command at most 10:
 # BUDGET_S=540 with timeout_s 570, then the phases it names in a second call if time is left.
 set -uo pipefail

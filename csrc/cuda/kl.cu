@@ -743,19 +743,40 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
   const int nu = subblocks ? min(4, (a_end - a0 + 15) / 16) : 4;
   const int nv = subblocks ? min(4, (b_end - b0 + 15) / 16) : 4;
   const bool upper = kUpperOnly && same && subblocks;
+  // A slab's element for thread tid: dimension k = tid % kTileDims of the points r = tid / kTileDims +
+  // s kRowsAStep, s < kStaged (a point's dimensions by consecutive threads: coalesced). A tile's loads
+  // are all issued before the first is stored, and (float samples: both tiles'; double ones, which
+  // take twice the registers: the first tile's) before the barrier that waits for the previous slab's
+  // reads: one or two load latencies a slab, where a load, its conversion and its store one after the
+  // other waited out sixteen.
+  constexpr int kStaged = kTile * kTileDims / kTileThreads, kRowsAStep = kTileThreads / kTileDims;
+  static_assert(kTileThreads % kTileDims == 0 && kStaged * kRowsAStep == kTile, "tile_sqdist's staging");
+  constexpr bool kBothFirst = sizeof(T) <= 4;
+  const int k = tid % kTileDims, r0 = tid / kTileDims;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileDims) {
-    const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
+    const bool in_range = k < t_end - t0;  // zeros past the range and past the tiles' points (they add nothing)
+    T va[kStaged], vb[kStaged];
+    const auto load = [&](int first, int end, T (&v)[kStaged]) {
+#pragma unroll
+      for (int s = 0; s < kStaged; ++s) {
+        const int i = first + r0 + s * kRowsAStep;
+        v[s] = in_range && i < end ? pts.row(i)[t0 + k] : T(0);
+      }
+    };
+    const auto store = [&](const T (&v)[kStaged], double (*tile)[kTile + 1]) {
+#pragma unroll
+      for (int s = 0; s < kStaged; ++s) tile[k][r0 + s * kRowsAStep] = static_cast<double>(v[s]);
+    };
+    load(a0, a_end, va);
+    if (kBothFirst && !same) load(b0, b_end, vb);
     __syncthreads();  // the previous slab's reads are done
-    // element e of a tile's slab: point e / kTileDims, dimension e % kTileDims (a point's dimensions
-    // by consecutive threads: coalesced); zeros past the tile's points and past the range (they add
-    // nothing)
-    for (int e = tid; e < kTile * kTileDims; e += kTileThreads) {
-      const int r = e / kTileDims, k = e % kTileDims;
-      const int ia = a0 + r, ib = b0 + r;
-      st.a[k][r] = (ia < a_end && k < len) ? static_cast<double>(pts.row(ia)[t0 + k]) : 0.0;
-      if (!same) st.b[k][r] = (ib < b_end && k < len) ? static_cast<double>(pts.row(ib)[t0 + k]) : 0.0;
+    store(va, st.a);
+    if (!same) {
+      if (!kBothFirst) load(b0, b_end, vb);
+      store(vb, st.b);
     }
     __syncthreads();
+    const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
     switch (nu) {
       case 1: slab_sqdist_rows<1>(nv, upper, st.a, tb, len, tx, ty, acc); break;
       case 2: slab_sqdist_rows<2>(nv, upper, st.a, tb, len, tx, ty, acc); break;
@@ -955,16 +976,18 @@ __global__ void grad_from_projection_kernel(const RowScale row_scale, const doub
 // kDims dimensions a thread (t, t + kWeightThreads, ...) and kWeightRows rows j per block (grid:
 // dimension ranges, row tiles, batch), W's tile staged in shared memory kWeightCols points at a time,
 // so that each thread reads each point's coordinates once per row tile. Each weight read from shared
-// memory (a broadcast) serves kDims multiply-adds: with one dimension a thread the shared-memory
-// loads, one a multiply-add, would hold the float64 units to half their rate (an SM's shared memory
-// serves one warp's broadcast load a cycle, its float64 units two warps' multiply-adds; on an H200 the
-// one-dimension kernel ran at ~19% of the float64 rate, 0.31 ms at (100, 50000)). No buffer besides
-// the gradient, and the samples in their own dtype: float64 products without a float64 copy. Each sum
-// runs over c in the same order whatever kDims: the same bits (kDims = 2, the default; 1 with
-// set_paired_weight_dims(false), for the benches' A/B). Four blocks an SM: ptxas (sm_90) fits the
-// float kernels in 64 registers without spills (the double ones spill 4 and 32 bytes), where
-// unbounded the two-dimension one took 76 and three blocks.
-constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256;
+// memory (a broadcast) serves kDims multiply-adds (an SM's shared memory serves one warp's broadcast
+// load a cycle, its float64 units two warps' multiply-adds). A thread loads kWeightLoads points'
+// coordinates before it uses the first: with one point at a time each multiply-add round waited out
+// a load's latency (L2: hundreds of cycles), which eight warps a scheduler could not hide; on an H200
+// at (100, 50000) the kernel took 0.298 ms so, 0.216 ms with four loads in flight (0.063 -> 0.030 ms
+// at (100, 700)). The coordinates stay in their own dtype until used (a float in one register), and
+// three blocks an SM give ptxas (sm_90) the 80 registers to hold them: the float kernels and the
+// double one-dimension kernel without spills (the double two-dimension one spills 12 bytes). No
+// buffer besides the gradient, and the samples in their own dtype: float64 products without a
+// float64 copy. Each sum runs over c in the same order whatever kDims: the same bits (kDims = 2, the
+// default; 1 with set_paired_weight_dims(false), for the benches' A/B).
+constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256, kWeightLoads = 4;
 // Weights per batch element (n_q N) up to which the backward takes this kernel: each point coordinate
 // it reads serves kWeightRows multiply-adds, so for many more weights cuBLAS's float64 GEMM (the generic
 // path, which converts the samples in chunks) is assumed to win. (100, 50000), an MNIST-sized layer
@@ -972,7 +995,7 @@ constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256;
 constexpr int64_t kMaxWeightWork = int64_t{1} << 16;
 
 template <typename T, int kDims>
-__global__ void __launch_bounds__(kWeightThreads, 4)
+__global__ void __launch_bounds__(kWeightThreads, 3)
     grad_from_weights_kernel(const RowScale row_scale, const double* __restrict__ W_all,
                              const double* __restrict__ wsum_all, const T* __restrict__ den_all,
                              const T* __restrict__ num_all, int n_den, int n_num, int n_q, int row0, int64_t d,
@@ -1004,17 +1027,32 @@ __global__ void __launch_bounds__(kWeightThreads, 4)
     }
     __syncthreads();
     if (active[0]) {  // (t[0] is the smallest)
-      for (int c = 0; c < cols; ++c) {
+      // (the coordinates held in their own dtype until used: a float in one register, not two)
+      const auto load = [&](int c, T (&x)[kDims]) {
         const T* row = pts.row(c0 + c);
-        double x[kDims];
 #pragma unroll
-        for (int u = 0; u < kDims; ++u) x[u] = active[u] ? static_cast<double>(row[t[u]]) : 0.0;
+        for (int u = 0; u < kDims; ++u) x[u] = active[u] ? row[t[u]] : T(0);
+      };
+      const auto add = [&](int c, const T (&x)[kDims]) {
 #pragma unroll
         for (int k = 0; k < kWeightRows; ++k) {
           const double w = w_tile[k][c];
 #pragma unroll
-          for (int u = 0; u < kDims; ++u) acc[u][k] += w * x[u];
+          for (int u = 0; u < kDims; ++u) acc[u][k] += w * static_cast<double>(x[u]);
         }
+      };
+      int c = 0;
+      for (; c + kWeightLoads <= cols; c += kWeightLoads) {
+        T x[kWeightLoads][kDims];
+#pragma unroll
+        for (int l = 0; l < kWeightLoads; ++l) load(c + l, x[l]);
+#pragma unroll
+        for (int l = 0; l < kWeightLoads; ++l) add(c + l, x[l]);
+      }
+      for (; c < cols; ++c) {
+        T x[kDims];
+        load(c, x);
+        add(c, x);
       }
     }
   }
