@@ -173,6 +173,8 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     and one pass, or from differences in tiles),
     set_tile_subblocks (the tiled distances, pair_tile_kernel's and kernel_block's: only the 16 x 16
     sub-blocks that hold a needed pair, or all 16 of a tile),
+    set_balanced_tile_ranges (off by default; pair_tile_kernel with few tile pairs: each pair's
+    dimensions in ranges by its cost, or the same ranges for all),
     set_paired_weight_dims (the weight state's backward: two dimensions a thread, or one)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
@@ -272,6 +274,8 @@ def main(argv=None) -> int:
                 # the tiled distances: more than 64 points, outside the fused kernel's small regime
                 if 2 * n > 64 and not (2 * n <= 512 and 2 * n * d <= 6144):
                     print(switch_ab(p, q, "set_tile_subblocks", args.target_s))
+                    if 2 * n <= 512:  # few tile pairs (up to 8 tiles): pair_tile_kernel's ranges by cost
+                        print(switch_ab(p, q, "set_balanced_tile_ranges", args.target_s))
                 if d + 1 >= 2 * n and n * 2 * n <= 2**16:  # the weight state's backward kernel
                     print(switch_ab(p, q, "set_paired_weight_dims", args.target_s))
                 if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches

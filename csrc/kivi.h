@@ -255,6 +255,10 @@ bool use_generic_kernels();
 // Benches and tests: whether the tiled distances (pair_sqdist's tiles, kernel_block) compute only the
 // 16 x 16 sub-blocks that hold a needed pair (the default) or all 16 of a tile; returns the old value.
 bool set_tile_subblocks(bool flag);
+// Benches and tests: whether pair_tile_kernel, with few tile pairs, splits each pair's dimensions in
+// ranges by the pair's cost (more ranges for fuller tile pairs) or the same ranges for all (the
+// default); returns the old value.
+bool set_balanced_tile_ranges(bool flag);
 // Benches and tests: whether the weight state's backward kernel takes two dimensions a thread (the
 // default) or one; returns the old value.
 bool set_paired_weight_dims(bool flag);

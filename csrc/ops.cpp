@@ -38,6 +38,7 @@ bool set_gathered_selection(bool) { TORCH_CHECK(false, "kivi_fast was built with
 bool set_gemm_kernel_values(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_generic_kernels(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_tile_subblocks(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
+bool set_balanced_tile_ranges(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_paired_weight_dims(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 }  // namespace cuda
 #endif

@@ -57,6 +57,7 @@ TORCH_LIBRARY(kivi_fast_testing, m) {
   // true), and whether the weight state's CUDA backward takes two dimensions a thread (default true).
   // Errors in a build without the CUDA kernels.
   m.def("set_tile_subblocks(bool flag) -> bool", &cuda::set_tile_subblocks);
+  m.def("set_balanced_tile_ranges(bool flag) -> bool", &cuda::set_balanced_tile_ranges);
   m.def("set_paired_weight_dims(bool flag) -> bool", &cuda::set_paired_weight_dims);
 }
 

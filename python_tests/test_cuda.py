@@ -261,23 +261,27 @@ def test_each_elimination_equals_the_cpu_kernels(mode, shape, reverse):
         assert_cuda_equals_cpu_kernels(p, q, reverse, 1e-8, value_rtol=1e-9)
 
 
-# The benches' switches of kernel variants that sum in the same order as the defaults, and shapes that
-# take each variant (here and in test_cuda_emulation.py)
+# The benches' switches of kernel variants, and shapes that take each variant (here and in
+# test_cuda_emulation.py); all but set_balanced_tile_ranges sum in the same order as the defaults
 VARIANT_CASES = [
     ("set_tile_subblocks", (1, 100, 100, 300)),    # the fused wide path's pair_tile_kernel: the last tile of 8 points
     ("set_tile_subblocks", (2, 100, 100, 40)),     # the generic path's: its pairs' tiles as above, kernel_block's
     ("set_tile_subblocks", (1, 300, 290, 3)),      # the generic path: kernel_block's tiles, the last partial
-    ("set_tile_subblocks", (1, 70, 60, 2011)),     # 3 tiles (the last of 2 points): pairs' ranges of 1 to 63 slabs
+    ("set_tile_subblocks", (1, 70, 60, 2011)),     # 3 tiles, the last of 2 points; a last slab of 27 dimensions
+    ("set_balanced_tile_ranges", (1, 100, 100, 3000)),  # 10 tile pairs, ranges of 2 to 10 slabs on 132 SMs
+    ("set_balanced_tile_ranges", (1, 70, 60, 2011)),    # 6 tile pairs, ranges of 1 to 4 slabs
     ("set_paired_weight_dims", (1, 9, 13, 3000)),  # the weight state's backward: 3000 = 5 x 512 + 440
     ("set_paired_weight_dims", (2, 40, 150, 400)),  # a block's second dimensions past d: 400 < 512
 ]
-VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "weights-fused", "weights-tiled"]
+VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "ranges-wide", "ranges-uneven",
+               "weights-fused", "weights-tiled"]
 
 
 @pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)
 def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, shape):
-    """The tiled distances with every sub-block (set_tile_subblocks(False)) and the weight state's
-    backward with one dimension a thread (set_paired_weight_dims(False)) against the CPU kernels, and
+    """The tiled distances with every sub-block (set_tile_subblocks(False)) or their ranges by cost
+    (set_balanced_tile_ranges(True)), and the weight state's backward with one dimension a thread
+    (set_paired_weight_dims(False)) against the CPU kernels, and
     against the defaults: the backward's variants on one forward, the same bits; the distances' within
     1e-6 (their ranges of dimensions add up by atomics in any order, so two forwards may differ in the
     last bits whichever variant runs)."""

@@ -314,7 +314,8 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     """The tiled distances with every sub-block computed (set_tile_subblocks(False)) and the weight
     state's backward with one dimension a thread (set_paired_weight_dims(False)): each sum is taken in
     the same order as by the defaults, so the outputs and gradients are the same bits, and each equals
-    the CPU kernels."""
+    the CPU kernels. The distances' ranges by cost (set_balanced_tile_ranges(True)) split the
+    dimensions elsewhere, so their sums may differ in the last bits: within 1e-12."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape), 1.2, 0.3)
     runs = []
@@ -323,7 +324,11 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
             runs.append(emulated_kl(p, q, False))
             assert_equals_cpu_kernels(p, q, False)
     (a, ag), (e, eg) = runs
-    assert all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
+    if switch == "set_balanced_tile_ranges":
+        for x, y in zip((*a[:3], ag), (*e[:3], eg)):
+            assert_close_rel(x.double(), y.double(), 1e-12 if x.dtype == torch.float64 else 1e-6)
+    else:
+        assert all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
 
 
 @pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "cuda/device.h"
 #include "cuda/radix.h"
@@ -786,32 +787,58 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
   }
 }
 
+// How pair_tile_kernel's blocks share out the work with set_balanced_tile_ranges (off by default,
+// not yet timed) and few tile pairs (up to kMaxRangedPairs: 512 points): tile pair p takes blocks
+// first[p] .. first[p + 1] - 1, each a range of dims[p] dimensions (a whole number of slabs) in turn,
+// its share of the wave in proportion to its cost a slab, its sub-blocks (tile_sqdist) plus
+// kStageCost for the slab's staging. With the same ranges for all, at (100, 50000) the blocks of the
+// full tile pairs (16 sub-blocks a slab, against 10 for a tile against itself, 4 against the last
+// tile of 8 points) end the one wave. In proportion to the sub-blocks alone the kernel was slower on
+// an H200 (0.616 against 0.417 ms): the light pairs' blocks ran up to 18x the slabs, and a slab's
+// staging, then sixteen load latencies one after the other, cost about 1.5 sub-blocks (tile_sqdist now
+// overlaps them; kStageCost is a guess until the A/B).
+constexpr int kMaxRangedPairs = 36;
+constexpr int64_t kStageCost = 1;
+struct TileRanges {
+  int pairs = 0;  // 0: a block is one tile pair (blockIdx.x) and one range of dims_per_split (blockIdx.y)
+  int first[kMaxRangedPairs + 1] = {};
+  int64_t dims[kMaxRangedPairs] = {};
+};
+
 // Squared distances of every pair of N > kMaxWarpPairPoints points, added into dist (zeroed): for the
 // forward, up to kMaxWidePoints points in many dimensions (an MNIST layer with many posterior samples:
 // (100, 50000)); for the generic path's median (pair_sqdist), any N (N = 10,000: 12,403 tiles). The
-// pairs in tiles (I <= J: blockIdx.x), the dimensions split in ranges (blockIdx.y), the batch
-// (blockIdx.z); tile_sqdist's scheme. With one range (gridDim.y == 1) each pair has one writer, which
-// stores its sum: dist need not be zeroed.
+// pairs in tiles (I <= J), the dimensions split in ranges (TileRanges), the batch (blockIdx.z);
+// tile_sqdist's scheme. A tile pair's only range stores its sums: dist need not be zeroed for it.
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_pair_sqdist sizes the grid for that
     pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
-                     int64_t dims_per_split, bool subblocks, double* __restrict__ dist_all) {
+                     const TileRanges ranges, int64_t dims_per_split, bool subblocks, double* __restrict__ dist_all) {
   __shared__ TileStage stage;
   const int N = n_den + n_num, tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
   const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
                       n_den, d};
-  const int2 tile = triangle_entry(blockIdx.x, (N + kTile - 1) / kTile, 0);  // tile pair (I, J), I <= J
+  int p = static_cast<int>(blockIdx.x);
+  int64_t t_begin = blockIdx.y * dims_per_split, t_len = dims_per_split;
+  bool alone = gridDim.y == 1;
+  if (ranges.pairs > 0) {
+    p = 0;
+    while (ranges.first[p + 1] <= static_cast<int>(blockIdx.x)) ++p;
+    t_len = ranges.dims[p];
+    t_begin = (blockIdx.x - ranges.first[p]) * t_len;
+    alone = ranges.first[p + 1] - ranges.first[p] == 1;
+  }
+  const int2 tile = triangle_entry(p, (N + kTile - 1) / kTile, 0);  // tile pair (I, J), I <= J
   const int I = tile.x, J = tile.y;
-  const int64_t t_begin = blockIdx.y * dims_per_split, t_end = min(d, t_begin + dims_per_split);
   double acc[4][4] = {};
-  tile_sqdist<true>(pts, I * kTile, N, J * kTile, N, I == J, t_begin, t_end, subblocks, stage, acc);
+  tile_sqdist<true>(pts, I * kTile, N, J * kTile, N, I == J, t_begin, min(d, t_begin + t_len), subblocks, stage, acc);
   double* dist = dist_all + b * P;
   for (int u = 0; u < 4; ++u) {
     for (int v = 0; v < 4; ++v) {
       const int i = I * kTile + ty + 16 * u, j = J * kTile + tx + 16 * v;
       if (i < j && j < N) {
-        if (gridDim.y == 1) {
+        if (alone) {
           dist[pair_index(i, j, N)] = acc[u][v];
         } else {
           atomicAdd(dist + pair_index(i, j, N), acc[u][v]);
@@ -1089,6 +1116,9 @@ std::atomic<bool> generic_kernels{true};
 std::atomic<bool> tile_subblocks{true};
 // set_paired_weight_dims's switch (benches: grad_from_weights_kernel's two dimensions a thread against one).
 std::atomic<bool> paired_weight_dims{true};
+// set_balanced_tile_ranges's switch (benches: pair_tile_kernel's ranges by each tile pair's cost, TileRanges,
+// against the same ranges for all).
+std::atomic<bool> balanced_tile_ranges{false};
 
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
@@ -1130,18 +1160,44 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
     double* dist_b = dist + b0 * P;
     if (N > kMaxWarpPairPoints) {
       const int64_t tiles = (N + kTile - 1) / kTile, tile_pairs = tiles * (tiles + 1) / 2;
-      // dimension ranges: at most one wave of 4 blocks per SM (rounded down: a partial second wave
-      // would run its ranges alone), each range a whole number of slabs
-      const int64_t slabs = (d + kTileDims - 1) / kTileDims;
-      const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(slabs, 4 * sms / (tile_pairs * nb)));
-      const int64_t dims_per_split = (slabs + splits - 1) / splits * kTileDims;
-      const int64_t ranges = std::max<int64_t>(1, (d + dims_per_split - 1) / dims_per_split);
       TORCH_CHECK(tile_pairs <= std::numeric_limits<int>::max(), "kivi_fast: ", N,
                   " points are too many for pair_sqdist");
-      if (ranges > 1) zero();
-      const dim3 grid(static_cast<unsigned>(tile_pairs), static_cast<unsigned>(ranges), static_cast<unsigned>(nb));
-      pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, dims_per_split,
-                                                                    tile_subblocks.load(), dist_b);
+      // at most one wave of 4 blocks per SM (rounded down: a partial second wave would run its ranges
+      // alone), each range a whole number of slabs
+      const int64_t slabs = (d + kTileDims - 1) / kTileDims, wave = 4 * sms / nb;
+      TileRanges ranges;
+      int64_t dims_per_split = d, blocks = tile_pairs, splits = 1;
+      if (balanced_tile_ranges.load() && tile_pairs <= kMaxRangedPairs) {
+        // tile pair p's cost a slab: its needed sub-blocks (tile_sqdist's count, whatever
+        // `subblocks`) and the staging
+        std::vector<int64_t> cost(tile_pairs);
+        int64_t all = 0;
+        for (int64_t p = 0, I = 0; I < tiles; ++I) {
+          for (int64_t J = I; J < tiles; ++J, ++p) {
+            const int64_t nu = std::min<int64_t>(4, (std::min<int64_t>(kTile, N - I * kTile) + 15) / 16);
+            const int64_t nv = std::min<int64_t>(4, (std::min<int64_t>(kTile, N - J * kTile) + 15) / 16);
+            cost[p] = (I == J ? nu * (nu + 1) / 2 : nu * nv) + kStageCost;
+            all += cost[p];
+          }
+        }
+        ranges.pairs = static_cast<int>(tile_pairs);
+        for (int64_t p = 0; p < tile_pairs; ++p) {
+          const int64_t share = std::max<int64_t>(1, std::min<int64_t>(slabs, wave * cost[p] / all));
+          const int64_t per_range = (slabs + share - 1) / share;  // slabs
+          ranges.dims[p] = per_range * kTileDims;
+          ranges.first[p + 1] = ranges.first[p] + static_cast<int>((slabs + per_range - 1) / per_range);
+        }
+        blocks = ranges.first[tile_pairs];
+        if (blocks > tile_pairs) zero();
+      } else {
+        splits = std::max<int64_t>(1, std::min<int64_t>(slabs, wave / tile_pairs));
+        dims_per_split = (slabs + splits - 1) / splits * kTileDims;
+        splits = std::max<int64_t>(1, (d + dims_per_split - 1) / dims_per_split);
+        if (splits > 1) zero();
+      }
+      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(splits), static_cast<unsigned>(nb));
+      pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, ranges,
+                                                                    dims_per_split, tile_subblocks.load(), dist_b);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
@@ -1281,6 +1337,7 @@ bool set_generic_kernels(bool flag) { return generic_kernels.exchange(flag); }
 bool use_generic_kernels() { return generic_kernels.load(); }
 
 bool set_tile_subblocks(bool flag) { return tile_subblocks.exchange(flag); }
+bool set_balanced_tile_ranges(bool flag) { return balanced_tile_ranges.exchange(flag); }
 
 bool set_paired_weight_dims(bool flag) { return paired_weight_dims.exchange(flag); }
 
