@@ -5,6 +5,9 @@
     python bench/gpu.py --shapes 128x100x8 --compiled   # and both pure sides and ours under torch.compile
                                          # (--compile-mode reduce-overhead: also in CUDA graphs), with
                                          # the like-for-like ratios <side>_compiled / ours_compiled
+    python bench/gpu.py --shapes 10x314000 --graphed    # and each side's call captured in a CUDA graph
+                                         # and replayed (as in a training step captured whole), with
+                                         # the like-for-like ratios <side>_graphed / ours_graphed
     python bench/gpu.py --shapes 5000x64 --dtypes float32 --profile   # where ours spends its GPU time
                                          # (by kernel, the count of GPU operations, the host's share
                                          # of a call, by stage of kl.cu's forward kernel; batched
@@ -46,8 +49,47 @@ def synchronized_seconds(run) -> float:
     return time.perf_counter() - t0
 
 
+def capture(run):
+    """run() captured in a CUDA graph, after three warm-up calls on a side stream (torch's recipe for a
+    capture with autograd in it); returns the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+class Graphed:
+    """A side's call (forward, or forward + backward) on one pair of inputs, captured in a CUDA graph:
+    what a training step captured whole runs of it, without the host's work each call."""
+
+    def __init__(self, fn, p, q, backward: bool):
+        self.replay = capture(lambda: cpu_bench.call(fn, p, q, backward))
+
+
+def graphed_for(impls: dict, p, q, backward: bool) -> dict:
+    """{<side>_graphed: Graphed} of each side that a CUDA graph captures on these inputs; a side that
+    fails (a host read, an op the capture refuses) is left out of the cell, and said so."""
+    out = {}
+    for name, fn in impls.items():
+        try:
+            out[name + "_graphed"] = Graphed(fn, p, q, backward)
+        except Exception as err:  # noqa: BLE001
+            print(f"  {name}_graphed left out: {type(err).__name__}: {str(err).strip().splitlines()[-1][:160]}")
+    return out
+
+
+def run_once(fn, p, q, backward: bool):
+    return fn.replay() if isinstance(fn, Graphed) else cpu_bench.call(fn, p, q, backward)
+
+
 def timed_call(fn, p, q, backward: bool) -> float:
-    return synchronized_seconds(lambda: cpu_bench.call(fn, p, q, backward))
+    return synchronized_seconds(lambda: run_once(fn, p, q, backward))
 
 
 def time_sides(impls: dict, pure: tuple, p, q, backward: bool, target_s: float, like: tuple = ()) -> dict:
@@ -75,7 +117,7 @@ def peak_mb(fn, p, q) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    cpu_bench.call(fn, p, q, True)
+    run_once(fn, p, q, True)  # (a graph's replay allocates nothing: its memory pool is the capture's)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
@@ -237,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                     help="torch.compile's mode for --compiled (default: torch's default; with CUDA graphs the "
                          "compiled sides' peak MB misses the graphs' memory pool)")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also each side (ours and the eager pure sides) captured in a CUDA graph and replayed")
     ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd (forward alone), fwd+bwd")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: the GPU time of each kernel in one forward + backward of ours")
@@ -296,9 +340,13 @@ def main(argv=None) -> int:
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
             for backward in backwards:
                 run_compiled = cpu_bench.compiled_for(compiled, p, q, backward)  # (failures left out, and said so)
-                run_impls, run_pure = {**impls, **run_compiled}, pure + tuple(run_compiled)
-                like = tuple((k, "ours_compiled") for k in run_compiled if k != "ours_compiled") \
-                    if "ours_compiled" in run_compiled else ()
+                run_graphed = graphed_for(impls, p, q, backward) if args.graphed else {}
+                run_impls = {**impls, **run_compiled, **run_graphed}
+                run_pure = pure + tuple(run_compiled) + tuple(run_graphed)
+                like = ()
+                for mine, others in (("ours_compiled", run_compiled), ("ours_graphed", run_graphed)):
+                    if mine in others:  # each pure side against ours run the same way
+                        like += tuple((k, mine) for k in others if k != mine)
                 t = time_sides(run_impls, run_pure, p, q, backward, args.target_s, like)
                 row = {"shape": cpu_bench.shape_name(b, n, d, batched), "dtype": dtype_name,
                        "pass": "fwd+bwd" if backward else "fwd"}

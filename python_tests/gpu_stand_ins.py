@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     import gpu
 
     gpu.DEVICE = "cpu"
+    gpu.capture = lambda run: run  # no CUDA graphs on the CPU: a graphed side's replay calls it again
     if script == "gpu":
         rc = gpu.main(args)
     elif script == "train_steps":

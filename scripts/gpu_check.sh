@@ -13,8 +13,9 @@
 #   stalls    why the forward kernel's warps wait at 128 x (100, 8), by stall reason: Nsight Compute's
 #             warp-state and scheduler metrics of one launch (where ncu is installed; OUT_DIR/stalls.txt)
 #   steps     bench/train_steps.py: the VAE and MNIST steps, eager and graphed (train_steps.json)
-#   compiled  the pure sides and ours under torch.compile with CUDA graphs on the shapes where that can
-#             pay (bench/gpu.py --compiled: a minute or two of compiling; cuda_compiled.json)
+#   compiled  the pure sides and ours under torch.compile with CUDA graphs, and each side's call captured
+#             in a CUDA graph, on the shapes where that can pay (bench/gpu.py --compiled --graphed: a
+#             minute or two of compiling; cuda_compiled.json)
 #   sanitizer compute-sanitizer memcheck over every kernel path, racecheck and synccheck on the kernels
 #             that use shared memory (where compute-sanitizer is installed)
 #   bench64   bench/gpu.py, float64 (cuda_results64.json)
@@ -126,9 +127,11 @@ phase_compiled() {
   # the shapes where the eager pure sides' launches may bound them: the 10x target's, the host-bound
   # generic one, and the tall ones (a few launches a 16 MB chunk of dimensions): launches are what
   # compiling and CUDA graphs save, so the strongest pure sides there are compiled with
-  # reduce-overhead; ours the same way beside them, like for like; forward + backward only, the
-  # targets' pass: each shape costs three compiles, tens of seconds each with Triton
-  step compiled 900 python3 bench/gpu.py --compiled --compile-mode reduce-overhead --dtypes float32 \
+  # reduce-overhead; ours the same way beside them, like for like; and each side's eager call captured
+  # in a CUDA graph (--graphed: as a training step captured whole runs it, no host work a call), like
+  # for like again; forward + backward only, the targets' pass: each shape costs three compiles, tens
+  # of seconds each with Triton
+  step compiled 900 python3 bench/gpu.py --compiled --compile-mode reduce-overhead --graphed --dtypes float32 \
     --passes fwd+bwd --shapes 128x100x8,1024x100x8,1000x32,10x314000,100x50000 --json "$out/cuda_compiled.json"
 }
 phase_sanitizer() {
