@@ -217,7 +217,9 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     sub-blocks that hold a needed pair, or all 16 of a tile),
     set_balanced_tile_ranges (off by default; pair_tile_kernel with few tile pairs: each pair's
     dimensions in ranges by its cost, or the same ranges for all),
-    set_paired_weight_dims (the weight state's backward: two dimensions a thread, or one)."""
+    set_paired_weight_dims (the weight state's backward: two dimensions a thread, or one),
+    set_weight_kernel (the weight state's backward: grad_from_weights_kernel, or the generic path's
+    GEMM of the weights and the samples, converted to float64 in chunks)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
                    p, q, True, target_s)
@@ -322,6 +324,7 @@ def main(argv=None) -> int:
                         print(switch_ab(p, q, "set_balanced_tile_ranges", args.target_s))
                 if d + 1 >= 2 * n and n * 2 * n <= 2**16:  # the weight state's backward kernel
                     print(switch_ab(p, q, "set_paired_weight_dims", args.target_s))
+                    print(switch_ab(p, q, "set_weight_kernel", args.target_s))
                 if not batched and 2 * n > 512:  # the generic path: its CUDA kernels or ATen's launches
                     print(switch_ab(p, q, "set_generic_kernels", args.target_s))
                     print(switch_ab(p, q, "set_gemm_kernel_values", args.target_s))

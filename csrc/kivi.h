@@ -262,6 +262,9 @@ bool set_balanced_tile_ranges(bool flag);
 // Benches and tests: whether the weight state's backward kernel takes two dimensions a thread (the
 // default) or one; returns the old value.
 bool set_paired_weight_dims(bool flag);
+// Benches and tests: whether the weight state's backward takes grad_from_weights_kernel where it
+// applies (the default) or the generic path's GEMM; returns the old value.
+bool set_weight_kernel(bool flag);
 }  // namespace cuda
 
 // Tests (testing.cpp): whether the ops run the device-generic kernels on CPU tensors too (the path

@@ -262,7 +262,7 @@ def test_each_elimination_equals_the_cpu_kernels(mode, shape, reverse):
 
 
 # The benches' switches of kernel variants, and shapes that take each variant (here and in
-# test_cuda_emulation.py); all but set_balanced_tile_ranges sum in the same order as the defaults
+# test_cuda_emulation.py)
 VARIANT_CASES = [
     ("set_tile_subblocks", (1, 100, 100, 300)),    # the fused wide path's pair_tile_kernel: the last tile of 8 points
     ("set_tile_subblocks", (2, 100, 100, 40)),     # the generic path's: its pairs' tiles as above, kernel_block's
@@ -272,16 +272,22 @@ VARIANT_CASES = [
     ("set_balanced_tile_ranges", (1, 70, 60, 2011)),    # 6 tile pairs, ranges of 1 to 4 slabs
     ("set_paired_weight_dims", (1, 9, 13, 3000)),  # the weight state's backward: 3000 = 5 x 512 + 440
     ("set_paired_weight_dims", (2, 40, 150, 400)),  # a block's second dimensions past d: 400 < 512
+    ("set_weight_kernel", (1, 9, 13, 3000)),       # the weight state's backward by the generic path's GEMM
+    ("set_weight_kernel", (2, 40, 150, 400)),
 ]
 VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "ranges-wide", "ranges-uneven",
-               "weights-fused", "weights-tiled"]
+               "weights-fused", "weights-tiled", "weights-gemm-fused", "weights-gemm-tiled"]
+# the variants whose sums are taken in another order than the defaults' (other ranges of dimensions,
+# a GEMM): the same values up to rounding, not the same bits
+REORDERING_SWITCHES = ("set_balanced_tile_ranges", "set_weight_kernel")
 
 
 @pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)
 def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, shape):
     """The tiled distances with every sub-block (set_tile_subblocks(False)) or their ranges by cost
     (set_balanced_tile_ranges(True)), and the weight state's backward with one dimension a thread
-    (set_paired_weight_dims(False)) against the CPU kernels, and
+    (set_paired_weight_dims(False)) or by the generic path (set_weight_kernel(False)) against the CPU
+    kernels, and
     against the defaults: the backward's variants on one forward, the same bits; the distances' within
     1e-6 (their ranges of dimensions add up by atomics in any order, so two forwards may differ in the
     last bits whichever variant runs)."""

@@ -1018,7 +1018,8 @@ constexpr int kWeightThreads = 256, kWeightRows = 8, kWeightCols = 256, kWeightL
 // Weights per batch element (n_q N) up to which the backward takes this kernel: each point coordinate
 // it reads serves kWeightRows multiply-adds, so for many more weights cuBLAS's float64 GEMM (the generic
 // path, which converts the samples in chunks) is assumed to win. (100, 50000), an MNIST-sized layer
-// with many posterior samples, has 20,000. The crossover is not measured yet.
+// with many posterior samples, has 20,000. The crossover is not measured yet: set_weight_kernel(false)
+// sends every weight state to the generic path, for the profile's A/B.
 constexpr int64_t kMaxWeightWork = int64_t{1} << 16;
 
 template <typename T, int kDims>
@@ -1116,6 +1117,9 @@ std::atomic<bool> generic_kernels{true};
 std::atomic<bool> tile_subblocks{true};
 // set_paired_weight_dims's switch (benches: grad_from_weights_kernel's two dimensions a thread against one).
 std::atomic<bool> paired_weight_dims{true};
+// set_weight_kernel's switch (benches: the weight state's backward by grad_from_weights_kernel, or by the
+// generic path's GEMM).
+std::atomic<bool> weight_kernel{true};
 // set_balanced_tile_ranges's switch (benches: pair_tile_kernel's ranges by each tile pair's cost, TileRanges,
 // against the same ranges for all).
 std::atomic<bool> balanced_tile_ranges{false};
@@ -1340,6 +1344,7 @@ bool set_tile_subblocks(bool flag) { return tile_subblocks.exchange(flag); }
 bool set_balanced_tile_ranges(bool flag) { return balanced_tile_ranges.exchange(flag); }
 
 bool set_paired_weight_dims(bool flag) { return paired_weight_dims.exchange(flag); }
+bool set_weight_kernel(bool flag) { return weight_kernel.exchange(flag); }
 
 void set_stage_clocks(const std::optional<Tensor>& buffer) {
   if (!buffer.has_value()) {
@@ -1496,7 +1501,8 @@ std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Te
 
 bool handles_kl_grad(int64_t n_total, int64_t n_q, int64_t d, int64_t batch) {
   // the weight state's kernel: grid.z = batch (grid.y = row tiles: within limits below kMaxWeightWork)
-  return grad_state_is_projection(n_total, d) || (batch <= kMaxGridYZ && n_q * n_total <= kMaxWeightWork);
+  return grad_state_is_projection(n_total, d) ||
+         (weight_kernel.load() && batch <= kMaxGridYZ && n_q * n_total <= kMaxWeightWork);
 }
 
 Tensor kl_grad(const Tensor& grad_kl, const Tensor& state_in, const Tensor& q_z_in, const Tensor& prior_z_in,
