@@ -32,6 +32,7 @@ import time
 
 import torch
 
+import pure_torch  # bench/pure_torch.py: the pure sides (their capturable paths, for --graphed)
 import run as cpu_bench  # bench/run.py: inputs, implementations, the agreement check's calls
 
 
@@ -51,36 +52,48 @@ def synchronized_seconds(run) -> float:
 
 def capture(run):
     """run() captured in a CUDA graph, after three warm-up calls on a side stream (torch's recipe for a
-    capture with autograd in it); returns the graph's replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
+    capture with autograd in it), the pure sides on their capturable paths for both; returns the
+    graph's replay."""
+    with pure_torch.capturing():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
     return graph.replay
 
 
 class Graphed:
     """A side's call (forward, or forward + backward) on one pair of inputs, captured in a CUDA graph:
-    what a training step captured whole runs of it, without the host's work each call."""
+    what a training step captured whole runs of it, without the host's work each call. It keeps the
+    inputs, which the graph reads where they were at the capture."""
 
     def __init__(self, fn, p, q, backward: bool):
+        self.inputs = (p, q)
         self.replay = capture(lambda: cpu_bench.call(fn, p, q, backward))
 
 
+class CaptureFailed(RuntimeError):
+    """A capture failed: torch may leave the process's current stream and its allocator in capture
+    mode (torch.cuda.graph's exit ends the capture before it restores them), which would skew every
+    later timing, so the bench stops there rather than go on."""
+
+
 def graphed_for(impls: dict, p, q, backward: bool) -> dict:
-    """{<side>_graphed: Graphed} of each side that a CUDA graph captures on these inputs; a side that
-    fails (a host read, an op the capture refuses) is left out of the cell, and said so."""
+    """{<side>_graphed: Graphed} of each side, captured on these inputs; CaptureFailed (with the cause:
+    a host read, an op a capture refuses) where one fails."""
     out = {}
     for name, fn in impls.items():
         try:
             out[name + "_graphed"] = Graphed(fn, p, q, backward)
         except Exception as err:  # noqa: BLE001
-            print(f"  {name}_graphed left out: {type(err).__name__}: {str(err).strip().splitlines()[-1][:160]}")
+            causes = [e for e in (err, err.__context__, err.__cause__) if e is not None]
+            said = "; ".join(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" for e in causes)
+            raise CaptureFailed(f"{name}_graphed: the capture failed ({said})") from err
     return out
 
 
@@ -343,7 +356,12 @@ def main(argv=None) -> int:
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
             for backward in backwards:
                 run_compiled = cpu_bench.compiled_for(compiled, p, q, backward)  # (failures left out, and said so)
-                run_graphed = graphed_for(impls, p, q, backward) if args.graphed else {}
+                run_impls = run_graphed = None  # (the last cell's graphs and their memory freed first)
+                try:
+                    run_graphed = graphed_for(impls, p, q, backward) if args.graphed else {}
+                except CaptureFailed as err:
+                    print(f"bench/gpu.py: {err}; stopped here (the rows before are saved)", flush=True)
+                    return 3
                 run_impls = {**impls, **run_compiled, **run_graphed}
                 run_pure = pure + tuple(run_compiled) + tuple(run_graphed)
                 like = ()
@@ -355,7 +373,7 @@ def main(argv=None) -> int:
                        "pass": "fwd+bwd" if backward else "fwd"}
                 for name in run_impls:
                     row[name + "_s"] = t[name]
-                    if backward:
+                    if backward and not isinstance(run_impls[name], Graphed):  # (a replay allocates nothing)
                         row[name + "_mb"] = peak_mb(run_impls[name], p, q)
                 for name in run_pure:
                     row[name + "_ratio"] = t[name + "_ratio"]
@@ -367,7 +385,8 @@ def main(argv=None) -> int:
                       + "  ".join(f"{k} {t[k] * 1e3:8.3f} ms" for k in run_impls)
                       + "  " + "  ".join(f"{k}/ours {t[k + '_ratio']:5.2f}" for k in run_pure)
                       + "".join(f"  {a}/{b} {t[f'{a}_vs_{b}']:5.2f}" for a, b in like)
-                      + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls) if backward else ""),
+                      + ("  peak MB " + " / ".join(f"{row[k + '_mb']:.1f}" for k in run_impls if k + "_mb" in row)
+                         if backward else ""),
                       flush=True)
     return 0
 

@@ -53,6 +53,8 @@ batched LU and Cholesky solves cannot be captured).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 SIDES = ("strong", "fast")
@@ -64,6 +66,27 @@ _SAMPLE = 4096          # pairs in the sample that brackets the middle ranks
 _LU_ROWS = 256          # fast: LU up to this many rows; strong: float64 Cholesky up to this many
 
 _TRIU_CACHE: dict = {}
+_CAPTURING = False  # set by capturing(): the call is being captured in a CUDA graph
+
+
+@contextlib.contextmanager
+def capturing():
+    """Calls in this block are to be captured in a CUDA graph eagerly (bench/gpu.py --graphed, its
+    warm-up as well as the capture, so that both take the same path): they take the same capturable
+    paths as compiled calls, with no value read back to the host (the median's sampled bracket,
+    strong's refinement loop) and no MAGMA solve (its batched kernels allocate during the call)."""
+    global _CAPTURING
+    old, _CAPTURING = _CAPTURING, True
+    try:
+        yield
+    finally:
+        _CAPTURING = old
+
+
+def _no_host_reads() -> bool:
+    """Whether the call may not read a value back to the host: compiled (it would break the graph) or
+    captured in a CUDA graph."""
+    return _CAPTURING or torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,7 +105,7 @@ def _sqdists(q: torch.Tensor, p: torch.Tensor, dt: torch.dtype) -> tuple[torch.T
     n = n_q + n_p
     if torch.compiler.is_compiling():
         return _sqdists_traced(q, p, dt)
-    if n * (n - 1) // 2 <= _SMALL_PAIRS:  # one buffer: the small median gathers its pairs by one index_select
+    if n * (n - 1) // 2 <= _SMALL_PAIRS or _no_host_reads():  # one buffer: the gathered median's one index_select
         both = torch.empty(bsz, n_q * n + n_p * n_p, dtype=dt, device=q.device)
         d2 = both[:, : n_q * n].view(bsz, n_q, n)
         d2_pp = both[:, n_q * n:].view(bsz, n_p, n_p)
@@ -286,7 +309,7 @@ def _median_bracket(d2_q: torch.Tensor, d2_pp: torch.Tensor, gen: torch.Generato
 def _median_sqdist(d2_q: torch.Tensor, d2_pp: torch.Tensor, both: torch.Tensor):
     """The two middle squared distances over the distinct pairs of the N points, [B] each."""
     n_q, n = d2_q.shape[1:]
-    if n * (n - 1) // 2 <= _SMALL_PAIRS or torch.compiler.is_compiling():  # (the bracket reads values back)
+    if n * (n - 1) // 2 <= _SMALL_PAIRS or _no_host_reads():  # (the bracket reads values back)
         return _median_small(both, n_q, n - n_q)
     gen = torch.Generator(device=d2_q.device).manual_seed(0)
     out = [_median_bracket(d2_q[b], d2_pp[b], gen) for b in range(d2_q.shape[0])]
@@ -300,7 +323,7 @@ def _may_read_back(t: torch.Tensor) -> bool:
     """Whether a check may read a value of t back to the host to raise an error: eagerly on the CPU. On
     a GPU the read would stall the host, and under torch.compile it would break the graph: NaN for the
     failed batch element instead, as kivi_fast's CUDA ops give."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return t.device.type == "cpu" and not _no_host_reads()
 
 
 def _checked(x: torch.Tensor, info: torch.Tensor, message: str) -> torch.Tensor:
@@ -315,10 +338,10 @@ def _checked(x: torch.Tensor, info: torch.Tensor, message: str) -> torch.Tensor:
 
 def _in_cuda_graph(t: torch.Tensor) -> bool:
     """Whether t's solve may be captured in a CUDA graph (compiled on a GPU: torch.compile's
-    reduce-overhead). There MAGMA's batched kernels behind torch.cholesky_solve and torch.linalg.solve_ex
-    allocate during the call, which a capture refuses (torch 2.11, an H200); the Cholesky factor and
-    cuBLAS's triangular solves are captured."""
-    return t.is_cuda and torch.compiler.is_compiling()
+    reduce-overhead; or captured eagerly, capturing()). There MAGMA's batched kernels behind
+    torch.cholesky_solve and torch.linalg.solve_ex allocate during the call, which a capture refuses
+    (torch 2.11, an H200); the Cholesky factor and cuBLAS's triangular solves are captured."""
+    return t.is_cuda and _no_host_reads()
 
 
 def _cholesky_solve(b: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
@@ -344,7 +367,7 @@ def _solve_strong(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a x = b, float64 a and b: Cholesky up to 256 rows; above, a float32 factor and the solve refined
     in float64 until the residual is at float64's level (LAPACK's dsposv scheme: the float32 factor
     takes half the time), the float64 factor where float32 cannot factor or the refinement stalls."""
-    if a.shape[-1] > _LU_ROWS and not torch.compiler.is_compiling():  # (its loop reads back residuals)
+    if a.shape[-1] > _LU_ROWS and not _no_host_reads():  # (its loop reads back residuals)
         chol32, info = torch.linalg.cholesky_ex(a.to(torch.float32))
         if not bool((info != 0).any()):
             # ||r|| <= sqrt(n) eps ||a|| ||x|| (infinity norms; a's entries are >= 0)

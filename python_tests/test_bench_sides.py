@@ -184,6 +184,55 @@ def test_eager_sides_on_a_gpu_read_nothing_back_and_give_nan_for_a_bad_element(s
     torch.testing.assert_close(got_g[good].cpu(), want_g, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.parametrize("side", pure_torch.SIDES)
+def test_under_capturing_the_sides_read_nothing_back_and_equal_the_reference(side, monkeypatch):
+    """pure_torch.capturing() (bench/gpu.py --graphed captures eager calls in a CUDA graph): above 2^17
+    pairs the median takes the gathered selection, not the sampled bracket, whose reads a capture
+    refuses; above 256 rows strong takes the float64 factor, not the refinement loop; the values and
+    gradients still equal the reference."""
+    def refused(*args):
+        raise AssertionError("a path that reads values back, under capturing()")
+    monkeypatch.setattr(pure_torch, "_median_bracket", refused)
+    monkeypatch.setattr(torch, "baddbmm", refused)  # (strong's refinement loop, its residuals)
+    p, q = draw((300, 3), seed=7)  # 600 points: 179,700 pairs
+    fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
+    with pure_torch.capturing():
+        got, got_g = value_and_grad(fn, p, q)
+    want, want_g = value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p, q)
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(got_g, want_g, rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("side", pure_torch.SIDES)
+def test_eager_sides_captured_in_a_cuda_graph_replay_their_eager_values(side):
+    """bench/gpu.py --graphed's capture (torch's recipe: warm-up on a side stream, then the capture),
+    under capturing(), of either side's forward + backward above 256 rows and 2^17 pairs: it captures,
+    and a replay gives the eager call's value and gradient."""
+    p, q = (t.float().cuda() for t in draw((2, 300, 3), seed=7))
+    fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
+    want, want_g = value_and_grad(fn, p, q)
+    out = {}
+
+    def run():
+        out["value"], out["grad"] = value_and_grad(fn, p, q)
+    with pure_torch.capturing():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    out["value"].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out["value"], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["grad"], want_g, rtol=1e-4, atol=1e-6)
+
+
 def test_a_compiled_side_that_fails_on_a_later_call_is_left_out(capsys):
     """bench/run.py's compiled_for (both benches' --compiled): with mode="reduce-overhead" the CUDA graph
     is recorded on a later call than the first, and an op that a capture refuses fails there; the side is

@@ -309,8 +309,23 @@ def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, sh
         for flag in (True, False):
             with switched(switch, flag):
                 runs.append(value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA)))
-        for default, other in zip(*runs):
-            assert_close_rel(other, default.cpu(), 1e-6)
+        for on, off in zip(*runs):
+            assert_close_rel(off, on.cpu(), 1e-6)
+
+
+def test_a_batch_beyond_one_grids_height_equals_its_elements_alone():
+    """More batch elements than a grid's y dimension holds (65,535) take the generic path, whose pair
+    distances run in chunks of the batch: the last chunk's ranges of dimensions add into zeroed rows of
+    their own, not over the first chunk's stored sums (zeroing all of them gave the first chunk's
+    elements a median of 0 and a NaN KL). Each element against itself alone (the fused kernels)."""
+    b, n, d = 65537, 35, 200  # 70 points (pair_tile_kernel), 2 elements in the second chunk
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    p = torch.randn(b, n, d, device=CUDA, generator=gen)
+    q = 0.5 * torch.randn(b, n, d, device=CUDA, generator=gen) + 0.3
+    values = kivi_fast.kernel_kl(p, q)
+    for i in (0, 1, b - 3, b - 2, b - 1):
+        alone = kivi_fast.kernel_kl(p[i:i + 1], q[i:i + 1])
+        assert torch.isfinite(values[i]) and abs(values[i] - alone[0]) <= 1e-5 * abs(alone[0]), (i, values[i], alone)
 
 
 def test_the_forward_kernels_stage_clocks_are_recorded_in_order_and_then_stop():

@@ -30,8 +30,9 @@
 # started with less left than it needs at the least (MIN_S below); those skipped or cut off are named
 # at the end with the command that runs them. On an H200 (torch 2.11, commit ce3d55c) the build took 58 s,
 # the tests 163 s (four worker processes), the bench 41 s, the profile 50 s, the stalls 15 s, the steps 13 s,
-# the compiled phase 86 s, the sanitizer 33 s and bench64 18 s: 485 s in all. A lease of 15 minutes of
-# device time, one command at most 10:
+# the compiled phase 86 s, the sanitizer 33 s and bench64 18 s: 485 s in all (the tests, A/Bs and graphed
+# sides added since: ~50 s more, estimated, so BUDGET_S=540 may leave bench64 to a second call). A lease of
+# 15 minutes of device time, one command at most 10:
 # BUDGET_S=540 with timeout_s 570, then the phases it names in a second call if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,8 +137,11 @@ phase_compiled() {
 }
 phase_sanitizer() {
   if ! command -v compute-sanitizer > /dev/null; then echo "gpu_check: no compute-sanitizer here"; return 0; fi
-  # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses
-  step memcheck 180 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 3 python3 - <<'PY'
+  # every kernel path of csrc/cuda/ at small sizes: out-of-bounds and misaligned accesses (torch's
+  # caching allocator off, so that a read past a tensor is past its allocation too, not inside a
+  # cached segment where memcheck would not see it)
+  step memcheck 180 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 5 \
+    --error-exitcode 3 python3 - <<'PY'
 import torch, kivi_fast
 for b, n_p, n_q, d in [(3, 20, 30, 8), (2, 256, 256, 4), (2, 5, 7, 20), (1, 10, 10, 3000), (2, 40, 24, 100),
                        (1, 300, 300, 3), (2, 150, 141, 600), (2, 100, 100, 700), (1, 70, 60, 300), (300, 100, 100, 8),

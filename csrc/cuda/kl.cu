@@ -1152,13 +1152,11 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
                         Tensor& dist_t, int sms, int limit, const c10::cuda::CUDAStream& stream) {
   const int64_t N = n_den + n_num, P = N * (N - 1) / 2;
   double* dist = dist_t.data_ptr<double>();
-  bool zeroed = false;
-  const auto zero = [&] {  // once, before the first launch that adds
-    if (!zeroed) dist_t.zero_();
-    zeroed = true;
-  };
   for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grids' y or z
     const int64_t nb = std::min(kMaxGridYZ, B - b0);
+    // before a launch that adds: this chunk's rows only (an earlier chunk's launch may have stored its
+    // sums, with one range a pair)
+    const auto zero = [&] { dist_t.narrow(0, b0, nb).zero_(); };
     const scalar_t* den_b = den + b0 * n_den * d;
     const scalar_t* num_b = num + b0 * n_num * d;
     double* dist_b = dist + b0 * P;
