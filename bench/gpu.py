@@ -50,21 +50,7 @@ def synchronized_seconds(run) -> float:
     return time.perf_counter() - t0
 
 
-def capture(run):
-    """run() captured in a CUDA graph, after three warm-up calls on a side stream (torch's recipe for a
-    capture with autograd in it), the pure sides on their capturable paths for both; returns the
-    graph's replay."""
-    with pure_torch.capturing():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-    return graph.replay
+capture = pure_torch.capture  # (a name of this module: the CPU's stand-ins replace it)
 
 
 class Graphed:

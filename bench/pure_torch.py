@@ -83,6 +83,23 @@ def capturing():
         _CAPTURING = old
 
 
+def capture(run):
+    """run() captured in a CUDA graph, after three warm-up calls on a side stream (torch's recipe for a
+    capture with autograd in it), the pure sides on their capturable paths (capturing()) for both;
+    returns the graph's replay."""
+    with capturing():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    return graph.replay
+
+
 def _no_host_reads() -> bool:
     """Whether the call may not read a value back to the host: compiled (it would break the graph) or
     captured in a CUDA graph."""

@@ -206,9 +206,9 @@ def test_under_capturing_the_sides_read_nothing_back_and_equal_the_reference(sid
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("side", pure_torch.SIDES)
 def test_eager_sides_captured_in_a_cuda_graph_replay_their_eager_values(side):
-    """bench/gpu.py --graphed's capture (torch's recipe: warm-up on a side stream, then the capture),
-    under capturing(), of either side's forward + backward above 256 rows and 2^17 pairs: it captures,
-    and a replay gives the eager call's value and gradient."""
+    """pure_torch.capture (bench/gpu.py --graphed's: warm-up on a side stream, then the capture, under
+    capturing()) of either side's forward + backward above 256 rows and 2^17 pairs: it captures, and a
+    replay gives the eager call's value and gradient."""
     p, q = (t.float().cuda() for t in draw((2, 300, 3), seed=7))
     fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
     want, want_g = value_and_grad(fn, p, q)
@@ -216,18 +216,9 @@ def test_eager_sides_captured_in_a_cuda_graph_replay_their_eager_values(side):
 
     def run():
         out["value"], out["grad"] = value_and_grad(fn, p, q)
-    with pure_torch.capturing():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+    replay = pure_torch.capture(run)
     out["value"].zero_()
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out["value"], want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out["grad"], want_g, rtol=1e-4, atol=1e-6)
