@@ -320,15 +320,18 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     so theirs may differ in the last bits: within 1e-12 (float64), 1e-6 (float32)."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape), 1.2, 0.3)
-    runs, grids = [], []
+    runs, ran = [], []
     for flag in (True, False):
         with _cuda_emulation.switched(switch, flag):
             launches()
             runs.append(emulated_kl(p, q, False))
-            grids.append([launch.grid for launch in launches() if launch.kernel.startswith("pair_tile_kernel")])
+            ran.append(launches())
             assert_equals_cpu_kernels(p, q, False)
     if switch == "set_balanced_tile_ranges":  # (its blocks a row of ranges, one grid dimension)
+        grids = [[launch.grid for launch in r if launch.kernel.startswith("pair_tile_kernel")] for r in ran]
         assert grids[0] and grids[0] != grids[1] and all(g[1] == 1 for g in grids[0]), grids
+    if switch == "set_weight_kernel":  # the backward's kernel, or none of it (the generic path's GEMM)
+        assert [any(launch.kernel.startswith("grad_from_weights") for launch in r) for r in ran] == [True, False]
     (a, ag), (e, eg) = runs
     if switch in REORDERING_SWITCHES:
         for x, y in zip((*a[:3], ag), (*e[:3], eg)):
