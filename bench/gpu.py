@@ -116,7 +116,7 @@ def peak_mb(fn, p, q) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    run_once(fn, p, q, True)  # (a graph's replay allocates nothing: its memory pool is the capture's)
+    cpu_bench.call(fn, p, q, True)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 

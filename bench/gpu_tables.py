@@ -9,9 +9,9 @@ eager, compiled or captured in a CUDA graph. A shape that the compiled phase tim
 compiled ones and the graphed ones were timed in turn in one process; the others come from the bench
 phase (``cuda_results.json``). Ratios are the benches' own (medians of each round's ratio); "like for
 like" is each compiled pure side against ours compiled the same way, and "graphed" each pure side's
-call captured in a CUDA graph against ours captured so ("-" where one was left out). Peak MB is of ours and the eager sides, from the bench phase where it timed
-the shape, else from the compiled phase's run (a compiled side's, with CUDA graphs, would leave out the
-graphs' memory pool). Then the training steps (``train_steps.json``), when that file is there. The
+call captured in a CUDA graph against ours captured so ("-" where one was left out). Peak MB is of
+ours and the eager sides, from the bench phase where it timed the shape, else from the compiled
+phase's run (a compiled or graphed side's would leave out the graphs' memory pool). Then the training steps (``train_steps.json``), when that file is there. The
 float64 rows (``cuda_results64.json``) and the forward-alone rows are left to the JSON.
 """
 

@@ -62,6 +62,9 @@ constexpr int64_t kMaxWarpPairPoints = 64;  // up to here pair_sqdist_kernel, ab
 constexpr int kTile = 64;                 // tile_sqdist (pair_tile_kernel, kernel_block_kernel): points a tile side
 constexpr int kTileDims = 32;             // and dimensions per staged slab
 constexpr int kTileThreads = 256;         // 16 x 16 threads, each 4 x 4 pairs
+// The 16 x 16 sub-blocks of a tile side that hold a point, of `points` from the tile's first on
+// (tile_sqdist computes those; the balanced ranges weigh tile pairs by them)
+__host__ __device__ __forceinline__ int tile_subblocks_holding(int points) { return min(4, (points + 15) / 16); }
 
 // Offset of pair (i, j), i < j, in the packed upper triangle of N points (rows i = 0, 1, ...).
 __host__ __device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int64_t n) {
@@ -741,8 +744,8 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const double (*tb)[kTile + 1] = same ? st.a : st.b;
   // the sub-blocks that hold a point: rows 16 u .. 16 u + 15 of the tile (a0 < a_end, b0 < b_end)
-  const int nu = subblocks ? min(4, (a_end - a0 + 15) / 16) : 4;
-  const int nv = subblocks ? min(4, (b_end - b0 + 15) / 16) : 4;
+  const int nu = subblocks ? tile_subblocks_holding(a_end - a0) : 4;
+  const int nv = subblocks ? tile_subblocks_holding(b_end - b0) : 4;
   const bool upper = kUpperOnly && same && subblocks;
   // A slab's element for thread tid: dimension k = tid % kTileDims of the points r = tid / kTileDims +
   // s kRowsAStep, s < kStaged (a point's dimensions by consecutive threads: coalesced). A tile's loads
@@ -1176,8 +1179,8 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
         int64_t all = 0;
         for (int64_t p = 0, I = 0; I < tiles; ++I) {
           for (int64_t J = I; J < tiles; ++J, ++p) {
-            const int64_t nu = std::min<int64_t>(4, (std::min<int64_t>(kTile, N - I * kTile) + 15) / 16);
-            const int64_t nv = std::min<int64_t>(4, (std::min<int64_t>(kTile, N - J * kTile) + 15) / 16);
+            const int64_t nu = tile_subblocks_holding(static_cast<int>(N - I * kTile));
+            const int64_t nv = tile_subblocks_holding(static_cast<int>(N - J * kTile));
             cost[p] = (I == J ? nu * (nu + 1) / 2 : nu * nv) + kStageCost;
             all += cost[p];
           }
