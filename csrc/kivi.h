@@ -259,6 +259,10 @@ bool set_tile_subblocks(bool flag);
 // ranges by the pair's cost (more ranges for fuller tile pairs) or the same ranges for all (the
 // default); returns the old value.
 bool set_balanced_tile_ranges(bool flag);
+// Benches and tests: whether the tiled distances (pair_tile_kernel's, kernel_block's) come from the
+// points' norms and products (the GEMM's form) or from their differences (the default); returns the
+// old value.
+bool set_product_tile_distances(bool flag);
 // Benches and tests: whether the weight state's backward kernel takes two dimensions a thread (the
 // default) or one; returns the old value.
 bool set_paired_weight_dims(bool flag);

@@ -274,18 +274,23 @@ VARIANT_CASES = [
     ("set_paired_weight_dims", (2, 40, 150, 400)),  # a block's second dimensions past d: 400 < 512
     ("set_weight_kernel", (1, 9, 13, 3000)),       # the weight state's backward by the generic path's GEMM
     ("set_weight_kernel", (2, 40, 150, 400)),
+    ("set_product_tile_distances", (1, 100, 100, 3000)),  # the fused wide path's distances from norms and products
+    ("set_product_tile_distances", (1, 70, 60, 2011)),    # 3 tiles, the last of 2 points; a partial last slab
+    ("set_product_tile_distances", (1, 300, 290, 3)),     # the generic path's pairs for its median
 ]
 VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "ranges-wide", "ranges-uneven",
-               "weights-fused", "weights-tiled", "weights-gemm-fused", "weights-gemm-tiled"]
-# the variants whose sums are taken in another order than the defaults' (other ranges of dimensions,
-# a GEMM): the same values up to rounding, not the same bits
-REORDERING_SWITCHES = ("set_balanced_tile_ranges", "set_weight_kernel")
+               "weights-fused", "weights-tiled", "weights-gemm-fused", "weights-gemm-tiled", "products-wide",
+               "products-uneven", "products-generic"]
+# the variants whose sums are taken in another order or form than the defaults' (other ranges of
+# dimensions, a GEMM, norms and products): the same values up to rounding, not the same bits
+REORDERING_SWITCHES = ("set_balanced_tile_ranges", "set_weight_kernel", "set_product_tile_distances")
 
 
 @pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)
 def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, shape):
-    """The tiled distances with every sub-block (set_tile_subblocks(False)) or their ranges by cost
-    (set_balanced_tile_ranges(True)), and the weight state's backward with one dimension a thread
+    """The tiled distances with every sub-block (set_tile_subblocks(False)), their ranges by cost
+    (set_balanced_tile_ranges(True)) or from norms and products (set_product_tile_distances(True)),
+    and the weight state's backward with one dimension a thread
     (set_paired_weight_dims(False)) or by the generic path (set_weight_kernel(False)) against the CPU
     kernels, and
     against the defaults: the backward's variants on one forward, the same bits; the distances' within

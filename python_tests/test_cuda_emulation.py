@@ -164,7 +164,8 @@ def test_the_emulated_cuda_kernels_equal_the_cpu_kernels(shape, dtype, reverse):
     assert_equals_cpu_kernels(p, q, reverse)
     names = [launch[0] for launch in launches()]
     wide = N * d > 6144
-    distances = ["pair_tile_kernel<scalar_t>"] if wide and N > 64 else ["pair_sqdist_kernel<scalar_t>"] if wide else []
+    tiles, warps = "pair_tile_kernel<scalar_t, false>", "pair_sqdist_kernel<scalar_t>"
+    distances = [tiles] if wide and N > 64 else [warps] if wide else []
     backward = "grad_from_projection_kernel<scalar_t>" if d + 1 < N else "grad_from_weights"
     assert names == distances + ["forward", backward]
 
@@ -173,7 +174,9 @@ def test_the_emulated_cuda_kernels_equal_the_cpu_kernels(shape, dtype, reverse):
 # fits (more than an H100 has, for the wide shapes), down to the leanest layout
 LAYOUT_CASES = [
     ((2, 100, 100, 8), False, (232448, 120000, 60000)),  # the distances share the system's region
-    ((1, 100, 100, 700), False, (260000, 232448, 60000)),
+    # the distances and the system (241 KB); an H100's 227 KB: the system, and the distances copied
+    # into its region for the median (161 KB); 150,000 B: the system alone; the leanest
+    ((1, 100, 100, 700), False, (260000, 232448, 150000, 60000)),
     ((1, 56, 200, 300), True, (600000, 340000, 310000, 60000)),  # a 200 x 200 system: all four layouts
 ]
 
@@ -316,8 +319,9 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     state's backward with one dimension a thread (set_paired_weight_dims(False)): each sum is taken in
     the same order as by the defaults, so the outputs and gradients are the same bits, and each equals
     the CPU kernels. The distances' ranges by cost (set_balanced_tile_ranges(True)) split the
-    dimensions elsewhere, and the generic path's GEMM (set_weight_kernel(False)) sums in its own order,
-    so theirs may differ in the last bits: within 1e-12 (float64), 1e-6 (float32)."""
+    dimensions elsewhere, their norms and products (set_product_tile_distances(True)) round another
+    way, and the generic path's GEMM (set_weight_kernel(False)) sums in its own order, so theirs may
+    differ in the last bits: within 1e-12 (float64; 1e-10 for the norms and products), 1e-6 (float32)."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape), 1.2, 0.3)
     runs, ran = [], []
@@ -330,18 +334,39 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     if switch == "set_balanced_tile_ranges":  # (its blocks a row of ranges, one grid dimension)
         grids = [[launch.grid for launch in r if launch.kernel.startswith("pair_tile_kernel")] for r in ran]
         assert grids[0] and grids[0] != grids[1] and all(g[1] == 1 for g in grids[0]), grids
+    if switch == "set_product_tile_distances":  # the tiles' kernels of that form, or of differences
+        tiles = [{launch.kernel for launch in r if launch.kernel.startswith(("pair_tile", "kernel_block"))} for r in ran]
+        assert tiles[0] and all(k.endswith(", true>") for k in tiles[0]), tiles
+        assert tiles[1] == {k.replace(", true>", ", false>") for k in tiles[0]}, tiles
     if switch == "set_weight_kernel":  # the backward's kernel, or none of it (the generic path's GEMM)
         assert [any(launch.kernel.startswith("grad_from_weights") for launch in r) for r in ran] == [True, False]
     (a, ag), (e, eg) = runs
     if switch in REORDERING_SWITCHES:
+        # (norms minus products round relative to the norms: the generic path's grad state, from their
+        # kernel values, 1.5e-12 off at (300, 290, 3))
+        rtol64 = 1e-10 if switch == "set_product_tile_distances" else 1e-12
         for x, y in zip((*a[:3], ag), (*e[:3], eg)):
-            assert_close_rel(x.double(), y.double(), 1e-12 if x.dtype == torch.float64 else 1e-6)
+            assert_close_rel(x.double(), y.double(), rtol64 if x.dtype == torch.float64 else 1e-6)
     else:
         assert all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
 
 
-@pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300)],
-                         ids=["fused", "pair-sqdist", "pair-tile"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 100, 100, 300), (1, 300, 290, 3)], ids=["wide", "generic"])
+def test_product_distances_far_from_the_origin_equal_the_cpu_kernels(shape, dtype):
+    """set_product_tile_distances (the benches' A/B): norms minus products round relative to the norms.
+    Staged relative to the first point, the norms are of the points' spread, so samples 1e4 from the
+    origin (spread ~1) keep the differences' accuracy; norms from the origin would lose ~8 digits of
+    each distance (bench/distance_schemes.py, its offset problems)."""
+    b, n_p, n_q, d = shape
+    p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 11, 1.1, 0.4)
+    p, q = (p + 1e4).to(dtype), (q + 1e4).to(dtype)
+    with _cuda_emulation.switched("set_product_tile_distances", True):
+        assert_equals_cpu_kernels(p, q, False)
+
+
+@pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300), (1, 100, 100, 700)],
+                         ids=["fused", "pair-sqdist", "pair-tile", "distances-in-global-memory"])
 def test_a_given_bandwidth_equals_the_cpu_kernels(shape):
     """An explicit bandwidth per batch element (no median taken) on each distance path."""
     b, n_p, n_q, d = shape
@@ -427,24 +452,31 @@ def host_reads(fn) -> tuple[list, object]:
     return [e.name for e in prof.events() if e.name in HOST_READS], out
 
 
-# kl.cu's fused small, pair_sqdist and pair_tile paths; the generic path's ATen median and median.cu
-@pytest.mark.parametrize("n,d", [(20, 3), (10, 3000), (70, 200), (160, 20), (200, 40)])
-def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d):
+# kl.cu's fused small, pair_sqdist and pair_tile paths; the generic path's ATen median and median.cu;
+# the tiles' norms and products (set_product_tile_distances, the benches' A/B) on the paths with tiles
+@pytest.mark.parametrize("n,d,products", [(20, 3, False), (10, 3000, False), (70, 200, False), (160, 20, False),
+                                          (200, 40, False), (70, 200, True), (160, 20, True), (200, 40, True)])
+def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, products):
     """As test_cuda.py's test on a GPU: a NaN in q_z, every distance 0 (a zero median), an Inf in
     prior_z (with an explicit bandwidth too, where no median is taken), a bandwidth that is not
-    positive, samples so small that their median is below 1e-150 (its square would underflow); the
-    other elements equal the CPU kernels'. Nothing is read back to the host, where the generic path's
-    CPU build reads its checks' results (which shows the profiler sees such reads)."""
-    p, q = seeded_samples(6, n, n, d, torch.float64, n + d, 1.0, 0.0)
+    positive, samples so small that their median is below 1e-150 (its square would underflow), every
+    point but the first the same (a zero median again: with norms and products too, whose reference is
+    that first point); the other elements equal the CPU kernels'. Nothing is read back to the host,
+    where the generic path's CPU build reads its checks' results (which shows the profiler sees such
+    reads)."""
+    p, q = seeded_samples(7, n, n, d, torch.float64, n + d, 1.0, 0.0)
     q[1, 3, 1] = float("nan")
     p[2], q[2] = 0.0, 0.0
     p[3, 2, 0] = float("inf")
     p[5], q[5] = p[5] * 1e-160, q[5] * 1e-160
-    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0], dtype=torch.float64) * d ** 0.5
-    reads, ((value, _, sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False))
-    given_reads, ((given, _, given_sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False, sigma=bandwidth))
+    p[6, 1:], q[6] = 0.7, 0.7
+    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 1.0], dtype=torch.float64) * d ** 0.5
+    with _cuda_emulation.switched("set_product_tile_distances", products):
+        reads, ((value, _, sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False))
+        given_reads, ((given, _, given_sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False, sigma=bandwidth))
     assert reads == given_reads == []
-    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3, 5]].isnan().all() and sigma[[1, 2, 3, 5]].isnan().all()
+    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3, 5, 6]].isnan().all()
+    assert sigma[[1, 2, 3, 5, 6]].isnan().all()
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
     assert given_sigma[[0, 2]].isfinite().all() and given_sigma[[1, 3, 4]].isnan().all(), given_sigma
     good = [0, 4]
@@ -536,12 +568,12 @@ def generic_gpu_launches(b, n_p, n_q, d, reverse, gemm=False) -> list[str]:
     def chunks(rows, cols):  # generic.cpp's chunk_rows: within the system's bytes, or 4 MB where larger
         step = max(1, -(-max(4 << 20, 8 * b * n_den * n_den) // (8 * b * cols)))
         return -(-rows // step)
-    block = ["gram_kernel_kernel" if gemm else "kernel_block_kernel<scalar_t>"] * fused
+    block = ["gram_kernel_kernel" if gemm else "kernel_block_kernel<scalar_t, false>"] * fused
     rhs, system, evaluation = block * chunks(n_den, N - n_den), block, block * chunks(n_q, N)
     end = ["kl_finish_kernel"] * (n_q * width <= 2**17)
     kernels_backward = EMU.handles_kl_grad(N, n_q, d, b)
     backward = ["grad_from_projection_kernel<scalar_t>" if width == d + 1 else "grad_from_weights"]
-    return (["pair_tile_kernel<scalar_t>"] + median + rhs + system + ["fit_coef_kernel"] + evaluation + end
+    return (["pair_tile_kernel<scalar_t, false>"] + median + rhs + system + ["fit_coef_kernel"] + evaluation + end
             + backward * kernels_backward)
 
 
@@ -617,8 +649,8 @@ def test_the_generic_path_on_a_gpu_without_its_kernels_equals_the_cpu_kernels(sh
         launches()
         assert_equals_cpu_kernels(p, q, True)
         names = {launch[0] for launch in launches()}
-    assert not names & {"pair_tile_kernel<scalar_t>", "kernel_block_kernel<scalar_t>", "fit_coef_kernel",
-                        "kl_finish_kernel"}, names
+    assert not {name for name in names if name.startswith(("pair_tile_kernel", "kernel_block_kernel", "fit_coef_kernel",
+                                                            "kl_finish_kernel"))}, names
 
 
 def test_the_generic_path_on_a_gpu_holds_the_pairs_and_no_copy_of_the_samples():

@@ -31,7 +31,7 @@
 # at the end with the command that runs them. On an H200 (torch 2.11, commit ce3d55c) the build took 58 s,
 # the tests 163 s (four worker processes), the bench 41 s, the profile 50 s, the stalls 15 s, the steps 13 s,
 # the compiled phase 86 s, the sanitizer 33 s and bench64 18 s: 485 s in all (the tests, A/Bs and graphed
-# sides added since: ~50 s more, estimated, so BUDGET_S=540 may leave bench64 to a second call). A lease of
+# sides added since: ~70 s more, estimated, so BUDGET_S=540 may leave bench64 to a second call). A lease of
 # 15 minutes of device time, one command at most 10:
 # BUDGET_S=540 with timeout_s 570, then the phases it names in a second call if time is left.
 set -uo pipefail
@@ -156,6 +156,11 @@ torch.ops.kivi_fast_testing.set_gemm_kernel_values(True)  # (off by default) the
 p, q = torch.randn(2, 300, 3, device="cuda"), torch.randn(2, 260, 3, device="cuda", requires_grad=True)
 kivi_fast.kernel_kl(p, q).sum().backward()
 torch.ops.kivi_fast_testing.set_gemm_kernel_values(False)
+torch.ops.kivi_fast_testing.set_product_tile_distances(True)  # (off by default) the tiles' norms and products
+for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 300, 260, 3)]:
+    p, q = torch.randn(b, n_p, d, device="cuda"), torch.randn(b, n_q, d, device="cuda", requires_grad=True)
+    kivi_fast.kernel_kl(p, q).sum().backward()
+torch.ops.kivi_fast_testing.set_product_tile_distances(False)
 for shape in [(3, 100, 8), (2, 7, 33), (1, 10, 3000)]:  # the diagonal contrast's kernels (cuda/contrast.cu)
     q = torch.randn(shape, device="cuda", requires_grad=True)
     kivi_fast.adaptive_contrast_kl(q, None, contrast="diagonal").sum().backward()
@@ -167,12 +172,17 @@ PY
   # that not every thread of a block reaches
   local shared_memory_kernels='
 import torch, kivi_fast
-for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 300, 250, 3)]:
-    p = torch.randn(b, n_p, d, device="cuda")
+for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 20, 30, 8), (1, 9, 13, 3000), (1, 300, 250, 3), (1, 100, 100, 700)]:
+    p = torch.randn(b, n_p, d, device="cuda")  # (the last: the median from a copy of the distances)
     q = torch.randn(b, n_q, d, device="cuda", requires_grad=True)
     kivi_fast.kernel_kl(p, q).sum().backward()
 q = torch.randn(2, 7, 33, device="cuda", requires_grad=True)
 kivi_fast.adaptive_contrast_kl(q, None, contrast="diagonal").sum().backward()
+torch.ops.kivi_fast_testing.set_product_tile_distances(True)  # the tiles with their norms in shared memory
+for n_p, n_q, d in [(70, 60, 300), (300, 250, 3)]:  # pair_tile_kernel; both tile kernels (the generic path)
+    p, q = torch.randn(1, n_p, d, device="cuda"), torch.randn(1, n_q, d, device="cuda", requires_grad=True)
+    kivi_fast.kernel_kl(p, q).sum().backward()
+torch.ops.kivi_fast_testing.set_product_tile_distances(False)
 torch.cuda.synchronize()
 print("compute-sanitizer: kernels ran")
 '

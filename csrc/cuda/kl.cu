@@ -268,6 +268,28 @@ __device__ __forceinline__ double bandwidth(const double* dist, int64_t P, const
   return all_finite(dist, P) ? sigma_in[b] : NAN;
 }
 
+// dst[0, n) = src[0, n) (block-wide, then a barrier): dst in shared memory, src in global memory, each
+// thread's kCopyLoads loads issued before the first store, so that a block of 16 warps waits out a
+// load latency per kCopyLoads x kThreads values, not per kThreads.
+constexpr int kCopyLoads = 8;
+__device__ void copy_to_shared(double* dst, const double* src, int64_t n) {
+  assume_shared(dst);
+  for (int64_t base = 0; base < n; base += int64_t{kCopyLoads} * kThreads) {
+    double v[kCopyLoads];
+#pragma unroll
+    for (int s = 0; s < kCopyLoads; ++s) {
+      const int64_t i = base + s * kThreads + threadIdx.x;
+      v[s] = i < n ? src[i] : 0.0;
+    }
+#pragma unroll
+    for (int s = 0; s < kCopyLoads; ++s) {
+      const int64_t i = base + s * kThreads + threadIdx.x;
+      if (i < n) dst[i] = v[s];
+    }
+  }
+  __syncthreads();
+}
+
 struct KlArgs {
   int n_den, n_num, n_q, row0;  // q_z's points are the stacked rows [row0, row0 + n_q)
   int64_t d;
@@ -279,6 +301,7 @@ struct KlArgs {
   int ldx;                  // the staged points' row stride (odd: lanes reading one coordinate of
                             // consecutive points hit distinct banks)
   bool dist_in_shared;      // the distances in shared memory (else in the global workspace)
+  bool median_staged;       // else copied into the work region for the median (it fits them alone)
   bool system_in_shared;    // the n_den x n_den system in shared memory, else in sys_ws
   int batch;                // B: the blocks take the batch elements b = blockIdx.x + k gridDim.x in turn
   bool paired_elimination;  // solve_spd's two columns a step (set_paired_elimination)
@@ -459,7 +482,8 @@ __device__ void solve_spd(double* S, double* x, int n, int* not_pd, bool paired)
 // [N, ldx] (compute_dist); then the distances (dist_in_shared) and a work region for the system (when
 // it fits) and the weights per warp. With compute_dist the later stages recompute distances from the
 // staged points (d <= a few dozen: cheaper than reading them back), so the distances share the work
-// region; otherwise (the wide path) they stay and the work region follows them. kBlocksPerSm: 2 caps
+// region; otherwise (the wide path) they stay and the work region follows them, or, in global memory,
+// are copied into the work region for the median where it holds them (median_staged). kBlocksPerSm: 2 caps
 // the registers (64 a thread, some spilled) so that two blocks can share a multiprocessor, for
 // batches of more than one wave of blocks (see kl()).
 template <typename T, int kBlocksPerSm>
@@ -525,10 +549,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     // NaN for the whole element: bad samples, a median or bandwidth below kMinBandwidth or not finite
     double sigma;
     if constexpr (kBlocksPerSm == 1) {
-      sigma = in_shared_or_not<true>(a.dist_in_shared, dist, [&](const double* dd) {
+      // The median's passes (four or five over the distances, each load waited out before its
+      // histogram's collectives) read distances that are in global memory from a copy in the work
+      // region where they fit it (median_staged): the system, which takes that region next, is made
+      // after the median's last barrier.
+      const bool staged = a.median_staged && sigma_in == nullptr;
+      if (staged) copy_to_shared(work, dist, P);
+      sigma = in_shared_or_not<true>(staged || a.dist_in_shared, staged ? work : dist, [&](const double* dd) {
         return bandwidth(dd, P, sigma_in, b, a.gather_keys, sel);
       });
-    } else {  // (through a lambda this variant spills 64 bytes where it spills 56)
+    } else {  // (through a lambda this variant spills 64 bytes where it spills 56; kl() stages nothing for it)
       sigma = bandwidth(dist, P, sigma_in, b, a.gather_keys, sel);
     }
     if (!(sigma >= kMinBandwidth) || isinf(sigma)) sigma = NAN;
@@ -691,6 +721,17 @@ __global__ void __launch_bounds__(kPairThreads)
 // GEMM's norms minus products: the same rounding as the other paths' distances, and exact zeros for a
 // point against itself. Called by every thread of the block (barriers).
 //
+// kProducts (set_product_tile_distances, off by default, not yet timed): the
+// GEMM's form instead, |x_a|^2 + |x_b|^2 - 2 x_a . x_b over the range, clamped at 0: one multiply-add a
+// pair and dimension where the differences take a subtraction too, half the float64 work. A point's
+// norm over the range is summed by one thread, in the order of the products (points with the same
+// coordinates: a distance of exactly 0). Its rounding error is relative to the norms, so the points
+// are staged relative to the first one: the norms are then the squared distances to it, whatever the
+// points' common offset from 0, and a kernel value's error relative to the bandwidth stays at the
+// differences' where the first point is a typical one (bench/distance_schemes.py measures both forms
+// against the contract, samples far from 0 among its problems). An outlying first point, at R from
+// the others, would make that error grow as R^2 / sigma^2, as the plain norms' does with the offset.
+//
 // Only the 16 x 16 sub-blocks (u, v) that hold a point on both sides are computed (a tile past the
 // last point has fewer), and with kUpperOnly (pair_tile_kernel, which keeps the pairs a < b) of a tile
 // against itself only those with u <= v: the others' acc stay 0 (`subblocks`, set_tile_subblocks;
@@ -698,12 +739,21 @@ __global__ void __launch_bounds__(kPairThreads)
 // last tile holding 8 points) that is 91 sub-blocks of the 160 a full computation takes, for 19,900
 // pairs in 23,296 computed. The choice is the same for the whole block, so each slab's loop is one of
 // the variants below, whose loads and multiply-adds are all unrolled.
+template <bool kProducts>
 struct TileStage {
   double a[kTileDims][kTile + 1];  // +1: the staging stores (a point's dimensions by consecutive
   double b[kTileDims][kTile + 1];  // threads) fall in distinct banks
 };
+template <>
+struct TileStage<true> : TileStage<false> {
+  double norm_a[kTile], norm_b[kTile];  // the points' norms over the range
+};
 
-template <int kU, int kV, bool kUpper>
+// tile_sqdist's norms of tile a (side 0) or b (1); null without them (the differences' stage)
+__device__ __forceinline__ double* st_norm(TileStage<false>&, int) { return nullptr; }
+__device__ __forceinline__ double* st_norm(TileStage<true>& st, int side) { return side == 0 ? st.norm_a : st.norm_b; }
+
+template <int kU, int kV, bool kUpper, bool kProducts>
 __device__ __forceinline__ void slab_sqdist(const double (*ta)[kTile + 1], const double (*tb)[kTile + 1], int len,
                                             int tx, int ty, double (&acc)[4][4]) {
   for (int k = 0; k < len; ++k) {
@@ -716,30 +766,34 @@ __device__ __forceinline__ void slab_sqdist(const double (*ta)[kTile + 1], const
     for (int u = 0; u < kU; ++u) {
 #pragma unroll
       for (int v = kUpper ? u : 0; v < kV; ++v) {
-        const double diff = xa[u] - xb[v];
-        acc[u][v] = fma(diff, diff, acc[u][v]);
+        if constexpr (kProducts) {
+          acc[u][v] = fma(xa[u], xb[v], acc[u][v]);
+        } else {
+          const double diff = xa[u] - xb[v];
+          acc[u][v] = fma(diff, diff, acc[u][v]);
+        }
       }
     }
   }
 }
 
 // slab_sqdist for kU row and nv column sub-blocks (1..4), upper: only u <= v (a tile against itself)
-template <int kU>
+template <int kU, bool kProducts>
 __device__ __forceinline__ void slab_sqdist_rows(int nv, bool upper, const double (*ta)[kTile + 1],
                                                  const double (*tb)[kTile + 1], int len, int tx, int ty,
                                                  double (&acc)[4][4]) {
-  if (upper && nv == kU) return slab_sqdist<kU, kU, true>(ta, tb, len, tx, ty, acc);
+  if (upper && nv == kU) return slab_sqdist<kU, kU, true, kProducts>(ta, tb, len, tx, ty, acc);
   switch (nv) {
-    case 1: return slab_sqdist<kU, 1, false>(ta, tb, len, tx, ty, acc);
-    case 2: return slab_sqdist<kU, 2, false>(ta, tb, len, tx, ty, acc);
-    case 3: return slab_sqdist<kU, 3, false>(ta, tb, len, tx, ty, acc);
-    default: return slab_sqdist<kU, 4, false>(ta, tb, len, tx, ty, acc);
+    case 1: return slab_sqdist<kU, 1, false, kProducts>(ta, tb, len, tx, ty, acc);
+    case 2: return slab_sqdist<kU, 2, false, kProducts>(ta, tb, len, tx, ty, acc);
+    case 3: return slab_sqdist<kU, 3, false, kProducts>(ta, tb, len, tx, ty, acc);
+    default: return slab_sqdist<kU, 4, false, kProducts>(ta, tb, len, tx, ty, acc);
   }
 }
 
-template <bool kUpperOnly, typename T>
+template <bool kUpperOnly, typename T, bool kProducts = false>
 __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a_end, int b0, int b_end, bool same,
-                                            int64_t t_begin, int64_t t_end, bool subblocks, TileStage& st,
+                                            int64_t t_begin, int64_t t_end, bool subblocks, TileStage<kProducts>& st,
                                             double (&acc)[4][4]) {
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const double (*tb)[kTile + 1] = same ? st.a : st.b;
@@ -757,6 +811,14 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
   static_assert(kTileThreads % kTileDims == 0 && kStaged * kRowsAStep == kTile, "tile_sqdist's staging");
   constexpr bool kBothFirst = sizeof(T) <= 4;
   const int k = tid % kTileDims, r0 = tid / kTileDims;
+  // kProducts: threads 0 .. 63 sum the norms of tile a's points, 64 .. 127 tile b's, each its point's
+  // over the slab's dimensions in order, as acc sums the products: two points with the same
+  // coordinates then have |x_a|^2 = |x_b|^2 = x_a . x_b to the last bit, and a distance of exactly 0
+  static_assert(kTileThreads >= 2 * kTile, "tile_sqdist's norms: a thread a point");
+  double* const my_norm = !kProducts || tid >= 2 * kTile ? nullptr
+                          : tid < kTile                  ? st_norm(st, 0) + tid
+                                                         : st_norm(st, 1) + (tid - kTile);
+  if (my_norm != nullptr) *my_norm = 0.0;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileDims) {
     const bool in_range = k < t_end - t0;  // zeros past the range and past the tiles' points (they add nothing)
     T va[kStaged], vb[kStaged];
@@ -767,26 +829,58 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
         v[s] = in_range && i < end ? pts.row(i)[t0 + k] : T(0);
       }
     };
-    const auto store = [&](const T (&v)[kStaged], double (*tile)[kTile + 1]) {
+    // kProducts: the points relative to the stacked point 0 (a difference, as exact as the
+    // differences'), so that the norms are of the points' spread, not of their offset from 0
+    const T ref = kProducts && in_range ? pts.row(0)[t0 + k] : T(0);
+    const auto store = [&](const T (&v)[kStaged], int first, int end, double (*tile)[kTile + 1]) {
 #pragma unroll
-      for (int s = 0; s < kStaged; ++s) tile[k][r0 + s * kRowsAStep] = static_cast<double>(v[s]);
+      for (int s = 0; s < kStaged; ++s) {
+        const bool point = first + r0 + s * kRowsAStep < end;
+        tile[k][r0 + s * kRowsAStep] =
+            kProducts && point ? static_cast<double>(v[s]) - static_cast<double>(ref) : static_cast<double>(v[s]);
+      }
     };
     load(a0, a_end, va);
     if (kBothFirst && !same) load(b0, b_end, vb);
     __syncthreads();  // the previous slab's reads are done
-    store(va, st.a);
+    store(va, a0, a_end, st.a);
     if (!same) {
       if (!kBothFirst) load(b0, b_end, vb);
-      store(vb, st.b);
+      store(vb, b0, b_end, st.b);
     }
     __syncthreads();
     const int len = static_cast<int>(min(static_cast<int64_t>(kTileDims), t_end - t0));
-    switch (nu) {
-      case 1: slab_sqdist_rows<1>(nv, upper, st.a, tb, len, tx, ty, acc); break;
-      case 2: slab_sqdist_rows<2>(nv, upper, st.a, tb, len, tx, ty, acc); break;
-      case 3: slab_sqdist_rows<3>(nv, upper, st.a, tb, len, tx, ty, acc); break;
-      default: slab_sqdist_rows<4>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+    if (my_norm != nullptr && (tid < kTile || !same)) {  // (in shared memory, not in registers)
+      const double(*tile)[kTile + 1] = tid < kTile ? st.a : st.b;
+      const int point = tid % kTile;
+      double norm = *my_norm;
+      for (int e = 0; e < len; ++e) norm = fma(tile[e][point], tile[e][point], norm);
+      *my_norm = norm;
     }
+    switch (nu) {
+      case 1: slab_sqdist_rows<1, kProducts>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+      case 2: slab_sqdist_rows<2, kProducts>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+      case 3: slab_sqdist_rows<3, kProducts>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+      default: slab_sqdist_rows<4, kProducts>(nv, upper, st.a, tb, len, tx, ty, acc); break;
+    }
+  }
+  if constexpr (kProducts) {
+    // acc = |x_a|^2 + |x_b|^2 - 2 x_a . x_b, 0 for a point against itself (no rounding left over) or
+    // below 0 (rounding; NaN stays NaN)
+    __syncthreads();
+    const double* norm_b = same ? st_norm(st, 0) : st_norm(st, 1);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int ia = ty + 16 * u;
+      const double na = st_norm(st, 0)[ia];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int ib = tx + 16 * v;
+        const double dd = na + norm_b[ib] - 2.0 * acc[u][v];
+        acc[u][v] = a0 + ia == b0 + ib || dd < 0.0 ? 0.0 : dd;
+      }
+    }
+    __syncthreads();  // (a caller's next tile rewrites st)
   }
 }
 
@@ -813,11 +907,11 @@ struct TileRanges {
 // (100, 50000)); for the generic path's median (pair_sqdist), any N (N = 10,000: 12,403 tiles). The
 // pairs in tiles (I <= J), the dimensions split in ranges (TileRanges), the batch (blockIdx.z);
 // tile_sqdist's scheme. A tile pair's only range stores its sums: dist need not be zeroed for it.
-template <typename T>
+template <typename T, bool kProducts>
 __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_pair_sqdist sizes the grid for that
     pair_tile_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
                      const TileRanges ranges, int64_t dims_per_split, bool subblocks, double* __restrict__ dist_all) {
-  __shared__ TileStage stage;
+  __shared__ TileStage<kProducts> stage;
   const int N = n_den + n_num, tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
   const int64_t P = static_cast<int64_t>(N) * (N - 1) / 2;
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
@@ -835,7 +929,8 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_p
   const int2 tile = triangle_entry(p, (N + kTile - 1) / kTile, 0);  // tile pair (I, J), I <= J
   const int I = tile.x, J = tile.y;
   double acc[4][4] = {};
-  tile_sqdist<true>(pts, I * kTile, N, J * kTile, N, I == J, t_begin, min(d, t_begin + t_len), subblocks, stage, acc);
+  tile_sqdist<true, T, kProducts>(pts, I * kTile, N, J * kTile, N, I == J, t_begin, min(d, t_begin + t_len), subblocks,
+                                  stage, acc);
   double* dist = dist_all + b * P;
   for (int u = 0; u < 4; ++u) {
     for (int v = 0; v < 4; ++v) {
@@ -859,19 +954,19 @@ __global__ void __launch_bounds__(kTileThreads, 4)  // 4 blocks per SM: launch_p
 // kernel values on CUDA (cuda::kernel_block): one launch and one write of the block, where the ATen
 // composition takes a GEMM onto the norms, a clamp, the diagonal's zeros, a division and an
 // exponential, each a pass over it.
-template <typename T>
+template <typename T, bool kProducts>
 __global__ void __launch_bounds__(kTileThreads)
     kernel_block_kernel(const T* __restrict__ den_all, const T* __restrict__ num_all, int n_den, int n_num, int64_t d,
                         int r0, int rows, int c0, int cols, const double* __restrict__ scale, double divisor,
                         double diagonal, bool subblocks, double* __restrict__ out_all) {
-  __shared__ TileStage stage;
+  __shared__ TileStage<kProducts> stage;
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16, b = blockIdx.z;
   const Stacked<T> pts{den_all + static_cast<int64_t>(b) * n_den * d, num_all + static_cast<int64_t>(b) * n_num * d,
                       n_den, d};
   const int a0 = r0 + blockIdx.y * kTile, b0 = c0 + blockIdx.x * kTile;
   double acc[4][4] = {};
-  tile_sqdist<false>(pts, a0, r0 + rows, b0, c0 + cols, a0 == b0 && r0 + rows == c0 + cols, 0, d, subblocks, stage,
-                     acc);
+  tile_sqdist<false, T, kProducts>(pts, a0, r0 + rows, b0, c0 + cols, a0 == b0 && r0 + rows == c0 + cols, 0, d,
+                                   subblocks, stage, acc);
   const double gamma = 1.0 / scale[b];
   double* out = out_all + static_cast<int64_t>(b) * rows * cols;
   for (int u = 0; u < 4; ++u) {
@@ -1126,6 +1221,9 @@ std::atomic<bool> weight_kernel{true};
 // set_balanced_tile_ranges's switch (benches: pair_tile_kernel's ranges by each tile pair's cost, TileRanges,
 // against the same ranges for all).
 std::atomic<bool> balanced_tile_ranges{false};
+// set_product_tile_distances's switch (benches: the tiled distances, pair_tile_kernel's and kernel_block's,
+// from norms and products, the GEMM's form, against differences).
+std::atomic<bool> product_tile_distances{false};
 
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
@@ -1137,9 +1235,10 @@ constexpr int kStaticShared = static_cast<int>(sizeof(SelectShared)) + kWarps * 
 
 // The forward's dynamic shared memory in doubles, for a layout (see kl_forward_kernel).
 int64_t forward_shared_doubles(int64_t N, int64_t n_den, int64_t d, bool compute_dist, int64_t ldx,
-                               bool dist_in_shared, bool system_in_shared) {
+                               bool dist_in_shared, bool system_in_shared, bool median_staged = false) {
   const int64_t P = N * (N - 1) / 2;
-  const int64_t work = std::max(kWarps * N, system_in_shared ? n_den * n_den : 0);
+  const int64_t work =
+      std::max({kWarps * N, system_in_shared ? n_den * n_den : int64_t{0}, median_staged ? P : int64_t{0}});
   const int64_t base = N + (compute_dist ? N * ldx : 0);
   if (compute_dist) return base + std::max(work, dist_in_shared ? P : 0);  // the distances share the work region
   return base + (dist_in_shared ? P : 0) + work;
@@ -1201,8 +1300,13 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
         if (splits > 1) zero();
       }
       const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(splits), static_cast<unsigned>(nb));
-      pair_tile_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, ranges,
-                                                                    dims_per_split, tile_subblocks.load(), dist_b);
+      if (product_tile_distances.load()) {
+        pair_tile_kernel<scalar_t, true><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, ranges,
+                                                                          dims_per_split, tile_subblocks.load(), dist_b);
+      } else {
+        pair_tile_kernel<scalar_t, false><<<grid, kTileThreads, 0, stream>>>(den_b, num_b, n_den, n_num, d, ranges,
+                                                                           dims_per_split, tile_subblocks.load(), dist_b);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       // chunks of dimensions staged as float64 next to the pairs' partial sums, within 48 KB (no opt-in)
@@ -1264,8 +1368,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   TORCH_CHECK(a.compute_dist || !a.projection, "kivi_fast::kl (CUDA): a projection state needs N d <= ", kSmallWork);
   // In shared memory what fits: both the distances (the median's passes) and the system (the
   // elimination), else the system, else the distances, else neither.
-  const auto doubles = [&](bool dist_sh, bool sys_sh) {
-    return forward_shared_doubles(N, n_den, d, a.compute_dist, a.ldx, dist_sh, sys_sh);
+  const auto doubles = [&](bool dist_sh, bool sys_sh, bool median_staged = false) {
+    return forward_shared_doubles(N, n_den, d, a.compute_dist, a.ldx, dist_sh, sys_sh, median_staged);
   };
   const bool layouts[4][2] = {{true, true}, {false, true}, {true, false}, {false, false}};
   // More than one wave of blocks (B > SMs, one block per SM): the first layout with which two blocks
@@ -1287,7 +1391,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   if (layout < 0) layout = 3;  // the leanest: too large for this device, which the check below says
   a.dist_in_shared = layouts[layout][0];
   a.system_in_shared = layouts[layout][1];
-  const int64_t shared_bytes = 8 * doubles(a.dist_in_shared, a.system_in_shared);
+  // Distances given in global memory (the wide path's) that fit the work region alone: a copy there
+  // for the median (at (100, 50000) on an H100: 159 KB, beside which the 80 KB system does not fit)
+  a.median_staged = !a.compute_dist && !a.dist_in_shared && !sigma.has_value() && !two_per_sm &&
+                    8 * doubles(false, a.system_in_shared, true) <= limit;
+  const int64_t shared_bytes = 8 * doubles(a.dist_in_shared, a.system_in_shared, a.median_staged);
   TORCH_CHECK(shared_bytes <= limit, "kivi_fast::kl (CUDA): ", shared_bytes, " bytes of shared memory needed, ",
               limit, " available");
 
@@ -1343,6 +1451,7 @@ bool use_generic_kernels() { return generic_kernels.load(); }
 
 bool set_tile_subblocks(bool flag) { return tile_subblocks.exchange(flag); }
 bool set_balanced_tile_ranges(bool flag) { return balanced_tile_ranges.exchange(flag); }
+bool set_product_tile_distances(bool flag) { return product_tile_distances.exchange(flag); }
 
 bool set_paired_weight_dims(bool flag) { return paired_weight_dims.exchange(flag); }
 bool set_weight_kernel(bool flag) { return weight_kernel.exchange(flag); }
@@ -1410,11 +1519,18 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
     for (int64_t b0 = 0; b0 < B; b0 += kMaxGridYZ) {  // the batch on the grid's z
       const int64_t nb = std::min(kMaxGridYZ, B - b0);
       const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r), static_cast<unsigned>(nb));
-      kernel_block_kernel<scalar_t><<<grid, kTileThreads, 0, stream>>>(
-          den + b0 * n_den * d, num + b0 * n_num * d, static_cast<int>(n_den), static_cast<int>(n_num), d,
-          static_cast<int>(r0), static_cast<int>(rows), static_cast<int>(c0), static_cast<int>(cols),
-          scale.data_ptr<double>() + b0, divisor, diagonal, tile_subblocks.load(),
-          out.data_ptr<double>() + b0 * rows * cols);
+      const scalar_t *den_b = den + b0 * n_den * d, *num_b = num == nullptr ? nullptr : num + b0 * n_num * d;
+      const int nd = static_cast<int>(n_den), nn = static_cast<int>(n_num), i0 = static_cast<int>(r0),
+                ni = static_cast<int>(rows), j0 = static_cast<int>(c0), nj = static_cast<int>(cols);
+      const double* scale_b = scale.data_ptr<double>() + b0;
+      double* out_b = out.data_ptr<double>() + b0 * rows * cols;
+      if (product_tile_distances.load()) {
+        kernel_block_kernel<scalar_t, true><<<grid, kTileThreads, 0, stream>>>(
+            den_b, num_b, nd, nn, d, i0, ni, j0, nj, scale_b, divisor, diagonal, tile_subblocks.load(), out_b);
+      } else {
+        kernel_block_kernel<scalar_t, false><<<grid, kTileThreads, 0, stream>>>(
+            den_b, num_b, nd, nn, d, i0, ni, j0, nj, scale_b, divisor, diagonal, tile_subblocks.load(), out_b);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });

@@ -16,7 +16,7 @@ usage: python translate.py SOURCE.cu OUT.cpp
 import re
 import sys
 
-LAUNCH = re.compile(r"(\S+)<<<(.*?)>>>\(")
+LAUNCH = re.compile(r"([\w:]+(?:<[^<>;()]*>)?)<<<(.*?)>>>\(")  # (a name, with its template arguments)
 EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];")
 SHARED = re.compile(r"\b__shared__\b")
 
