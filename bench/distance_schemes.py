@@ -13,16 +13,17 @@ replaced by the scheme's:
   units, at twice the float64 rate on an H100 or H200;
 - ``float64 GEMM``: |x|^2 + |y|^2 - 2 x.y in float64, clamped at 0: a multiply-add a pair and
   dimension, the form of a GEMM (cuBLAS, the float64 tensor cores);
-- ``shifted GEMM``: the same of the points relative to the first stacked one (x - x_0, x_0 the
-  first of q_z's samples, the denominator's, as kl.cu stacks them): the form of
-  ``set_product_tile_distances``.
+- ``GEMM from x_0``: the same of the points relative to the first stacked one (x - x_0, x_0 the
+  first of q_z's samples, the denominator's, stacked first): the CPU kernels' Gram paths' centring;
+- ``GEMM from a middle point``: relative to the middle of three stacked points' coordinates (the
+  first, the middle one and the last), the reference of ``set_product_tile_distances``'s kernels.
 
-Two sets of float32 problems, lam = 1e-3: bench/precision.py's 189 draws (a prior N(0, I) against
-posteriors shifted by 0 / 3 / 20 with spreads 1 / 0.2 / 0.05), and ``offset``: both samples moved 1e3
+Three sets of float32 problems, lam = 1e-3: bench/precision.py's 189 draws (a prior N(0, I) against
+posteriors shifted by 0 / 3 / 20 with spreads 1 / 0.2 / 0.05); ``offset``: both samples moved 1e3
 or 1e4 from the origin (posteriors shifted by 0 / 3, spreads 1 / 0.2; (100, 64) and (100, 700); 16
-problems). The gradient w.r.t. q_z keeps its exact formula; the kernel values it weighs come from the
+problems); ``outlier``: x_0 alone moved 1e4 or 1e5 from the others (the same 16 draws otherwise). The gradient w.r.t. q_z keeps its exact formula; the kernel values it weighs come from the
 scheme's distances, as in the GPU's backward. A problem misses where the value's or the gradient's
-relative error (bench/precision.py's) exceeds 1e-3. Eight minutes on one core.
+relative error (bench/precision.py's) exceeds 1e-3. Ten minutes on one core.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kivi_fast import reference  # noqa: E402
 SLAB = 32  # csrc/cuda/kl.cu's kTileDims
 EXACT = reference._sqdist
 OFFSETS = [1e3, 1e4]
+OUTLIERS = [1e4, 1e5]
 OFFSET_SHAPES = [(100, 64), (100, 700)]
 
 
@@ -72,16 +74,22 @@ def float64_gemm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.pow(2).sum(-1)[..., :, None] + y.pow(2).sum(-1)[..., None, :] - 2 * g).clamp_min(0)
 
 
-REFERENCE: list[torch.Tensor] = []  # the problem's x_0 (set by main)
+STACKED: list[torch.Tensor] = []  # the problem's stacked points [q_z; prior_z] (set by main)
 
 
-def shifted_gemm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    ref = REFERENCE[0]
+def gemm_from_first(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    ref = STACKED[0][..., :1, :]
+    return float64_gemm(x - ref, y - ref)
+
+
+def gemm_from_middle(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    s = STACKED[0]
+    ref = s[..., [0, s.shape[-2] // 2, s.shape[-2] - 1], :].median(-2, keepdim=True).values
     return float64_gemm(x - ref, y - ref)
 
 
 SCHEMES = {"float64 differences": float64_differences, "float32 slabs": float32_slabs,
-           "float64 GEMM": float64_gemm, "shifted GEMM": shifted_gemm}
+           "float64 GEMM": float64_gemm, "GEMM from x_0": gemm_from_first, "GEMM from a middle point": gemm_from_middle}
 
 
 def with_distances(scheme):
@@ -100,6 +108,11 @@ def problems():
     for (n, d), offset, shift, spread in itertools.product(OFFSET_SHAPES, OFFSETS, [0.0, 3.0], [1.0, 0.2]):
         p, q = precision.draw((1, n, d, False), shift, spread, 0)
         yield ("offset", (n, d), offset, shift, spread, 0, (p.double() + offset).float(), (q.double() + offset).float())
+    for (n, d), outlier, shift, spread in itertools.product(OFFSET_SHAPES, OUTLIERS, [0.0, 3.0], [1.0, 0.2]):
+        p, q = precision.draw((1, n, d, False), shift, spread, 0)
+        q = q.double()
+        q[..., 0, :] += outlier
+        yield ("outlier", (n, d), outlier, shift, spread, 0, p, q.float())
 
 
 def main(argv=None) -> int:
@@ -111,7 +124,7 @@ def main(argv=None) -> int:
     rows = []
     for kind, (n, d), offset, shift, spread, seed, p, q in problems():
         p, q = p.double(), q.double()
-        REFERENCE[:] = [q[..., :1, :]]  # (kernel_kl's default, reverse: q_z is the denominator, stacked first)
+        STACKED[:] = [torch.cat([q, p], -2)]  # (kernel_kl's default, reverse: q_z is the denominator, stacked first)
         v64, g64 = precision.value_and_grad(oracle, p, q)
         row = {"set": kind, "shape": f"({n}, {d})", "offset": offset, "shift": shift, "spread": spread, "seed": seed}
         try:
@@ -128,7 +141,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {row[k]['value']:.1e} / {row[k]['grad']:.1e}" for k in SCHEMES),
               file=sys.stderr, flush=True)
     out = {"lam": precision.LAM, "contract": precision.CONTRACT, "slab": SLAB, "torch": torch.__version__}
-    for kind in ("draws", "offset"):
+    for kind in ("draws", "offset", "outlier"):
         summ = precision.summary([r for r in rows if r["set"] == kind], list(SCHEMES))
         print(f"\n### {kind}: squared distances by each scheme, oracle kivi_fast.reference.kernel_kl (float64)\n")
         print(precision.table(summ, list(SCHEMES)))

@@ -351,18 +351,36 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
         assert all(torch.equal(x, y) for x, y in zip((*a, ag), (*e, eg)))
 
 
+@pytest.mark.parametrize("case", ["offset", "outlier"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(1, 100, 100, 300), (1, 300, 290, 3)], ids=["wide", "generic"])
-def test_product_distances_far_from_the_origin_equal_the_cpu_kernels(shape, dtype):
+def test_product_distances_far_from_the_origin_keep_their_digits(shape, dtype, case):
     """set_product_tile_distances (the benches' A/B): norms minus products round relative to the norms.
-    Staged relative to the first point, the norms are of the points' spread, so samples 1e4 from the
-    origin (spread ~1) keep the differences' accuracy; norms from the origin would lose ~8 digits of
-    each distance (bench/distance_schemes.py, its offset problems)."""
+    Staged relative to a reference point, the norms are of the points' spread, so samples 1e4 from the
+    origin (spread ~1) keep the differences' accuracy, where norms from the origin would lose ~8 digits
+    of each distance (bench/distance_schemes.py, its offset problems): against the CPU kernels. And the
+    reference, the middle of three points' coordinates, is not the first point when that one lies 1e6
+    from the others (as a reference it would cost ~12 digits): against the reference's differences,
+    since the CPU kernels centre on that first point (README's known defect)."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 11, 1.1, 0.4)
-    p, q = (p + 1e4).to(dtype), (q + 1e4).to(dtype)
+    if case == "offset":
+        p, q = p + 1e4, q + 1e4
+    else:
+        p[:, 0] += 1e6  # the first stacked point (the prior's first: the denominator, not reversed)
+    p, q = p.to(dtype), q.to(dtype)
     with _cuda_emulation.switched("set_product_tile_distances", True):
-        assert_equals_cpu_kernels(p, q, False)
+        if case == "offset":
+            assert_equals_cpu_kernels(p, q, False)
+            return
+        (value, _, sigma, _), grad = emulated_kl(p, q, False)
+    q64 = q.double().requires_grad_(True)
+    ref = reference.kernel_kl(p.double(), q64, reverse=False)
+    (ref_grad,) = torch.autograd.grad((cotangent(b) * ref).sum(), q64)
+    rtol = 1e-6 if dtype == torch.float32 else 1e-9
+    assert_close_rel(value.double(), ref.detach(), rtol)
+    assert_close_rel(sigma, reference.median_bandwidth(torch.cat([p, q], 1).double()), 1e-9)
+    assert_close_rel(grad.double(), ref_grad, 10 * rtol)
 
 
 @pytest.mark.parametrize("shape", [(2, 50, 50, 8), (2, 10, 10, 3000), (1, 70, 60, 300), (1, 100, 100, 700)],

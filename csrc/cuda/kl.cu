@@ -726,11 +726,12 @@ __global__ void __launch_bounds__(kPairThreads)
 // pair and dimension where the differences take a subtraction too, half the float64 work. A point's
 // norm over the range is summed by one thread, in the order of the products (points with the same
 // coordinates: a distance of exactly 0). Its rounding error is relative to the norms, so the points
-// are staged relative to the first one: the norms are then the squared distances to it, whatever the
-// points' common offset from 0, and a kernel value's error relative to the bandwidth stays at the
-// differences' where the first point is a typical one (bench/distance_schemes.py measures both forms
-// against the contract, samples far from 0 among its problems). An outlying first point, at R from
-// the others, would make that error grow as R^2 / sigma^2, as the plain norms' does with the offset.
+// are staged relative to a reference point: the norms are then the squared distances to it, whatever
+// the points' common offset from 0, and a kernel value's error relative to the bandwidth stays at the
+// differences' where the reference is a typical point. An outlying reference, at R from the others,
+// would make that error grow as R^2 / sigma^2, as the plain norms' does with the offset, so in each
+// dimension it is the middle of three points' coordinates (bench/distance_schemes.py measures the
+// forms against the contract, samples far from 0 and an outlying first point among its problems).
 //
 // Only the 16 x 16 sub-blocks (u, v) that hold a point on both sides are computed (a tile past the
 // last point has fewer), and with kUpperOnly (pair_tile_kernel, which keeps the pairs a < b) of a tile
@@ -829,9 +830,15 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
         v[s] = in_range && i < end ? pts.row(i)[t0 + k] : T(0);
       }
     };
-    // kProducts: the points relative to the stacked point 0 (a difference, as exact as the
-    // differences'), so that the norms are of the points' spread, not of their offset from 0
-    const T ref = kProducts && in_range ? pts.row(0)[t0 + k] : T(0);
+    // kProducts: the points relative to a reference (a difference, as exact as the differences'), so
+    // that the norms are of the points' spread, not of their offset from 0: in each dimension the
+    // middle of three points' coordinates (tile a's first and middle, tile b's last), so that one
+    // outlying point among them does not become the reference
+    T ref = T(0);
+    if (kProducts && in_range) {
+      const T r1 = pts.row(a0)[t0 + k], r2 = pts.row(a0 + (a_end - a0) / 2)[t0 + k], r3 = pts.row(b_end - 1)[t0 + k];
+      ref = max(min(r1, r2), min(max(r1, r2), r3));
+    }
     const auto store = [&](const T (&v)[kStaged], int first, int end, double (*tile)[kTile + 1]) {
 #pragma unroll
       for (int s = 0; s < kStaged; ++s) {
