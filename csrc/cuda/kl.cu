@@ -721,17 +721,17 @@ __global__ void __launch_bounds__(kPairThreads)
 // GEMM's norms minus products: the same rounding as the other paths' distances, and exact zeros for a
 // point against itself. Called by every thread of the block (barriers).
 //
-// kProducts (set_product_tile_distances, off by default, not yet timed): the
-// GEMM's form instead, |x_a|^2 + |x_b|^2 - 2 x_a . x_b over the range, clamped at 0: one multiply-add a
-// pair and dimension where the differences take a subtraction too, half the float64 work. A point's
-// norm over the range is summed by one thread, in the order of the products (points with the same
-// coordinates: a distance of exactly 0). Its rounding error is relative to the norms, so the points
-// are staged relative to a reference point: the norms are then the squared distances to it, whatever
-// the points' common offset from 0, and a kernel value's error relative to the bandwidth stays at the
-// differences' where the reference is a typical point. An outlying reference, at R from the others,
-// would make that error grow as R^2 / sigma^2, as the plain norms' does with the offset, so in each
-// dimension it is the middle of three points' coordinates (bench/distance_schemes.py measures the
-// forms against the contract, samples far from 0 and an outlying first point among its problems).
+// kProducts (set_product_tile_distances, off by default, not yet timed): the GEMM's form instead,
+// |x_a|^2 + |x_b|^2 - 2 x_a . x_b over the range, clamped at 0: one multiply-add a pair and dimension
+// where the differences take a subtraction too, half the float64 work. A point's norm over the range
+// is summed by one thread, in the order of the products (points with the same coordinates: a distance
+// of exactly 0). Its rounding error is relative to the norms, so the points are staged relative to a
+// reference point: the norms are then the squared distances to it, whatever the points' common offset
+// from 0, and a kernel value's error relative to the bandwidth stays at the differences' where the
+// reference is a typical point. An outlying reference, at R from the others, would make that error
+// grow as R^2 / sigma^2, as the plain norms' does with the offset, so in each dimension it is the
+// middle of three points' coordinates (bench/distance_schemes.py measures the forms against the
+// contract, samples far from 0 and an outlying first point among its problems).
 //
 // Only the 16 x 16 sub-blocks (u, v) that hold a point on both sides are computed (a tile past the
 // last point has fewer), and with kUpperOnly (pair_tile_kernel, which keeps the pairs a < b) of a tile
