@@ -478,8 +478,8 @@ def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, pr
     """As test_cuda.py's test on a GPU: a NaN in q_z, every distance 0 (a zero median), an Inf in
     prior_z (with an explicit bandwidth too, where no median is taken), a bandwidth that is not
     positive, samples so small that their median is below 1e-150 (its square would underflow), every
-    point but the first the same (a zero median again: with norms and products too, whose reference is
-    that first point); the other elements equal the CPU kernels'. Nothing is read back to the host,
+    point but the first the same (a zero median again: with norms and products too, whose reference,
+    the middle of three points' coordinates, then differs from the first point); the other elements equal the CPU kernels'. Nothing is read back to the host,
     where the generic path's CPU build reads its checks' results (which shows the profiler sees such
     reads)."""
     p, q = seeded_samples(7, n, n, d, torch.float64, n + d, 1.0, 0.0)

@@ -832,8 +832,8 @@ __device__ __forceinline__ void tile_sqdist(const Stacked<T>& pts, int a0, int a
     };
     // kProducts: the points relative to a reference (a difference, as exact as the differences'), so
     // that the norms are of the points' spread, not of their offset from 0: in each dimension the
-    // middle of three points' coordinates (tile a's first and middle, tile b's last), so that one
-    // outlying point among them does not become the reference
+    // middle of three points' coordinates (tile a's first, the one midway from it to a_end, the last
+    // before b_end), so that one outlying point among them does not become the reference
     T ref = T(0);
     if (kProducts && in_range) {
       const T r1 = pts.row(a0)[t0 + k], r2 = pts.row(a0 + (a_end - a0) / 2)[t0 + k], r3 = pts.row(b_end - 1)[t0 + k];
