@@ -49,23 +49,32 @@ bool reads_back(const Tensor& t) { return t.is_cpu(); }
 [[maybe_unused]] bool on_cuda(const Tensor& t) { return t.is_cuda(); }
 #endif
 
-// Per squared norm of a point centred on the first (centred()), whether the point can enter the
+// Per squared norm of a centred point (centred()), whether the point can enter the
 // distances (kivi.h's squarable: finite and at most a quarter of float64's range, so that no distance
 // overflows), as the CPU kernels judge it.
 Tensor squarable_rows(const Tensor& sq_norms) { return sq_norms.le(kMaxSquaredNorm); }
 
-// [B, N, d] float64 points less the first of each batch element ([B, 1, d]; none: unchanged), in place.
-// Distances from a Gram, |x|^2 + |y|^2 - 2 x.y, keep only the norms' difference: far from the origin
-// the norms of uncentred points would cancel to the distances' rounding (at (100, 64), 1e6 standard
-// deviations out, 2e-2 of kernel_kl's value); centred, the norms stay near the distances.
-Tensor centred(Tensor points, const Tensor& first) {
-  return first.defined() ? points.sub_(first) : points;
+// [B, N, d] float64 points less the centre of each batch element ([B, 1, d]: centre_point; none:
+// unchanged), in place. Distances from a Gram, |x|^2 + |y|^2 - 2 x.y, keep only the norms'
+// difference: far from the origin the norms of uncentred points would cancel to the distances'
+// rounding (at (100, 64), 1e6 standard deviations out, 2e-2 of kernel_kl's value); centred, the
+// norms stay near the distances.
+Tensor centred(Tensor points, const Tensor& centre) {
+  return centre.defined() ? points.sub_(centre) : points;
 }
 
-// The first of the stacked points [a; b] ([B, 1, d], their dtype), or none where there are none.
-Tensor first_point(const Tensor& a, const Tensor& b) {
-  if (a.size(1) > 0) return a.narrow(1, 0, 1);
-  return b.size(1) > 0 ? b.narrow(1, 0, 1) : Tensor();
+// The centre of the stacked points [a; b] ([B, 1, d] float64: kivi.h's centre_coordinate of stacked
+// rows centre_rows(N), the CPU kernels' centre), or none where there are none. Elementwise ATen calls
+// only: no read-back, so a CUDA graph can capture it.
+Tensor centre_point(const Tensor& a, const Tensor& b) {
+  const int64_t na = a.size(1), n = na + b.size(1);
+  if (n == 0) return Tensor();
+  auto row = [&](int64_t i) { return i < na ? a.narrow(1, i, 1) : b.narrow(1, i - na, 1); };
+  const auto r = centre_rows(n);
+  auto three = at::cat({row(r[0]), row(r[1]), row(r[2])}, 1).to(at::kDouble);  // [B, 3, d]
+  three = at::where(three.isfinite(), three, NAN);  // (fmin and fmax pass NaN over)
+  const Tensor x = three.narrow(1, 0, 1), y = three.narrow(1, 1, 1), z = three.narrow(1, 2, 1);
+  return at::fmax(at::fmin(x, y), at::fmin(at::fmax(x, y), z));
 }
 
 // sq_norms: [B, N] of the stacked points [denom; numer], centred
@@ -159,12 +168,11 @@ int64_t chunk_rows(int64_t B, int64_t width, int64_t budget) {
 // computed where asked for (a given bandwidth's check; the median's NaN marks non-finite distances).
 // Samples with many dimensions (few points: an MNIST layer) are read once, in chunks of columns, into
 // the N x N Gram matrix (small beside the samples), and a block is read from it. The Gram and the
-// norms are of the points centred on the first (centred()).
+// norms are of the centred points (centred()).
 class StackedDistances {
  public:
   StackedDistances(const Tensor& denom, const Tensor& numer)
-      : B(denom.size(0)), N(denom.size(1) + numer.size(1)), denom_(denom), numer_(numer),
-        first_(first_point(denom, numer)) {
+      : B(denom.size(0)), N(denom.size(1) + numer.size(1)), denom_(denom), numer_(numer) {
 #ifdef KIVI_FAST_WITH_CUDA
     // (read once: a switch flipped during the call would leave pairs() and the blocks without a source)
     kernels_ = on_cuda(denom) && cuda::use_generic_kernels();
@@ -180,11 +188,14 @@ class StackedDistances {
       // add 5 MB to the pairs' 400), unless its GEMM variant's centred points are asked for
       if (kernels_) {
 #ifdef KIVI_FAST_WITH_CUDA
-        if (cuda::use_gemm_kernel_values()) std::tie(centred_, centred_norms_) = cuda::centred_points(denom_, numer_);
+        if (cuda::use_gemm_kernel_values()) {
+          centred_ = centred(stack_points(denom_, numer_).to(at::kDouble), centre());
+          centred_norms_ = centred_.square().sum(-1);
+        }
 #endif
         return;
       }
-      points_ = centred(stack_points(denom, numer).to(at::kDouble), first_);
+      points_ = centred(stack_points(denom, numer).to(at::kDouble), centre());
       norms_ = points_.square().sum(-1);
       return;
     }
@@ -192,7 +203,7 @@ class StackedDistances {
     for (int64_t s = 0; s < d; s += width) {
       const int64_t c = std::min(width, d - s);
       auto x = stacked_chunk(denom, numer, s, c, buf);
-      if (first_.defined()) x.sub_(first_.narrow(2, s, c));
+      if (centre().defined()) x.sub_(centre().narrow(2, s, c));
       gram_ = s == 0 ? at::bmm(x, x.mT()) : gram_.baddbmm_(x, x.mT());
     }
     norms_ = gram_.diagonal(0, 1, 2).clone();
@@ -264,7 +275,7 @@ class StackedDistances {
   Tensor points() const { return stack_points(denom_, numer_).to(at::kDouble); }
   // [B, N]: the squared norms of the centred points; NaN/Inf for a row with a NaN/Inf coordinate
   const Tensor& norms() const {
-    if (!norms_.defined()) norms_ = centred(points(), first_).square().sum(-1);  // (fused)
+    if (!norms_.defined()) norms_ = centred(points(), centre()).square().sum(-1);  // (fused)
     return norms_;
   }
   // whether the value checks read their results back to raise errors (the CPU), or give NaN
@@ -274,13 +285,17 @@ class StackedDistances {
 
  private:
   Tensor denom_, numer_;
-  Tensor first_;  // [B, 1, d]: the first point, which the Gram's points are centred on
+  mutable Tensor centre_;  // [B, 1, d]: the point the Gram's points are centred on (made on demand)
+  const Tensor& centre() const {
+    if (!centre_.defined()) centre_ = centre_point(denom_, numer_);
+    return centre_;
+  }
   bool kernels_ = false;  // on CUDA with cuda::use_generic_kernels(): the pairs from the samples
   Tensor points_;       // few dimensions, not fused: [B, N, d] float64, centred
   Tensor gram_;         // many dimensions: [B, N, N]
   mutable Tensor norms_;  // (made on demand when fused)
 
-  Tensor centred_, centred_norms_;  // fused with set_gemm_kernel_values: cuda::centred_points, once a fit
+  Tensor centred_, centred_norms_;  // fused with set_gemm_kernel_values: [B, N, d], [B, N], once a fit
 
   // few dimensions with the kernels: the kernel values from the samples too (no Gram of many dimensions)
   bool fused() const { return kernels_ && !gram_.defined(); }
@@ -407,10 +422,10 @@ Tensor weighted_points(const Tensor& w, const Tensor& zw, const Tensor& z, const
 }  // namespace
 
 Tensor sqdist(const Tensor& x, const Tensor& y) {
-  const auto first = first_point(x, y);
+  const auto centre = centre_point(x, y);
   // (copies: the inputs, float64 already, must not be centred in place)
-  auto x64 = centred(x.to(at::kDouble, false, true), first);
-  auto y64 = centred(y.to(at::kDouble, false, true), first);
+  auto x64 = centred(x.to(at::kDouble, false, true), centre);
+  auto y64 = centred(y.to(at::kDouble, false, true), centre);
   auto xn = x64.pow(2).sum(-1);
   auto yn = y64.pow(2).sum(-1);
   check_finite_rows(at::cat({xn, yn}, 1), x.size(1), {"y", "x"});

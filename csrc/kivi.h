@@ -20,6 +20,10 @@
 // Tensor only: the .cu files include this, and ATen.h (every op) costs nvcc ~14 s a file.
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <utility>
@@ -47,12 +51,31 @@ inline constexpr char kNotPositiveDefiniteMessage[] =
 // MIN_BANDWIDTH is the same; kSmallMedianMessage names it. (median_bandwidth, a statistic, refuses 0 only.)
 inline constexpr double kMinBandwidth = 1e-150;
 
-// The largest squared norm of a sample, centred on the first stacked point (x - x_0), that the CPU
-// kernels take: with |x|^2, |y|^2 <= max / 4 the Gram's |x|^2 + |y|^2 - 2 x.y and the differences'
+// The largest squared norm of a sample, centred (x - c: centre_coordinate), that the CPU kernels
+// take: with |x|^2, |y|^2 <= max / 4 the Gram's |x|^2 + |y|^2 - 2 x.y and the differences'
 // |x - y|^2 stay finite (one squared norm below max is not enough: two points whose squared norms
 // are each 0.9 max can be 3.6 max apart). NaN fails the test too.
 inline constexpr double kMaxSquaredNorm = std::numeric_limits<double>::max() / 4;
 inline bool squarable(double squared_norm) { return squared_norm <= kMaxSquaredNorm; }
+
+// The Gram paths (the CPU kernels', the generic path's) multiply the stacked points less a centre c:
+// |x - c|^2 + |y - c|^2 - 2 (x - c).(y - c) keeps only the norms' difference, so far from c the
+// distances cancel to the norms' rounding. Coordinate by coordinate, c is the middle of stacked points
+// 0, N / 2 and N - 1 (centre_rows): one sample far from the others never becomes the centre (centred
+// on point 0, kernel_kl's q_z[0] 1e5 standard deviations out cost 1e-3 of the gradient at (100, 64)),
+// and the middle is one of the inputs' values (exact in their dtype). Non-finite coordinates are
+// passed over (fmin and fmax skip NaN), so that a NaN or Inf makes only its own row's norm non-finite
+// and the value checks name that row's argument; all three non-finite: NaN. Two of the three far out
+// together, in the same coordinates and direction, still move the centre there. generic.cpp's
+// centre_point is this formula on tensors, cpu/x86_avx2.h's centre_block on registers.
+inline double centre_coordinate(double a, double b, double c) {
+  if (std::isfinite(a) && std::isfinite(b) && std::isfinite(c))  // (min and max inline; fmin and fmax are calls)
+    return std::max(std::min(a, b), std::min(std::max(a, b), c));
+  const auto skipped = [](double v) { return std::isfinite(v) ? v : std::numeric_limits<double>::quiet_NaN(); };
+  a = skipped(a), b = skipped(b), c = skipped(c);
+  return std::fmax(std::fmin(a, b), std::fmin(std::fmax(a, b), c));
+}
+inline std::array<int64_t, 3> centre_rows(int64_t n) { return {0, n / 2, n - 1}; }
 
 // Which argument names to use in error messages for the two sample sets of a fit.
 struct Names {
@@ -193,12 +216,11 @@ Tensor pair_sqdist(const Tensor& denom, const Tensor& numer);
 // the generic path's kernel values and system on CUDA tensors with few dimensions.
 Tensor kernel_block(const Tensor& denom, const Tensor& numer, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                     const Tensor& scale, double divisor, double diagonal);
-// The same values by a GEMM (set_gemm_kernel_values): the stacked points [denom; numer] as
-// float64 centred on their mean (far from the origin the norms would cancel to the distances'
-// rounding) and their squared norms, [B, N, d] and [B, N]; then a block of kernel values from them, as
-// kernel_block defines it, by cuBLAS's x_i . x_j and one pass (the generic path prepares the points
-// once a fit). cuda/kl.cu.
-std::pair<Tensor, Tensor> centred_points(const Tensor& denom, const Tensor& numer);
+// The same values by a GEMM (set_gemm_kernel_values): a block of kernel values, as kernel_block
+// defines it, from the stacked points [denom; numer] as float64, centred (centre_coordinate: far from
+// the origin the norms would cancel to the distances' rounding), [B, N, d], and their squared norms
+// [B, N], by cuBLAS's x_i . x_j and one pass (the generic path prepares the points once a fit).
+// cuda/kl.cu.
 Tensor gram_kernel_block(const Tensor& points, const Tensor& norms, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                          const Tensor& scale, double divisor, double diagonal);
 // The generic fit's coefficients [B, N] = [-x, beta 1] from its solve's x [B, n_den, 1], NaN for alpha

@@ -360,8 +360,7 @@ def test_product_distances_far_from_the_origin_keep_their_digits(shape, dtype, c
     origin (spread ~1) keep the differences' accuracy, where norms from the origin would lose ~8 digits
     of each distance (bench/distance_schemes.py, its offset problems): against the CPU kernels. And the
     reference, the middle of three points' coordinates, is not the first point when that one lies 1e6
-    from the others (as a reference it would cost ~12 digits): against the reference's differences,
-    since the CPU kernels centre on that first point (README's known defect)."""
+    from the others (as a reference it would cost ~12 digits): against the reference's differences."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 11, 1.1, 0.4)
     if case == "offset":
@@ -616,7 +615,8 @@ def test_the_generic_path_with_gemm_kernel_values_equals_the_cpu_kernels(shape, 
     """set_gemm_kernel_values (the benches' A/B): gram_kernel_block's values from a GEMM of the points and
     one pass, to the same tolerance as from differences; also for samples far from the origin, whose
     norms would cancel to the distances' rounding (the points are centred first). The points are
-    centred once a fit (one mean), not once a block of kernel values."""
+    centred once a fit (one centre: kivi.h's centre_coordinate, two fmax calls on tensors), not once a
+    block of kernel values."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, sum(shape), 1.2, shift)
     p = p + shift
@@ -629,7 +629,7 @@ def test_the_generic_path_with_gemm_kernel_values_equals_the_cpu_kernels(shape, 
         one_fit = [launch[0] for launch in launches()]
     assert names == generic_gpu_launches(b, n_p, n_q, d, True, gemm=True)
     assert one_fit.count("gram_kernel_kernel") >= 2
-    assert [e.name for e in prof.events()].count("aten::mean") == 1
+    assert [e.name for e in prof.events()].count("aten::fmax") == 2
 
 
 @pytest.mark.parametrize("shape", [GENERIC_GPU_SHAPES[0], GENERIC_GPU_SHAPES[2]], ids=lambda s: "x".join(map(str, s)))

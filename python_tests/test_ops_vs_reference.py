@@ -337,9 +337,9 @@ def test_gram_paths_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads
 
 
 # Each distance path, far from the origin: a Gram's g_ii + g_jj - 2 g_ij keeps only the difference of
-# the points' norms, which the kernels keep near the distances by centring the points on the first
-# (uncentred, at 1e6 standard deviations kernel_kl at (50, 64) moved by ~1e-2 of its value). The
-# reference sums coordinate differences. The gradient's projection, sum_c w_jc (c - z_j), still loses
+# the points' norms, which the kernels keep near the distances by centring the points (kivi.h,
+# centre_coordinate; uncentred, at 1e6 standard deviations kernel_kl at (50, 64) moved by ~1e-2 of its
+# value). The reference sums coordinate differences. The gradient's projection, sum_c w_jc (c - z_j), still loses
 # digits in proportion to the offset (~6e-8 of its size at 1e6 standard deviations). Only the float64
 # cases would fail uncentred (by ~1e-3); the float32 ones, 1e3 standard deviations out (where float32
 # still resolves the spread), check the float32 conversions' centring against the same bound.
@@ -383,24 +383,89 @@ def test_samples_far_from_the_origin_equal_reference(path, dtype, offset):
         assert_close_rel(ratio.double(), reference.DensityRatio().fit(q64, p64).ratio(q64[:9]), tol)
 
 
-@pytest.mark.xfail(strict=True, reason="a known defect: the CPU kernels' Gram paths centre on the first stacked "
-                   "sample, so one sample far from the others, when it is that first one, costs the digits the "
-                   "centring is there to keep (README, 'Using it')")
-@pytest.mark.parametrize("n,d,seed", [(100, 64, 0), (300, 32, 1)])
-def test_an_outlying_first_sample_keeps_the_gradient_accurate(n, d, seed):
-    """One sample 1e5 standard deviations from the others, the first of the stacked points (q_z's first:
-    kernel_kl's default, reverse, makes q_z the denominator, stacked first). The reference's differences
-    are exact; the gradient is off by ~1e-3 of its size on these Gram paths, and so on the device-generic
-    path (the differences' path, at few dimensions, is not: (100, 8) gives 6e-12)."""
-    g = torch.Generator().manual_seed(seed)
+@pytest.mark.parametrize("path", FAR_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_outlying_first_sample_keeps_the_gradient_accurate(path, dtype):
+    """One sample 1e5 standard deviations from the others, the first of the stacked points (kernel_kl's
+    denominator: q_z with reverse, prior_z without; DensityRatio's denom; the ratio op's first
+    evaluation point), on each distance path. The Gram paths centre the points on a middle of three
+    of them (kivi.h, centre_coordinate); centred on the first point, as they were, the gradient was off
+    by 1.4e-3 of its size at (100, 64) (all but the differences' path). The reference sums exact
+    differences of the same values."""
+    n, d, threads, flags = FAR_PATHS[path]
+    kivi_fast.backend()  # (loads the ops and their test switches)
+    if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
+        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
+    g = torch.Generator().manual_seed(d + 1)
+    tol = 1e-9 if dtype == torch.float64 else 1e-6
+    switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
+    with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
+        for reverse in (True, False):
+            p = torch.randn(n, d, generator=g, dtype=torch.float64)
+            q = torch.randn(n, d, generator=g, dtype=torch.float64) * 1.1 + 0.4
+            (q if reverse else p)[0] += 1e5
+            p, q = p.to(dtype), q.to(dtype)
+            value, grad = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
+            ref_value, ref_grad = value_and_grad(reference.kernel_kl, p.double(), q.double(), reverse=reverse)
+            assert_close_rel(value.double(), ref_value, tol)
+            assert_close_rel(grad.double(), ref_grad, 1e-6 if dtype == torch.float64 else 1e-5)
+        # p: its first sample far out
+        assert_close_rel(kivi_fast.median_bandwidth(p).double(), reference.median_bandwidth(p.double()), tol)
+        ratio = kivi_fast.DensityRatio().fit(q, p).ratio(p[:9])
+        expected = reference.DensityRatio().fit(q.double(), p.double()).ratio(p[:9].double())
+        assert_close_rel(ratio.double(), expected, tol)
+
+
+@pytest.mark.parametrize("path", FAR_PATHS)
+def test_a_bad_value_in_a_centre_row_names_its_own_argument(path):
+    """The centre's rows (stacked 0, N / 2 and N - 1: q_z[0], prior_z[0] and prior_z's last under
+    kernel_kl's reverse) pass a NaN or Inf over, so that only the bad rows' norms are non-finite and
+    the error names their argument (two Infs of three, taken as numbers, would make the centre Inf and
+    every norm non-finite, q_z's first); with all three bad in one coordinate the centre is NaN there,
+    and every row's norm with it, so the first row's argument (q_z's, which is bad) is named. (Centred
+    on the first row, as the Gram paths were, these pass too: this guards the passing over.)"""
+    n, d, threads, flags = FAR_PATHS[path]
+    kivi_fast.backend()
+    if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
+        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
+    g = torch.Generator().manual_seed(5)
     p = torch.randn(n, d, generator=g, dtype=torch.float64)
-    q = torch.randn(n, d, generator=g, dtype=torch.float64) * 1.1 + 0.4
-    q[0] += 1e5
-    with implementation("cpu"):
-        value, grad = value_and_grad(kivi_fast.kernel_kl, p, q)
-    ref_value, ref_grad = value_and_grad(reference.kernel_kl, p, q)
-    assert_close_rel(value, ref_value, 1e-9)
-    assert_close_rel(grad, ref_grad, 1e-6)
+    q = torch.randn(n, d, generator=g, dtype=torch.float64)
+    switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
+    cases = [  # (rows of q, rows of p) that get the bad value in column d - 1, the argument named
+        ([0], [], "q_z"), ([], [0], "prior_z"), ([], [n - 1], "prior_z"), ([], [0, n - 1], "prior_z"),
+        ([0], [0, n - 1], "q_z"),
+    ]
+    with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
+        for bad in (float("nan"), float("inf")):
+            for q_rows, p_rows, name in cases:
+                pb, qb = p.clone(), q.clone()
+                qb[q_rows, d - 1] = bad
+                pb[p_rows, d - 1] = bad
+                with pytest.raises(ValueError, match=f"^{name} contains NaN or Inf"):
+                    kivi_fast.kernel_kl(pb, qb)
+
+
+@pytest.mark.parametrize("path", ["tiles", "split GEMMs", "generic"])
+def test_the_centre_passes_over_two_far_points_of_its_three(path):
+    """The Gram paths' centre takes each coordinate's middle of stacked points 0, N / 2 and N - 1
+    (kivi.h, centre_coordinate): with two of them far out in opposite directions it is the third's
+    coordinate, and with the third far out in other coordinates, the others' there. sqdist's stacked
+    points [x; y] (60: points 0 and 30 of x, 19 of y) against the reference's exact differences;
+    centred on any of the three, the distances between near points would lose ~1e-7 of their size."""
+    kivi_fast.backend()
+    if path == "tiles" and not torch.ops.kivi_fast_testing.gram_tiles_available():
+        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 40, 40, generator=g, dtype=torch.float64)
+    y = torch.randn(1, 20, 40, generator=g, dtype=torch.float64)
+    x[0, 0, :20] += 1e5
+    x[0, 30, :20] -= 1e5
+    y[0, 19, 20:] += 1e5
+    switches = {} if path == "generic" else {torch.ops.kivi_fast_testing.set_gram_tiles: path == "tiles"}
+    with implementation("generic" if path == "generic" else "cpu"), switched(switches):
+        sq = torch.ops.kivi_fast.sqdist(x, y)
+    torch.testing.assert_close(sq, (x.unsqueeze(-2) - y.unsqueeze(-3)).pow(2).sum(-1), rtol=1e-12, atol=0)
 
 
 def test_generic_gram_in_chunks_of_columns_far_from_the_origin_equals_numpy():
@@ -832,7 +897,7 @@ def test_median_of_distances_at_the_ends_of_float64(impl):
 def test_median_of_overflowing_distances_is_refused():
     """Squared distances that overflow (finite squared norms of 1e308, differences of 2e154, whose
     squares numpy's median takes as inf): the CPU kernels refuse points whose squared distance from
-    the first exceeds a quarter of float64's largest, as points too far apart, rather than return inf
+    the centre exceeds a quarter of float64's largest, as points too far apart, rather than return inf
     (the reference's torch.quantile interpolates between two infinities: NaN)."""
     huge = torch.tensor([1e154, -1e154] * 20, dtype=torch.float64).reshape(40, 1)
     assert np.median(pdist(huge.numpy())) == float("inf")

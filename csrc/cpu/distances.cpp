@@ -38,13 +38,14 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
   double* const pt = work.points.get(n * (d + 1));
   std::optional<BracketTally> tally;
   {
-    std::vector<double> rows(n * d);
+    std::vector<double> rows(n * d), centre(d);
     s.load(b, 0, d, rows.data());
+    centre_of_rows(rows.data(), n, d, centre.data());  // (the norms only check the values)
     for (int64_t i = 0; i < n; ++i) {
       double sq = 0.0;
       for (int64_t k = 0; k < d; ++k) {
         pt[k * n + i] = rows[i * d + k];
-        const double x = rows[i * d + k] - rows[k];  // centred on the first point, as the Gram paths
+        const double x = rows[i * d + k] - centre[k];
         sq += x * x;
       }
       norms[i] = sq;
@@ -84,14 +85,17 @@ void add_gram_upper(double* g, int64_t ldg, const double* a, int64_t n, int64_t 
   add_gram_upper(g + h * ldg + h, ldg, a2, n - h, w, assign);
 }
 
-// Rows x_i of a [n, w] block to x_i - x_0. The Gram paths multiply points centred on the first (the
-// kernels of few_points.h and gram_tiles::pack do the same while converting): far from the origin the
-// norms of uncentred points, of which g_ii + g_jj - 2 g_ij keeps only the difference, would cancel
-// to the distances' rounding (at (100, 64), 1e6 standard deviations out, 2e-2 of kernel_kl's value).
-void centre_on_first_row(double* x, int64_t n, int64_t w) {
-  for (int64_t i = 1; i < n; ++i)
-    for (int64_t c = 0; c < w; ++c) x[i * w + c] -= x[c];
-  std::fill(x, x + w, 0.0);
+// Rows x_i of a [n, w] block to x_i - k, k their centre (centre_of_rows). The Gram paths multiply
+// centred points (the kernels of few_points.h and gram_tiles::pack centre while converting): far from
+// the origin the norms of uncentred points, of which g_ii + g_jj - 2 g_ij keeps only the difference,
+// would cancel to the distances' rounding (at (100, 64), 1e6 standard deviations out, 2e-2 of
+// kernel_kl's value).
+void centre_block(double* x, int64_t n, int64_t w) {
+  thread_local std::vector<double> centre;
+  centre.resize(w);
+  centre_of_rows(x, n, w, centre.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < w; ++c) x[i * w + c] -= centre[c];
 }
 
 // Columns [c0, c0 + w) of batch element b in gram_tiles' packed layout (packed_size(rows, w) doubles).
@@ -120,8 +124,8 @@ void few_points_gram(const Stack& s, int64_t b, double* out, bool parallel) {
     for (int64_t j = 0; j < i; ++j) out[j * n + i] = out[i * n + j];
 }
 
-// Inner products of the stacked points of batch element b, centred on the first, into the upper
-// triangle of out ([N, N]).
+// Inner products of the stacked points of batch element b, centred (kivi.h, centre_coordinate), into
+// the upper triangle of out ([N, N]).
 // Parallel over column blocks (thread-local partial sums) when asked and there is more than one block;
 // one block's tiles are shared by the threads. Where norms is given and the Gram is one block of tiles
 // on one thread, of a matrix larger than this machine's L3, out gets the squared distances instead
@@ -196,7 +200,7 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
         gram_tiles::gram_upper(buf, n, w, target, n, !assign, 0, row_tiles);
       } else {
         s.load(b, c0, w, buf);
-        centre_on_first_row(buf, n, w);
+        centre_block(buf, n, w);
         add_gram_upper(target, n, buf, n, w, assign);
       }
     }
@@ -216,6 +220,23 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
 bool use_direct_distances(int64_t rows, int64_t d) {
   const bool tiles = gram_tiles::enabled() && !use_few_points(rows);
   return d <= (tiles ? kMaxDirectDimTiles : kMaxDirectDimGemm);
+}
+
+void centre_point(const Stack& s, int64_t b, double* out) {
+  if (s.rows == 0) return;  // (no distances to centre)
+  const auto r = centre_rows(s.rows);
+  with_row_pointers(s, b, 0, [&](auto rows) {
+    for (int64_t k = 0; k < s.d; ++k) {
+      out[k] = centre_coordinate(static_cast<double>(rows[r[0]][k]), static_cast<double>(rows[r[1]][k]),
+                                 static_cast<double>(rows[r[2]][k]));
+    }
+  });
+}
+
+void centre_of_rows(const double* x, int64_t n, int64_t w, double* out) {
+  if (n == 0) return;
+  const auto r = centre_rows(n);
+  for (int64_t c = 0; c < w; ++c) out[c] = centre_coordinate(x[r[0] * w + c], x[r[1] * w + c], x[r[2] * w + c]);
 }
 
 bool use_few_points(int64_t rows) { return rows <= few_points::kMaxRows && few_points::available(); }

@@ -6,8 +6,8 @@
 //    registers (few_points.h), with no float64 copy of the samples;
 //  - otherwise a Gram by column blocks converted to float64 while in cache: gram_tiles' register tiles
 //    on AVX2 CPUs, GEMMs of the split triangle elsewhere; then g_ii + g_jj - 2 g_ij.
-// The Gram paths multiply the points centred on the first, so that the norms stay near the distances
-// at any distance from the origin.
+// The Gram paths multiply the points less a centre (centre_point: kivi.h's centre_coordinate), so
+// that the norms stay near the distances at any distance from the origin.
 // The median's counting pass (median.h, BracketTally) runs on the rows as they are computed where that
 // saves a pass over the triangle.
 #pragma once
@@ -38,9 +38,16 @@ bool use_few_points(int64_t rows);
 // Columns per task when the few-points kernels split one element over threads.
 constexpr int64_t kFewPointsGrain = 16384;
 
+// The centre of batch element b's stacked points into out (d values, each an input coordinate):
+// kivi.h's centre_coordinate of stacked rows centre_rows(N). (The Gram kernels take it a block of
+// columns at a time, from the same three rows.)
+void centre_point(const Stack& s, int64_t b, double* out);
+// The same of the rows of x ([n, w], float64) into out (w values).
+void centre_of_rows(const double* x, int64_t n, int64_t w, double* out);
+
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
-// the diagonal: callers read nothing else) and each point's squared distance from the first into norms
-// ([N]: the squared norms of the centred points the Gram paths multiply). Where summed from
+// the diagonal: callers read nothing else) and each point's squared distance from the centre
+// (centre_point) into norms ([N]: the squared norms of the centred points the Gram paths multiply). Where summed from
 // differences (use_direct_distances), the points are left transposed in work.points ([d, N], with room
 // for one more row: kl's ratio column). Where middle is given, the median's counting pass may run on
 // the distances as they are computed, and leaves its findings there.
@@ -48,7 +55,7 @@ void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool pa
                    Middle* middle = nullptr);
 
 // NaN/Inf in a sample makes its norm (distances_one's) NaN/Inf, and so does a point so far from the
-// first that distances could overflow (squarable): rows [0, n_den) are denom, then numer.
+// centre that distances could overflow (squarable): rows [0, n_den) are denom, then numer.
 void check_finite(const double* norms, int64_t n_den, int64_t n, Names names);
 
 }  // namespace cpu

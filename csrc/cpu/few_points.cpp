@@ -52,8 +52,8 @@ KIVI_AVX512 inline __m512d load8(const double* p) { return _mm512_loadu_pd(p); }
 KIVI_AVX512 inline void store8(float* p, __m512d v) { _mm256_storeu_ps(p, _mm512_cvtpd_ps(v)); }
 KIVI_AVX512 inline void store8(double* p, __m512d v) { _mm512_storeu_pd(p, v); }
 
-// The Gram kernel for AVX-512: each block of kBlock columns is converted to float64 once, centred on
-// the first row, into a buffer that stays in L1, and every 4 x 4 tile of the lower triangle accumulates
+// The Gram kernel for AVX-512: each block of kBlock columns is converted to float64 once, centred
+// (centre_of_columns), into a buffer that stays in L1, and every 4 x 4 tile of the lower triangle accumulates
 // from it; the tiles' accumulators live in memory between blocks and are reduced once at the end.
 // Converting float32 inside the tiles instead costs a conversion per 2 FMAs, on the same execution port;
 // float64 rows take the same buffer for the centring. The last, partial block is padded with zeros.
@@ -76,6 +76,18 @@ KIVI_AVX512 void tile_block(const double* a, const double* b, __m512d* sums) {
   for (int t = 0; t < 16; ++t) sums[t] = s[t];
 }
 
+// The centre (kivi.h, centre_coordinate) of rows' columns [c0, c0 + w) into out, from the three rows
+// centre_rows(n): each kernel takes it a block at a time, its rows' lines in cache for the block's
+// conversion. Up to w4 (a multiple of 4) by registers, the rest one by one.
+template <class T>
+KIVI_AVX2 void centre_of_columns(const T* const* rows, int64_t n, int64_t c0, int64_t w4, int64_t w, double* out) {
+  const auto r = centre_rows(n);
+  const T *a = rows[r[0]] + c0, *b = rows[r[1]] + c0, *c = rows[r[2]] + c0;
+  x86::centre_block(a, b, c, w4, out);
+  for (int64_t k = w4; k < w; ++k)
+    out[k] = centre_coordinate(static_cast<double>(a[k]), static_cast<double>(b[k]), static_cast<double>(c[k]));
+}
+
 template <class T>
 KIVI_AVX512 void add_gram_lower_blocked(const T* const* rows, int64_t n, int64_t w, double* acc) {
   TORCH_CHECK(n <= kMaxRows, "few_points: at most ", kMaxRows, " rows, got ", n);
@@ -85,17 +97,18 @@ KIVI_AVX512 void add_gram_lower_blocked(const T* const* rows, int64_t n, int64_t
   constexpr int64_t kMaxTiles = (kMaxRows / 4) * (kMaxRows / 4 + 1) / 2;
   alignas(64) __m512d sums[kMaxTiles * 16];
   for (int64_t t = 0; t < tiles * (tiles + 1) / 2 * 16; ++t) sums[t] = _mm512_setzero_pd();
+  alignas(64) double centre[kBlock];
   for (int64_t c0 = 0; c0 < w; c0 += kBlock) {
-    const T* const centre = rows[0] + c0;
     if (c0 < w_main) {
+      centre_of_columns(rows, n, c0, kBlock, kBlock, centre);
       for (int64_t i = 0; i < n; ++i)
         for (int64_t c = 0; c < kBlock; c += 8)
-          _mm512_store_pd(buf + i * kBlock + c, _mm512_sub_pd(load8(rows[i] + c0 + c), load8(centre + c)));
+          _mm512_store_pd(buf + i * kBlock + c, _mm512_sub_pd(load8(rows[i] + c0 + c), _mm512_load_pd(centre + c)));
     } else {
+      centre_of_columns(rows, n, c0, 0, w - c0, centre);
       for (int64_t i = 0; i < n; ++i)
         for (int64_t c = 0; c < kBlock; ++c)
-          buf[i * kBlock + c] =
-              c0 + c < w ? static_cast<double>(rows[i][c0 + c]) - static_cast<double>(centre[c]) : 0.0;
+          buf[i * kBlock + c] = c0 + c < w ? static_cast<double>(rows[i][c0 + c]) - centre[c] : 0.0;
     }
     __m512d* tile_sums = sums;
     for (int64_t ib = 0; ib < tiles; ++ib)
@@ -277,18 +290,14 @@ KIVI_AVX2 void rect2_block(const double* a, const double* b, __m256d* sums, cons
   sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3, sums[4] = s4, sums[5] = s5, sums[6] = s6, sums[7] = s7;
 }
 
-// kBlock columns of a row in float64, less those of the centre (the first row's, in float64).
+// kBlock columns of a row in float64, less those of the centre (its block, in float64).
 template <class T>
 KIVI_AVX2 void convert_row(const T* src, const double* centre, double* dst) {
   for (int64_t c = 0; c < kBlock; c += 4)
     _mm256_store_pd(dst + c, _mm256_sub_pd(load4(src + c), _mm256_load_pd(centre + c)));
 }
-template <class T>
-KIVI_AVX2 void convert_row(const T* src, double* dst) {
-  for (int64_t c = 0; c < kBlock; c += 4) _mm256_store_pd(dst + c, load4(src + c));
-}
 
-// Blocks of kBlock columns in float64, centred on the first row (float32 or float64 rows alike), in
+// Blocks of kBlock columns in float64, centred (centre_of_columns; float32 or float64 rows alike), in
 // two buffers: the tiles of the lower triangle multiply one block while they convert the next into the
 // other, tile t row t (rows past the tile count on their own; tiles past the row count convert a zero
 // row into a spare buffer). The tail columns one by one.
@@ -305,11 +314,11 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
   for (double* buf : bufs) std::fill(buf + n * kBlock, buf + padded * kBlock, 0.0);  // padding: never stored
   alignas(32) __m256d sums[kMaxSums];
   for (int64_t t = 0; t < padded * (padded + 1) / 2; ++t) sums[t] = _mm256_setzero_pd();
-  // the centre's block in float64, converted once a block: converted again in each row's conversion
-  // it made the forward at (10, 314000) float32 9% slower than without centring, 5% this way
+  // the centre's block in float64, once a block: taken again in each row's conversion, the first
+  // point's made the forward at (10, 314000) float32 9% slower than without centring, 5% this way
   alignas(32) double centre[kBlock];
   if (w_main > 0) {
-    convert_row(rows[0], centre);
+    centre_of_columns(rows, n, 0, kBlock, kBlock, centre);
     for (int64_t i = 0; i < n; ++i) convert_row(rows[i], centre, bufs[0] + i * kBlock);
   }
   for (int64_t c0 = 0, cur = 0; c0 < w_main; c0 += kBlock, cur ^= 1) {
@@ -326,7 +335,7 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
       for (int64_t line = 0; line < kLinesPerBlock; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(rows[i] + ahead + line * kLineElements), _MM_HINT_T0);
     };
-    if (has_next) convert_row(rows[0] + next, centre);  // (this block's conversions are done)
+    if (has_next) centre_of_columns(rows, n, next, kBlock, kBlock, centre);  // (this block's conversions are done)
     for (int64_t i = tile_count; i < n; ++i) {
       if (fetch) prefetch_row(i);
       if (has_next) convert_row(rows[i] + next, centre, next_buf + i * kBlock);
@@ -356,12 +365,13 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
       if (i < n) acc[i * n + j] += reduce_add(sums[tile.sums + s]);
     }
   }
+  centre_of_columns(rows, n, w_main, 0, w - w_main, centre);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j <= i; ++j) {
       double t = 0;
       for (int64_t c = w_main; c < w; ++c) {
-        const double x0 = rows[0][c];
-        t += (static_cast<double>(rows[i][c]) - x0) * (static_cast<double>(rows[j][c]) - x0);
+        const double k = centre[c - w_main];
+        t += (static_cast<double>(rows[i][c]) - k) * (static_cast<double>(rows[j][c]) - k);
       }
       acc[i * n + j] += t;
     }

@@ -25,9 +25,10 @@ bool available();
 // run where AVX-512 exists; by default isa::prefer_512_bit(). Returns the old setting.
 bool set_avx512(bool flag);
 
-// acc[i * n + j] += sum_{c < w} (x_i[c] - x_0[c]) (x_j[c] - x_0[c]) for j <= i < n (lower triangle
-// only), rows[i] = x_i: the Gram of the points centred on the first, whose norms stay near the
-// distances (far from the origin, uncentred norms would cancel to the distances' rounding).
+// acc[i * n + j] += sum_{c < w} (x_i[c] - k[c]) (x_j[c] - k[c]) for j <= i < n (lower triangle only),
+// rows[i] = x_i, k the centre (kivi.h, centre_coordinate, of rows centre_rows(n)): the Gram of the
+// centred points, whose norms stay near the distances (far from the origin, uncentred norms would
+// cancel to the distances' rounding).
 void add_gram_lower(const float* const* rows, int64_t n, int64_t w, double* acc);
 void add_gram_lower(const double* const* rows, int64_t n, int64_t w, double* acc);
 

@@ -35,8 +35,8 @@ KIVI_AVX2 inline void store_transposed(__m256d r0, __m256d r1, __m256d r2, __m25
 }
 
 template <class T>
-KIVI_AVX2 inline __m256d centred4(const T* row, const T* centre, int64_t c) {
-  return _mm256_sub_pd(load4(row + c), load4(centre + c));
+KIVI_AVX2 inline __m256d centred4(const T* row, const double* centre, int64_t c) {
+  return _mm256_sub_pd(load4(row + c), _mm256_load_pd(centre + c));
 }
 
 template <class T>
@@ -44,12 +44,21 @@ KIVI_AVX2 void pack_impl(const T* const* rows, int64_t n, int64_t w, double* pac
   TORCH_CHECK(w <= kMaxPackColumns, "gram_tiles::pack: at most ", kMaxPackColumns, " columns, got ", w);
   const int64_t w4 = w & ~int64_t{3};
   const T* const zero = x86::zero_row(rows[0]);
+  alignas(32) double centre[kMaxPackColumns];  // (kivi.h, centre_coordinate)
+  if (n > 0) {
+    const auto m = centre_rows(n);
+    const T *a = rows[m[0]], *b = rows[m[1]], *c = rows[m[2]];
+    x86::centre_block(a, b, c, w4, centre);
+    for (int64_t j = w4; j < w; ++j)
+      centre[j] = centre_coordinate(static_cast<double>(a[j]), static_cast<double>(b[j]), static_cast<double>(c[j]));
+  }
   for (int64_t p0 = 0; p0 < n; p0 += P) {
     double* o = packed + p0 * w;
-    const T *r[P], *k[P];  // the rows and their centres (the rows past n: zeros less zeros)
+    const T* r[P];
+    const double* k[P];  // the rows and their centres (the rows past n: zeros less zeros)
     for (int64_t i = 0; i < P; ++i) {
       r[i] = p0 + i < n ? rows[p0 + i] : zero;
-      k[i] = p0 + i < n ? rows[0] : zero;
+      k[i] = p0 + i < n ? centre : x86::kZeroDoubles;
     }
     for (int64_t c = 0; c < w4; c += 4) {
       store_transposed(centred4(r[0], k[0], c), centred4(r[1], k[1], c), centred4(r[2], k[2], c),
@@ -58,7 +67,7 @@ KIVI_AVX2 void pack_impl(const T* const* rows, int64_t n, int64_t w, double* pac
                        centred4(r[7], k[7], c), o + c * P + 4);
     }
     for (int64_t c = w4; c < w; ++c)
-      for (int64_t i = 0; i < P; ++i) o[c * P + i] = static_cast<double>(r[i][c]) - static_cast<double>(k[i][c]);
+      for (int64_t i = 0; i < P; ++i) o[c * P + i] = static_cast<double>(r[i][c]) - k[i][c];
   }
 }
 

@@ -38,10 +38,10 @@ bool set_enabled(bool flag);
 inline constexpr int64_t kMaxPackColumns = 2048;
 // Doubles the packed copy of n rows of w columns takes.
 inline int64_t packed_size(int64_t n, int64_t w) { return (n + kPanel - 1) / kPanel * kPanel * w; }
-// x_i[0, w) - x_0[0, w) for i < n (rows[i] = x_i) as float64 into packed: the points centred on the
-// first, whose norms stay near the distances (far from the origin, uncentred norms would cancel to
-// the distances' rounding). Panels of kPanel rows, each stored by column ([w][kPanel]); the rows past
-// n of the last panel are zeros.
+// x_i[0, w) - k[0, w) for i < n (rows[i] = x_i, k the centre: kivi.h's centre_coordinate of rows
+// centre_rows(n)) as float64 into packed: the centred points, whose norms stay near the distances (far
+// from the origin, uncentred norms would cancel to the distances' rounding). Panels of kPanel rows,
+// each stored by column ([w][kPanel]); the rows past n of the last panel are zeros.
 void pack(const float* const* rows, int64_t n, int64_t w, double* packed);
 void pack(const double* const* rows, int64_t n, int64_t w, double* packed);
 // Row tiles (of kTileRows rows) of n rows.

@@ -16,9 +16,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "cpu/blas.h"
 #include "cpu/buffers.h"
+#include "cpu/distances.h"
 #include "cpu/loops.h"
 #include "cpu/simd_rows.h"
 #include "kivi.h"
@@ -34,18 +36,19 @@ namespace {
 // BLAS), since the differences would read every point again for each row (3x slower at (10, 314000)).
 constexpr int64_t kDirectPointBytes = int64_t{8} << 20;
 
-// Every point's squared distance from z's first (the centre of sqdist's Gram path, distances.h)
-// finite and squarable: no NaN or Inf coordinate, no distance that could overflow (the CPU kernels'
-// check of their samples, with the same message). x: [B, rows, d]; centre(b): d values.
-template <typename T, class Centre>
-void check_finite_rows(const T* x, int64_t B, int64_t rows, int64_t d, Centre centre, const char* name) {
+// Every point's squared distance from the centre of the stacked [z; denom; numer] (sqdist's, on its
+// Gram path: distances.h) finite and squarable: no NaN or Inf coordinate, no distance that could
+// overflow (the CPU kernels' check of their samples, with the same message). x: [B, rows, d];
+// centres: [B, d].
+template <typename T>
+void check_finite_rows(const T* x, int64_t B, int64_t rows, int64_t d, const double* centres, const char* name) {
   for (int64_t b = 0; b < B; ++b) {
-    const T* c = centre(b);
+    const double* c = centres + b * d;
     for (int64_t i = 0; i < rows; ++i) {
       const T* p = x + (b * rows + i) * d;
       double s = 0.0;
       for (int64_t k = 0; k < d; ++k) {
-        const double v = static_cast<double>(p[k]) - static_cast<double>(c[k]);
+        const double v = static_cast<double>(p[k]) - c[k];
         s += v * v;
       }
       TORCH_CHECK_VALUE(squarable(s), name, kNotFiniteMessage);
@@ -68,15 +71,14 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
   // place), or for the projection's GEMM; elsewhere each row in a per-thread buffer (or the Gram's row).
   Tensor state, kernel;
   auto check_values = [&] {
+    const Stack all({z, denom, numer});  // sqdist's stacked points below, and so its centres
+    std::vector<double> centres(B * d);
+    for (int64_t b = 0; b < B; ++b) centre_point(all, b, centres.data() + b * d);
     AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio_check", [&] {
       const scalar_t *zp = z.data_ptr<scalar_t>(), *dp = denom.data_ptr<scalar_t>(), *np = numer.data_ptr<scalar_t>();
-      // the first of the stacked points [z; denom; numer] (none: nothing is read)
-      auto first = [&](int64_t b) {
-        return m > 0 ? zp + b * m * d : n_den > 0 ? dp + b * n_den * d : np + b * (N - n_den) * d;
-      };
-      check_finite_rows(zp, B, m, d, first, "z");
-      check_finite_rows(dp, B, n_den, d, first, "denom");
-      check_finite_rows(np, B, N - n_den, d, first, "numer");
+      check_finite_rows(zp, B, m, d, centres.data(), "z");
+      check_finite_rows(dp, B, n_den, d, centres.data(), "denom");
+      check_finite_rows(np, B, N - n_den, d, centres.data(), "numer");
     });
   };
   if (direct) {

@@ -1544,14 +1544,6 @@ Tensor kernel_block(const Tensor& denom_in, const Tensor& numer_in, int64_t r0, 
   return out;
 }
 
-std::pair<Tensor, Tensor> centred_points(const Tensor& denom, const Tensor& numer) {
-  // centred so that the norms, whose sum the GEMM's term cancels, stay near the distances
-  Tensor points = stack_points(denom, numer).to(at::kDouble);
-  points = points.sub(points.mean({1}, true));
-  Tensor norms = points.square().sum({2}).contiguous();
-  return {std::move(points), std::move(norms)};
-}
-
 Tensor gram_kernel_block(const Tensor& points, const Tensor& norms_in, int64_t r0, int64_t rows, int64_t c0,
                          int64_t cols, const Tensor& scale_in, double divisor, double diagonal) {
   const c10::cuda::CUDAGuard guard(points.device());
