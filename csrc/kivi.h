@@ -67,7 +67,7 @@ inline bool squarable(double squared_norm) { return squared_norm <= kMaxSquaredN
 // passed over (fmin and fmax skip NaN), so that a NaN or Inf makes only its own row's norm non-finite
 // and the value checks name that row's argument; all three non-finite: NaN. Two of the three far out
 // together, in the same coordinates and direction, still move the centre there. generic.cpp's
-// centre_point is this formula on tensors, cpu/x86_avx2.h's centre_block on registers.
+// centre_point is this formula on tensors, cpu/x86_avx2.h's centre_of_columns on registers.
 inline double centre_coordinate(double a, double b, double c) {
   if (std::isfinite(a) && std::isfinite(b) && std::isfinite(c))  // (min and max inline; fmin and fmax are calls)
     return std::max(std::min(a, b), std::min(std::max(a, b), c));

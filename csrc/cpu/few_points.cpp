@@ -53,8 +53,8 @@ KIVI_AVX512 inline void store8(float* p, __m512d v) { _mm256_storeu_ps(p, _mm512
 KIVI_AVX512 inline void store8(double* p, __m512d v) { _mm512_storeu_pd(p, v); }
 
 // The Gram kernel for AVX-512: each block of kBlock columns is converted to float64 once, centred
-// (centre_of_columns), into a buffer that stays in L1, and every 4 x 4 tile of the lower triangle accumulates
-// from it; the tiles' accumulators live in memory between blocks and are reduced once at the end.
+// (centre_of_columns), into a buffer that stays in L1, and every 4 x 4 tile of the lower triangle
+// accumulates from it; the tiles' accumulators live in memory between blocks and are reduced once at the end.
 // Converting float32 inside the tiles instead costs a conversion per 2 FMAs, on the same execution port;
 // float64 rows take the same buffer for the centring. The last, partial block is padded with zeros.
 constexpr int64_t kBlock = 128;
@@ -76,17 +76,7 @@ KIVI_AVX512 void tile_block(const double* a, const double* b, __m512d* sums) {
   for (int t = 0; t < 16; ++t) sums[t] = s[t];
 }
 
-// The centre (kivi.h, centre_coordinate) of rows' columns [c0, c0 + w) into out, from the three rows
-// centre_rows(n): each kernel takes it a block at a time, its rows' lines in cache for the block's
-// conversion. Up to w4 (a multiple of 4) by registers, the rest one by one.
-template <class T>
-KIVI_AVX2 void centre_of_columns(const T* const* rows, int64_t n, int64_t c0, int64_t w4, int64_t w, double* out) {
-  const auto r = centre_rows(n);
-  const T *a = rows[r[0]] + c0, *b = rows[r[1]] + c0, *c = rows[r[2]] + c0;
-  x86::centre_block(a, b, c, w4, out);
-  for (int64_t k = w4; k < w; ++k)
-    out[k] = centre_coordinate(static_cast<double>(a[k]), static_cast<double>(b[k]), static_cast<double>(c[k]));
-}
+using x86::centre_of_columns;
 
 template <class T>
 KIVI_AVX512 void add_gram_lower_blocked(const T* const* rows, int64_t n, int64_t w, double* acc) {
@@ -314,8 +304,8 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
   for (double* buf : bufs) std::fill(buf + n * kBlock, buf + padded * kBlock, 0.0);  // padding: never stored
   alignas(32) __m256d sums[kMaxSums];
   for (int64_t t = 0; t < padded * (padded + 1) / 2; ++t) sums[t] = _mm256_setzero_pd();
-  // the centre's block in float64, once a block: taken again in each row's conversion, the first
-  // point's made the forward at (10, 314000) float32 9% slower than without centring, 5% this way
+  // the centre's block in float64, once a block (taken again in each row's conversion, the centring
+  // made the forward at (10, 314000) float32 9% slower than without it; 5% this way)
   alignas(32) double centre[kBlock];
   if (w_main > 0) {
     centre_of_columns(rows, n, 0, kBlock, kBlock, centre);
@@ -335,7 +325,7 @@ KIVI_AVX2 void add_gram_lower(const T* const* rows, int64_t n, int64_t w, double
       for (int64_t line = 0; line < kLinesPerBlock; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(rows[i] + ahead + line * kLineElements), _MM_HINT_T0);
     };
-    if (has_next) centre_of_columns(rows, n, next, kBlock, kBlock, centre);  // (this block's conversions are done)
+    if (has_next) centre_of_columns(rows, n, next, kBlock, kBlock, centre);  // (this block's are converted)
     for (int64_t i = tile_count; i < n; ++i) {
       if (fetch) prefetch_row(i);
       if (has_next) convert_row(rows[i] + next, centre, next_buf + i * kBlock);

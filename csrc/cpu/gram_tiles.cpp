@@ -44,14 +44,8 @@ KIVI_AVX2 void pack_impl(const T* const* rows, int64_t n, int64_t w, double* pac
   TORCH_CHECK(w <= kMaxPackColumns, "gram_tiles::pack: at most ", kMaxPackColumns, " columns, got ", w);
   const int64_t w4 = w & ~int64_t{3};
   const T* const zero = x86::zero_row(rows[0]);
-  alignas(32) double centre[kMaxPackColumns];  // (kivi.h, centre_coordinate)
-  if (n > 0) {
-    const auto m = centre_rows(n);
-    const T *a = rows[m[0]], *b = rows[m[1]], *c = rows[m[2]];
-    x86::centre_block(a, b, c, w4, centre);
-    for (int64_t j = w4; j < w; ++j)
-      centre[j] = centre_coordinate(static_cast<double>(a[j]), static_cast<double>(b[j]), static_cast<double>(c[j]));
-  }
+  alignas(32) double centre[kMaxPackColumns];
+  if (n > 0) x86::centre_of_columns(rows, n, 0, w4, w, centre);
   for (int64_t p0 = 0; p0 < n; p0 += P) {
     double* o = packed + p0 * w;
     const T* r[P];
