@@ -40,7 +40,7 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
   {
     std::vector<double> rows(n * d), centre(d);
     s.load(b, 0, d, rows.data());
-    centre_of_rows(rows.data(), n, d, centre.data());  // (the norms only check the values)
+    centre_point(s, b, 0, d, centre.data());  // (the norms only check the values)
     for (int64_t i = 0; i < n; ++i) {
       double sq = 0.0;
       for (int64_t k = 0; k < d; ++k) {
@@ -85,16 +85,16 @@ void add_gram_upper(double* g, int64_t ldg, const double* a, int64_t n, int64_t 
   add_gram_upper(g + h * ldg + h, ldg, a2, n - h, w, assign);
 }
 
-// Rows x_i of a [n, w] block to x_i - k, k their centre (centre_of_rows). The Gram paths multiply
-// centred points (the kernels of few_points.h and gram_tiles::pack centre while converting): far from
-// the origin the norms of uncentred points, of which g_ii + g_jj - 2 g_ij keeps only the difference,
-// would cancel to the distances' rounding (at (100, 64), 1e6 standard deviations out, 2e-2 of
-// kernel_kl's value).
-void centre_block(double* x, int64_t n, int64_t w) {
+// Rows x_i of the [n, w] block x of batch element b's columns [c0, c0 + w) to x_i - k, k the
+// centre's columns (centre_point). The Gram paths multiply centred points (the kernels of
+// few_points.h and gram_tiles::pack centre while converting): far from the origin the norms of
+// uncentred points, of which g_ii + g_jj - 2 g_ij keeps only the difference, would cancel to the
+// distances' rounding (at (100, 64), 1e6 standard deviations out, 2e-2 of kernel_kl's value).
+void centre_block(const Stack& s, int64_t b, int64_t c0, double* x, int64_t w) {
   thread_local std::vector<double> centre;
   centre.resize(w);
-  centre_of_rows(x, n, w, centre.data());
-  for (int64_t i = 0; i < n; ++i)
+  centre_point(s, b, c0, w, centre.data());
+  for (int64_t i = 0; i < s.rows; ++i)
     for (int64_t c = 0; c < w; ++c) x[i * w + c] -= centre[c];
 }
 
@@ -200,7 +200,7 @@ bool gram_one(const Stack& s, int64_t b, double* out, bool parallel, double* nor
         gram_tiles::gram_upper(buf, n, w, target, n, !assign, 0, row_tiles);
       } else {
         s.load(b, c0, w, buf);
-        centre_block(buf, n, w);
+        centre_block(s, b, c0, buf, w);
         add_gram_upper(target, n, buf, n, w, assign);
       }
     }
@@ -222,21 +222,15 @@ bool use_direct_distances(int64_t rows, int64_t d) {
   return d <= (tiles ? kMaxDirectDimTiles : kMaxDirectDimGemm);
 }
 
-void centre_point(const Stack& s, int64_t b, double* out) {
+void centre_point(const Stack& s, int64_t b, int64_t c0, int64_t w, double* out) {
   if (s.rows == 0) return;  // (no distances to centre)
   const auto r = centre_rows(s.rows);
-  with_row_pointers(s, b, 0, [&](auto rows) {
-    for (int64_t k = 0; k < s.d; ++k) {
+  with_row_pointers(s, b, c0, [&](auto rows) {
+    for (int64_t k = 0; k < w; ++k) {
       out[k] = centre_coordinate(static_cast<double>(rows[r[0]][k]), static_cast<double>(rows[r[1]][k]),
                                  static_cast<double>(rows[r[2]][k]));
     }
   });
-}
-
-void centre_of_rows(const double* x, int64_t n, int64_t w, double* out) {
-  if (n == 0) return;
-  const auto r = centre_rows(n);
-  for (int64_t c = 0; c < w; ++c) out[c] = centre_coordinate(x[r[0] * w + c], x[r[1] * w + c], x[r[2] * w + c]);
 }
 
 bool use_few_points(int64_t rows) { return rows <= few_points::kMaxRows && few_points::available(); }

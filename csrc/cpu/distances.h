@@ -38,12 +38,10 @@ bool use_few_points(int64_t rows);
 // Columns per task when the few-points kernels split one element over threads.
 constexpr int64_t kFewPointsGrain = 16384;
 
-// The centre of batch element b's stacked points into out (d values, each an input coordinate):
-// kivi.h's centre_coordinate of stacked rows centre_rows(N). (The Gram kernels take it a block of
-// columns at a time, from the same three rows.)
-void centre_point(const Stack& s, int64_t b, double* out);
-// The same of the rows of x ([n, w], float64) into out (w values).
-void centre_of_rows(const double* x, int64_t n, int64_t w, double* out);
+// Columns [c0, c0 + w) of the centre of batch element b's stacked points into out (w values, each an
+// input coordinate): kivi.h's centre_coordinate of stacked rows centre_rows(N). (The Gram kernels
+// take it a block of columns at a time, from the same three rows: x86::centre_of_columns.)
+void centre_point(const Stack& s, int64_t b, int64_t c0, int64_t w, double* out);
 
 // Squared distances of the stacked points of batch element b into sq ([N, N]; the upper triangle and
 // the diagonal: callers read nothing else) and each point's squared distance from the centre

@@ -73,7 +73,7 @@ std::tuple<Tensor, Tensor> ratio(const Tensor& z, const Tensor& numer, const Ten
   auto check_values = [&] {
     const Stack all({z, denom, numer});  // sqdist's stacked points below, and so its centres
     std::vector<double> centres(B * d);
-    for (int64_t b = 0; b < B; ++b) centre_point(all, b, centres.data() + b * d);
+    for (int64_t b = 0; b < B; ++b) centre_point(all, b, 0, d, centres.data() + b * d);
     AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "kivi_fast_cpu_ratio_check", [&] {
       const scalar_t *zp = z.data_ptr<scalar_t>(), *dp = denom.data_ptr<scalar_t>(), *np = numer.data_ptr<scalar_t>();
       check_finite_rows(zp, B, m, d, centres.data(), "z");
