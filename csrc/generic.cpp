@@ -190,7 +190,7 @@ class StackedDistances {
 #ifdef KIVI_FAST_WITH_CUDA
         if (cuda::use_gemm_kernel_values()) {
           centred_ = centred(stack_points(denom_, numer_).to(at::kDouble), centre());
-          centred_norms_ = centred_.square().sum(-1);
+          norms_ = centred_.square().sum(-1);  // (what norms() would make)
         }
 #endif
         return;
@@ -293,9 +293,9 @@ class StackedDistances {
   bool kernels_ = false;  // on CUDA with cuda::use_generic_kernels(): the pairs from the samples
   Tensor points_;       // few dimensions, not fused: [B, N, d] float64, centred
   Tensor gram_;         // many dimensions: [B, N, N]
-  mutable Tensor norms_;  // (made on demand when fused)
+  mutable Tensor norms_;  // (made on demand when fused, but with the GEMM kernel values)
 
-  Tensor centred_, centred_norms_;  // fused with set_gemm_kernel_values: [B, N, d], [B, N], once a fit
+  Tensor centred_;  // fused with set_gemm_kernel_values: [B, N, d], once a fit (their norms: norms_)
 
   // few dimensions with the kernels: the kernel values from the samples too (no Gram of many dimensions)
   bool fused() const { return kernels_ && !gram_.defined(); }
@@ -303,7 +303,7 @@ class StackedDistances {
   Tensor fused_kernel(int64_t r0, int64_t rows, int64_t c0, int64_t cols, const Tensor& scale, double divisor,
                       double diagonal) const {
     if (centred_.defined()) {
-      return cuda::gram_kernel_block(centred_, centred_norms_, r0, rows, c0, cols, scale.view({-1}), divisor, diagonal);
+      return cuda::gram_kernel_block(centred_, norms_, r0, rows, c0, cols, scale.view({-1}), divisor, diagonal);
     }
     return cuda::kernel_block(denom_, numer_, r0, rows, c0, cols, scale.view({-1}), divisor, diagonal);
   }

@@ -358,21 +358,29 @@ FAR_PATHS = {  # path: (n_p = n_q, d, threads, test switches)
 }
 
 
-@pytest.mark.parametrize("path", FAR_PATHS)
-@pytest.mark.parametrize("dtype,offset", [(torch.float64, 1e6), (torch.float32, 1e3)])
-def test_samples_far_from_the_origin_equal_reference(path, dtype, offset):
+@contextlib.contextmanager
+def on_far_path(path):
+    """Runs the block on FAR_PATHS[path] (its implementation, test switches and threads), skipping where
+    this CPU lacks it; yields its (n, d)."""
     n, d, threads, flags = FAR_PATHS[path]
     kivi_fast.backend()  # (loads the ops and their test switches)
     if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
-    g = torch.Generator().manual_seed(d)
-    shift = offset * (torch.rand(d, generator=g, dtype=torch.float64) - 0.5).sign()
-    p = (torch.randn(n, d, generator=g, dtype=torch.float64) + shift).to(dtype)
-    q = (torch.randn(n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3 + shift).to(dtype)
-    p64, q64 = p.double(), q.double()  # the same values: the reference's are exact differences
-    tol = 1e-9 if dtype == torch.float64 else 1e-6  # (float32 results: rounded once)
     switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
     with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
+        yield n, d
+
+
+@pytest.mark.parametrize("path", FAR_PATHS)
+@pytest.mark.parametrize("dtype,offset", [(torch.float64, 1e6), (torch.float32, 1e3)])
+def test_samples_far_from_the_origin_equal_reference(path, dtype, offset):
+    with on_far_path(path) as (n, d):
+        g = torch.Generator().manual_seed(d)
+        shift = offset * (torch.rand(d, generator=g, dtype=torch.float64) - 0.5).sign()
+        p = (torch.randn(n, d, generator=g, dtype=torch.float64) + shift).to(dtype)
+        q = (torch.randn(n, d, generator=g, dtype=torch.float64) * 0.8 + 0.3 + shift).to(dtype)
+        p64, q64 = p.double(), q.double()  # the same values: the reference's are exact differences
+        tol = 1e-9 if dtype == torch.float64 else 1e-6  # (float32 results: rounded once)
         for reverse in (True, False):
             value, grad = value_and_grad(kivi_fast.kernel_kl, p, q, reverse=reverse)
             ref_value, ref_grad = value_and_grad(reference.kernel_kl, p64, q64, reverse=reverse)
@@ -392,14 +400,9 @@ def test_an_outlying_first_sample_keeps_the_gradient_accurate(path, dtype):
     of them (kivi.h, centre_coordinate); centred on the first point, as they were, the gradient was off
     by 1.4e-3 of its size at (100, 64) (all but the differences' path). The reference sums exact
     differences of the same values."""
-    n, d, threads, flags = FAR_PATHS[path]
-    kivi_fast.backend()  # (loads the ops and their test switches)
-    if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
-        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
-    g = torch.Generator().manual_seed(d + 1)
     tol = 1e-9 if dtype == torch.float64 else 1e-6
-    switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
-    with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
+    with on_far_path(path) as (n, d):
+        g = torch.Generator().manual_seed(d + 1)
         for reverse in (True, False):
             p = torch.randn(n, d, generator=g, dtype=torch.float64)
             q = torch.randn(n, d, generator=g, dtype=torch.float64) * 1.1 + 0.4
@@ -424,19 +427,14 @@ def test_a_bad_value_in_a_centre_row_names_its_own_argument(path):
     every norm non-finite, q_z's first); with all three bad in one coordinate the centre is NaN there,
     and every row's norm with it, so the first row's argument (q_z's, which is bad) is named. (Centred
     on the first row, as the Gram paths were, these pass too: this guards the passing over.)"""
-    n, d, threads, flags = FAR_PATHS[path]
-    kivi_fast.backend()
-    if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
-        pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
-    g = torch.Generator().manual_seed(5)
-    p = torch.randn(n, d, generator=g, dtype=torch.float64)
-    q = torch.randn(n, d, generator=g, dtype=torch.float64)
-    switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
-    cases = [  # (rows of q, rows of p) that get the bad value in column d - 1, the argument named
-        ([0], [], "q_z"), ([], [0], "prior_z"), ([], [n - 1], "prior_z"), ([], [0, n - 1], "prior_z"),
-        ([0], [0, n - 1], "q_z"),
-    ]
-    with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
+    with on_far_path(path) as (n, d):
+        g = torch.Generator().manual_seed(5)
+        p = torch.randn(n, d, generator=g, dtype=torch.float64)
+        q = torch.randn(n, d, generator=g, dtype=torch.float64)
+        cases = [  # (rows of q, rows of p) that get the bad value in column d - 1, the argument named
+            ([0], [], "q_z"), ([], [0], "prior_z"), ([], [n - 1], "prior_z"), ([], [0, n - 1], "prior_z"),
+            ([0], [0, n - 1], "q_z"),
+        ]
         for bad in (float("nan"), float("inf")):
             for q_rows, p_rows, name in cases:
                 pb, qb = p.clone(), q.clone()
