@@ -26,6 +26,14 @@ _LIB_STEM = "_kivi_fast_ops"
 _state: dict = {}
 
 
+def constant_under_compile(fn):
+    """torch.compiler.assume_constant_result(fn) without its import of torch._dynamo (1.1 s, most of
+    what importing kivi_fast would cost beyond torch): the decorator only sets this mark, which dynamo
+    reads when it traces a call (python_tests/test_backend.py checks that the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _library_path(stem: str = _LIB_STEM) -> str | None:
     """The compiled library ``stem`` (the ops, or the tests' CUDA emulation), or None if not built."""
     spec = importlib.util.find_spec("kivi_fast")
@@ -61,7 +69,7 @@ def _load() -> str:
 
 # Under torch.compile the first call may come while dynamo traces the caller: the library's loading
 # (file globbing, dlopen) cannot be traced, so dynamo runs this eagerly and takes its result as a constant.
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def backend() -> str:
     """The implementation in use: ``"cpp"`` (compiled torch ops) or ``"reference"`` (pure PyTorch)."""
     if "name" not in _state:

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _validate
+from ._backend import constant_under_compile
 
 CONTRASTS = ("auto", "diagonal", "full")
 DEFAULT_LAM = 1e-2  # adaptive contrast's default ridge coefficient; see the module docstring
@@ -173,7 +174,7 @@ def resolve_contrast(contrast: str, n: int, d: int) -> str:
 _CUDA_STANDARDIZE: dict = {}
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks it when tracing, and does not trace it
+@constant_under_compile  # torch.compile asks it when tracing, and does not trace it
 def _has_cuda_standardize() -> bool:
     """Whether the compiled library has the contrast's CUDA kernels (csrc/cuda/contrast.cu)."""
     if "built" not in _CUDA_STANDARDIZE:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import kivi_fast
 from kivi_fast import _backend
@@ -45,6 +46,34 @@ print(kivi_fast.backend())
     out = run_python(code, KIVI_FAST_BACKEND=backend)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == backend
+
+
+def test_the_constant_mark_is_torchs_own():
+    """_backend.constant_under_compile marks a function as torch.compiler.assume_constant_result does
+    (the test above shows dynamo honours it on the backend's choice)."""
+    def ours():
+        pass
+
+    def torchs():
+        pass
+
+    _backend.constant_under_compile(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) and vars(ours)
+
+
+def test_importing_and_calling_leaves_dynamo_unimported():
+    """torch._dynamo takes ~1 s to import: the library, the CLI and a first call of each estimator on
+    the CPU do not import it (the CLI's start-up is then torch's own)."""
+    code = """
+import sys, torch, kivi_fast, kivi_fast.cli
+p, q = torch.randn(30, 3), torch.randn(30, 3, requires_grad=True)
+(kivi_fast.kl(p, q) + kivi_fast.kernel_kl(p, q) + kivi_fast.adaptive_contrast_kl(q)).backward()
+print(kivi_fast.backend(), "torch._dynamo" in sys.modules)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["cpp", "False"]
 
 
 def test_bad_environment_variable_is_an_error():
