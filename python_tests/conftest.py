@@ -11,8 +11,17 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that wait for work sleep rather than spin: the suite's worker processes (pytest-xdist,
+# two on the 2-core CI machine) each run torch's default thread count, so a spinning team takes the
+# cores the other worker's threads need. Measured here: test_ops_vs_reference.py and
+# test_precision_and_autograd.py took 74 s spinning, 44 s sleeping (53 s with one thread a worker,
+# which would also leave the kernels' multi-thread paths to the tests that ask for two threads). Set
+# before torch loads libgomp, which reads it once; the workers and the processes that tests start
+# inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 # The implementation fixtures only switch a flag and restore it, so sharing them across the
