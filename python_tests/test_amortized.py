@@ -125,10 +125,17 @@ def test_bad_values_are_usage_errors(bad, tmp_path, capsys):
 
 
 def test_a_diverged_training_ends_with_one_line_naming_lr(tmp_path, capsys):
-    """lr 1 collapses the encoder's samples (a dimension with zero spread): the estimator's ValueError
-    was a traceback; now one line that says training diverged and names --lr."""
-    assert cli.main(["amortized", "--quick", "--methods", "kl", "--lr", "1", "--no-progress",
-                     "--run-dir", str(tmp_path / "r")]) == 1
-    err = capsys.readouterr().err
-    assert "kivi-fast amortized: error: kl lam=0.01, seed 0: training diverged" in err
-    assert "try a smaller --lr" in err and "Traceback" not in err
+    """lr 1 mostly collapses the encoder's samples (a dimension with zero spread), which the estimator
+    refuses: such a run ends with one line that says training diverged and names --lr. Training is
+    chaotic, so four seeds: on an AMD EPYC with torch 2.13, 10 of seeds 0-11 collapsed (all of 0-3)."""
+    diverged = 0
+    for seed in range(4):
+        code = cli.main(["amortized", "--quick", "--methods", "kl", "--lr", "1", "--seed", str(seed),
+                         "--no-progress", "--run-dir", str(tmp_path / str(seed))])
+        err = capsys.readouterr().err
+        assert code in (0, 1) and "Traceback" not in err, err
+        if code == 1:
+            assert f"kivi-fast amortized: error: kl lam=0.01, seed {seed}: training diverged" in err
+            assert "try a smaller --lr" in err
+            diverged += 1
+    assert diverged >= 2

@@ -74,8 +74,9 @@ def train(net: MLPGenerator, reverse: bool, args, generator: torch.Generator, de
         if step % args.log_every == 0 or step == args.steps:
             with torch.no_grad():
                 q_eval = net.sample(args.eval_samples, generator)
-            history.append({"step": step, "kl_estimate": float(loss.detach()),
-                            **distance_to_prior(q_eval, torch.randn(args.eval_samples, 2, generator=generator))})
+            with estimator_refusal_as_run_error(desc, where, updated, failed="the distance to the prior"):
+                distance = distance_to_prior(q_eval, torch.randn(args.eval_samples, 2, generator=generator))
+            history.append({"step": step, "kl_estimate": float(loss.detach()), **distance})
     return history
 
 
@@ -120,7 +121,8 @@ def run(args) -> int:
         timings[name] = time.time() - t0
         with torch.no_grad():
             clouds[name] = net.sample(args.eval_samples, torch.Generator().manual_seed(args.seed + 3))
-        finals[name] = distance_to_prior(clouds[name], torch.randn(args.eval_samples, 2, generator=eval_gen))
+        with estimator_refusal_as_run_error(name, "the end", True, failed="the distance to the prior"):
+            finals[name] = distance_to_prior(clouds[name], torch.randn(args.eval_samples, 2, generator=eval_gen))
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     runs.write_json(out / "metrics.json", {"config": config, "backend": kivi_fast.backend(), "initial": initial,
                                            "final": finals, "history": histories, "timings_s": timings})

@@ -133,13 +133,15 @@ def check_finite_loss(what: str, value: float, epoch: int, step: int, run_dir) -
 
 
 @contextlib.contextmanager
-def estimator_refusal_as_run_error(what: str, where: str, updated: bool, initial: str = ""):
-    """A training step whose KL estimator refuses its samples (NaN/Inf, or all equal in a dimension:
-    the posterior diverged or collapsed) ends the run with one line (:func:`diverged`), not a traceback."""
+def estimator_refusal_as_run_error(what: str, where: str, updated: bool, initial: str = "",
+                                   failed: str = "the KL estimate"):
+    """A training step whose KL estimator (or, naming it in ``failed``, a measurement that uses the
+    library's median bandwidth) refuses its samples (NaN/Inf, or all equal in a dimension: the
+    posterior diverged or collapsed) ends the run with one line (:func:`diverged`), not a traceback."""
     try:
         yield
     except ValueError as err:
-        raise diverged(what, where, f"the KL estimate failed: {err}", updated, initial) from err
+        raise diverged(what, where, f"{failed} failed: {err}", updated, initial) from err
 
 
 def check_loss_is_finite(what: str, value: float, where: str, updated: bool, initial: str = "") -> None:
