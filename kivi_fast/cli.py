@@ -69,9 +69,12 @@ def main(argv=None) -> int:
     from .experiments.options import UsageError
     from .experiments.runs import RunError
 
+    import torch
+
     parser, subparsers = build_parser()
     args = parser.parse_args(argv)
     args._given = given_options(args.command, sys.argv[1:] if argv is None else argv)
+    threads = torch.get_num_threads()  # the commands set their own (runs.begin): a caller gets its back
     try:
         return int(args._run(args) or 0)
     except UsageError as err:
@@ -84,6 +87,9 @@ def main(argv=None) -> int:
         print(f"kivi-fast {args.command}: interrupted; a run resumes from its last checkpoint when rerun",
               file=sys.stderr)
         return 130
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

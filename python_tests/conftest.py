@@ -121,6 +121,17 @@ def compiled(request):
         yield request.param
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Every test leaves torch's thread count as it found it: the trainers set one thread (runs.begin)
+    and tests call them in this process, where the kernels' tests that set no count of their own would
+    otherwise run on one thread or two depending on what ran before them in the same worker."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for a training loop of small tensors, as the experiments run (runs.begin):

@@ -91,6 +91,20 @@ def test_a_diverged_toy_run_ends_with_one_line(tmp_path, capsys):
     assert "kivi-fast toy: error:" in err and "try a smaller --lr" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_command_gives_the_caller_its_thread_count_back(threads, tmp_path, capsys):
+    """The commands run on one torch thread (runs.begin); cli.main called from a Python process gives
+    that process its own count back, also when the run fails."""
+    import torch
+
+    torch.set_num_threads(threads)
+    assert cli.main(["reverse-ablation", "--quick", "--no-progress", "--run-dir", str(tmp_path / "done")]) == 0
+    assert torch.get_num_threads() == threads
+    assert cli.main(["reverse-ablation", "--quick", "--lr", "1000", "--no-progress", "--run-dir",
+                     str(tmp_path / "failed")]) == 1
+    assert torch.get_num_threads() == threads
+
+
 def test_toy_failing_before_any_update_does_not_blame_the_learning_rate(tmp_path, capsys):
     """--s0 1e-300 gives NaN at step 0, before Adam's first update: the message names --s0, not --lr."""
     assert cli.main(["toy", "--quick", "--s0", "1e-300", "--no-progress", "--out", str(tmp_path)]) == 1
