@@ -950,8 +950,9 @@ def test_a_device_without_enough_shared_memory_is_refused():
 
 def test_the_emulation_catches_the_bugs_it_is_for():
     """Kernels with planted bugs (csrc/cuda_emulation/buggy_kernels.cu, translated as csrc/cuda/'s are):
-    a read of a neighbour's shared-memory write without a barrier, and a __shared__ total never set to
-    0, give results that change with the seed (the threads' order, the poison); a barrier the threads
+    a read of a neighbour's shared-memory write without a barrier gives wrong values (the poison's NaN,
+    or what the neighbour held before, as the seed orders the threads), and a __shared__ total never set
+    to 0 sums onto the poison (NaN or a huge value), on every seed; a barrier the threads
     reach at two calls, a shuffle half a warp never reaches, a write past the dynamic shared memory,
     56 KB of shared memory without opting in, a pointer to global memory assumed to point to shared
     memory (kl.cu's assume_shared), a launch from a kernel and a partial warp mask (not emulated) are

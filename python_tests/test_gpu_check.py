@@ -35,6 +35,9 @@ exec "$@"
 """
 
 
+GPU_TOOLS = {"ncu", "compute-sanitizer", "nvidia-smi", "nvcc", "nsys"}
+
+
 def gpu_check(tmp_path, tools=(), **env):
     """Runs gpu_check.sh into tmp_path/out with the stand-ins (and those of `tools`: "ncu"); (exit
     status, output, phases.tsv rows, the fake tools' calls)."""
@@ -45,10 +48,18 @@ def gpu_check(tmp_path, tools=(), **env):
     for name, text in stand_ins.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    # the system's tools without the GPU's (a CUDA toolkit packaged into /usr/bin puts ncu and
+    # compute-sanitizer there): what the script finds is only what the test gives it
+    system = tmp_path / "system_bin"
+    system.mkdir(exist_ok=True)
+    for directory in ("/usr/bin", "/bin"):
+        for entry in os.scandir(directory) if os.path.isdir(directory) else ():
+            if entry.name not in GPU_TOOLS and not os.path.lexists(system / entry.name):
+                os.symlink(entry.path, system / entry.name)
     log = tmp_path / "calls.log"
     out = tmp_path / "out"
     run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)],
-                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "HOME": str(tmp_path),
+                         env={"PATH": f"{bin_dir}:{system}", "FAKE_LOG": str(log), "HOME": str(tmp_path),
                               **env},
                          capture_output=True, text=True, timeout=120)
     phases = [line.split("\t") for line in (out / "phases.tsv").read_text().splitlines()] \

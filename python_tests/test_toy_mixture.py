@@ -11,6 +11,7 @@ import torch
 from kivi_fast.experiments import toy
 
 scipy_stats = pytest.importorskip("scipy.stats")
+scipy_integrate = pytest.importorskip("scipy.integrate")
 
 
 def _args(argv):
@@ -69,13 +70,22 @@ def test_quick_run_writes_the_documented_files(tmp_path, capsys):
     for name, method in results["methods"].items():
         for key in toy.METHOD_KEYS:
             assert key in method, (name, key)
-        assert math.isfinite(method["kl"]) and math.isfinite(method["elbo"])
-        assert method["elbo"] == pytest.approx(-method["kl"])  # the target is normalized
-        assert method["kl"] > -0.05  # a KL (up to estimation error)
+        assert math.isfinite(method["kl"]) and method["kl"] > -0.05  # a KL (up to estimation error)
         assert 0.0 <= method["mass_left"] <= 1.0 and 0.0 <= method["mass_right"] <= 1.0
-        assert method["mass_left"] + method["mass_right"] == pytest.approx(1.0, abs=1e-6)
+    # The Gaussian's KL (Monte Carlo, exact entropy) and its histogram estimate (KIVI's) against
+    # quadrature of q log(q / p) for the fitted mean and std; its mass right of 0 against scipy's.
     gauss = results["methods"]["gaussian_vi"]
-    assert gauss["std"] > 0 and "kl_stderr" in gauss and "kl_histogram" in gauss
+    mean, std = gauss["mean"], gauss["std"]
+    assert std > 0
+
+    def integrand(z):
+        log_q = scipy_stats.norm.logpdf(z, mean, std)
+        return math.exp(log_q) * (log_q - float(toy.target_log_prob(torch.tensor(z, dtype=torch.float64))))
+
+    exact, _ = scipy_integrate.quad(integrand, mean - 12 * std, mean + 12 * std, points=[-3.0, 0.0, 3.0], limit=200)
+    assert abs(gauss["kl"] - exact) < 5 * gauss["kl_stderr"] + 1e-6, (gauss["kl"], exact, gauss["kl_stderr"])
+    assert abs(gauss["kl_histogram"] - exact) < 0.05, (gauss["kl_histogram"], exact)
+    assert gauss["mass_right"] == pytest.approx(scipy_stats.norm.sf(0.0, mean, std), abs=1e-9)
 
     out = capsys.readouterr().out
     assert "KIVI" in out and "Gaussian VI" in out and str(run_dir) in out
