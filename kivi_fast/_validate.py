@@ -12,6 +12,7 @@ import numbers
 import warnings
 
 import torch
+from torch.autograd import forward_ad
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -46,6 +47,7 @@ def entering(fn: str, *samples):
     then its sample tensors with half precision taken as float32 (:func:`upcast_half`), returned in
     order (one alone as itself)."""
     check_no_transforms(fn)
+    check_no_tangents(fn, samples)
     out = tuple(upcast_half(x) for x in samples)
     return out[0] if len(out) == 1 else out
 
@@ -57,6 +59,8 @@ def check_samples(name: str, x) -> None:
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype float32 or float64 (or float16/bfloat16, taken as float32), "
                         f"got {x.dtype}")
+    if x.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense tensor, got layout {x.layout}")
     shape = x.shape
     if len(shape) not in (2, 3):
         raise ValueError(f"{name} must have shape [n, d] or [B, n, d], got shape {tuple(shape)}")
@@ -75,6 +79,19 @@ def check_no_transforms(fn: str) -> None:
             f"kivi_fast.{fn} does not run under torch.func transforms (vmap, grad, jacrev, ...): pass "
             "batched samples [B, n, d] for B estimates in place of vmap, and take gradients with "
             "torch.autograd (loss.backward() or torch.autograd.grad)")
+
+
+def check_no_tangents(fn: str, samples) -> None:
+    """Refuse forward-mode AD (torch.autograd.forward_ad's dual tensors). The compiled ops have no
+    forward-mode formula, so their outputs would carry no tangent, and kl's and adaptive_contrast_kl's
+    would carry only their Gaussian parts': a wrong directional derivative, silently."""
+    if torch.compiler.is_compiling():
+        return
+    for x in samples:
+        if isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent is not None:
+            raise NotImplementedError(
+                f"kivi_fast.{fn} does not take forward-mode AD (dual tensors of torch.autograd.forward_ad): "
+                "its gradient is Eq. 8's, in reverse mode; take it with loss.backward() or torch.autograd.grad")
 
 
 def warn_if_ungraded(name: str, x: torch.Tensor, fn: str) -> None:
@@ -190,6 +207,9 @@ def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.
             raise ValueError(
                 f"bandwidth must be a scalar or have shape [B] = [{rows}], got shape {tuple(bandwidth.shape)}"
             )
+        if bandwidth.device.type == "meta" and like.device.type != "meta":
+            raise ValueError(f"bandwidth must hold values: a tensor on the samples' device ({like.device}) "
+                             "or the CPU, got one on 'meta'")
         sigma = bandwidth.detach().to(device=like.device, dtype=torch.float64).reshape(-1)
         # Checked where reading the values is free (CPU, eagerly; the compiled ops check them again); on
         # a GPU the read would stall every call, and a bandwidth below MIN_BANDWIDTH or not finite gives

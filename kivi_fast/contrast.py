@@ -110,6 +110,7 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
     cov = (1 - r) * cov + r * torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     if q_z.is_cpu:  # (else NaN, as below)
         _validate.check_finite(name, q_z)
+    in_range = variances_in_range(cov.detach().diagonal(dim1=-2, dim2=-1), name)
     chol, info = torch.linalg.cholesky_ex(cov)
     ok = info == 0
     if not shrinks(shrink, n, d):  # (a shrunk covariance is nonsingular by construction)
@@ -130,13 +131,28 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
     # The checks of values here raise on the CPU only: on a GPU reading them back would stall every
     # call (and break CUDA-graph capture), so a bad fit gives NaN for its batch element instead.
     if not chol.is_cpu:
-        chol = torch.where(ok[..., None, None], chol, math.nan)
+        chol = torch.where((ok & in_range)[..., None, None], chol, math.nan)
     elif not bool(ok.all()):
         if fallback:  # (a diagonal that does not factor)
             raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
         raise ValueError(f"{name}'s sample covariance is singular (samples on a lower-dimensional subspace); "
                          'use contrast="diagonal" (or "auto") or more samples')
     return mean, chol, rho
+
+
+def variances_in_range(var: torch.Tensor, name: str) -> torch.Tensor:
+    """Whether each batch element's sample variances [..., d] are 0 (judged by the singularity checks) or
+    between MIN_BANDWIDTH^2 and float64's largest: a variance that overflows made the factorization fail
+    as if the samples lay on a subspace, and one below 1e-300 (a standard deviation below 1e-150, as
+    for the kernels' bandwidth) a finite value with a NaN gradient. Raises on the CPU, naming the
+    cause; [...] elsewhere."""
+    in_range = (var.isfinite() & ((var == 0) | (var >= _validate.MIN_BANDWIDTH**2))).all(-1)
+    if var.is_cpu and not bool(in_range.all()):
+        if not bool(var.isfinite().all()):  # (with finite samples: a sum of squares overflowed, or inf - inf)
+            raise ValueError(f"{name}'s samples are so far apart that their variance overflows float64: rescale them")
+        raise ValueError(f"{name} has a standard deviation below {_validate.MIN_BANDWIDTH:g} in some dimension: "
+                         "samples that small ask to be rescaled")
+    return in_range
 
 
 def whiten(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
@@ -153,6 +169,8 @@ def check_std(std: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
     if bool(std.isnan().any()):
         raise ValueError(f"{name} contains NaN or Inf")
+    if bool(std.isinf().any()):
+        raise ValueError(f"{name}'s samples are so far apart that their variance overflows float64: rescale them")
 
 
 def check_kl_contrast(contrast: str) -> str:

@@ -219,7 +219,7 @@ def median_bandwidth(x: torch.Tensor) -> torch.Tensor:
     x = _validate.entering("median_bandwidth", x)
     _validate.check_samples("x", x)
     _validate.check_min_samples("x", x, 2, "for a median distance")
-    sigma = impl().median_bandwidth(_batched(x)).to(x.dtype)
+    sigma = impl().median_bandwidth(_batched(x.detach())).to(x.dtype)  # (no gradient: none is recorded)
     return sigma if x.dim() == 3 else sigma[0]
 
 
@@ -234,7 +234,7 @@ def rbf_gram(x: torch.Tensor, y: torch.Tensor, sigma) -> torch.Tensor:
     s = _validate.bandwidth_tensor(sigma, batch, x)
     if s is None:
         raise ValueError("rbf_gram needs a numeric bandwidth sigma")
-    gram = impl().rbf_gram(_batched(x), _batched(y), s)
+    gram = impl().rbf_gram(_batched(x.detach()), _batched(y.detach()), s)  # (no gradient: none is recorded)
     return gram if batch is not None else gram[0]
 
 

@@ -220,6 +220,39 @@ def test_torch_func_transforms_are_refused_by_name(impl):
             grad(call, argnums=1)(P, Q)
 
 
+def test_forward_mode_ad_is_refused_by_name(impl):
+    """Dual tensors (torch.autograd.forward_ad): the compiled ops have no forward-mode formula, so
+    kernel_kl's tangent was None and kl's only its Gaussian part's (0.59 against 0.37), silently.
+    Every public function refuses them, naming itself; plain tensors inside a dual level still run."""
+    import torch.autograd.forward_ad as fwAD
+
+    ratio = kivi_fast.DensityRatio().fit(P, Q)
+    calls = {"kl": lambda p, q: kivi_fast.kl(p, q), "kernel_kl": lambda p, q: kivi_fast.kernel_kl(p, q),
+             "adaptive_contrast_kl": lambda p, q: kivi_fast.adaptive_contrast_kl(q),
+             "DensityRatio.fit": lambda p, q: kivi_fast.DensityRatio().fit(p, q),
+             "DensityRatio.ratio": lambda p, q: ratio.ratio(q),
+             "median_bandwidth": lambda p, q: kivi_fast.median_bandwidth(q),
+             "rbf_gram": lambda p, q: kivi_fast.rbf_gram(p, q, 0.7)}
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(Q, torch.ones_like(Q))
+        for name, call in calls.items():
+            with pytest.raises(NotImplementedError, match=f"kivi_fast.{name} does not take forward-mode AD"):
+                call(P, dual)
+        assert torch.isfinite(kivi_fast.kernel_kl(P, Q))
+
+
+def test_the_gram_and_the_median_record_no_gradient(impl):
+    """rbf_gram and median_bandwidth have no gradient (their docstrings): on inputs that require one
+    their results do not, so backward raises, where the compiled ops' results used to claim a
+    gradient and give None."""
+    x = P.clone().requires_grad_()
+    for result in (kivi_fast.rbf_gram(x, Q, 0.7), kivi_fast.median_bandwidth(x)):
+        assert not result.requires_grad and result.grad_fn is None
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            result.sum().backward()
+    torch.testing.assert_close(kivi_fast.rbf_gram(x, Q, 0.7), reference.rbf_gram(P, Q, 0.7), rtol=1e-12, atol=0)
+
+
 def test_density_ratio_errors(impl):
     fit = kivi_fast.DensityRatio(lam=1e-2).fit(P, Q)
     with pytest.raises(ValueError, match="same sample dimension"):
@@ -278,6 +311,57 @@ def test_nan_under_the_full_contrast_is_named_as_nan(impl):
             kl(with_value(Q, (2, 1), float("nan")))
     with pytest.raises(ValueError, match="prior_z contains NaN or Inf"):
         kivi_fast.kl(with_value(P, (2, 1), float("inf")), Q, contrast="full")
+
+
+@pytest.mark.parametrize("contrast", ["auto", "full", "diagonal"])
+def test_the_contrast_is_scale_free_within_float64_and_names_the_scale_outside(impl, contrast):
+    """kl and adaptive_contrast_kl whiten the samples first, so scaling p and q (and the prior's
+    density) by s leaves the estimate as it is and scales the gradient by 1 / s, from 1e-148 to 1e153.
+    Past that a sample variance overflows float64 (1e154: a NaN estimate, or a Cholesky failure
+    reported as a singular covariance or a zero standard deviation) or, with a full covariance, is
+    not a normal float64 (1e-152: a finite value with a NaN gradient): both now raise, naming q_z."""
+    p = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    q = torch.randn(35, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 0.8 + 0.3
+
+    def estimates(scale):
+        log_prior = lambda z: -0.5 * (z / scale).pow(2).sum(-1) - 5 * math.log(scale * math.sqrt(2 * math.pi))
+        out = []
+        for kl in (lambda x: kivi_fast.kl(p * scale, x, contrast=contrast, generator=torch.Generator().manual_seed(3)),
+                   lambda x: kivi_fast.adaptive_contrast_kl(x, log_prior, contrast=contrast,
+                                                            generator=torch.Generator().manual_seed(3))):
+            x = (q * scale).requires_grad_()
+            value = kl(x)
+            (grad,) = torch.autograd.grad(value, x)
+            out.append((value, grad * scale))
+        return out
+
+    for (v1, g1), (vs, gs) in [pair for scale in (1e153, 1e-148) for pair in zip(estimates(1.0), estimates(scale))]:
+        torch.testing.assert_close(vs, v1, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(gs, g1, rtol=1e-7, atol=1e-9)
+    with pytest.raises(ValueError, match="q_z's samples are so far apart that their variance overflows float64"):
+        estimates(1e154)
+    if contrast == "diagonal":
+        assert all(torch.isfinite(g).all() for _, g in estimates(1e-152))
+    else:
+        with pytest.raises(ValueError, match="q_z has a standard deviation below 1e-150 in some dimension"):
+            estimates(1e-152)
+
+
+def test_sparse_samples_and_a_bandwidth_on_meta_are_named(impl):
+    """Sparse samples reached the contrast's ATen calls (kl, adaptive_contrast_kl: the dispatcher's
+    'Could not run aten::mean.dim'), and a bandwidth tensor on 'meta' a copy out of it: both are named."""
+    calls = {"kl": lambda x: kivi_fast.kl(P, x), "kernel_kl": lambda x: kivi_fast.kernel_kl(P, x),
+             "adaptive_contrast_kl": lambda x: kivi_fast.adaptive_contrast_kl(x),
+             "DensityRatio": lambda x: kivi_fast.DensityRatio().fit(P, x),
+             "median_bandwidth": lambda x: kivi_fast.median_bandwidth(x)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="must be a dense tensor, got layout torch.sparse_coo"):
+            call(Q.to_sparse())
+    meta = torch.tensor(0.7, device="meta")
+    for call in (lambda: kivi_fast.kernel_kl(P, Q, bandwidth=meta), lambda: kivi_fast.kl(P, Q, bandwidth=meta),
+                 lambda: kivi_fast.DensityRatio(bandwidth=meta).fit(P, Q), lambda: kivi_fast.rbf_gram(P, Q, meta)):
+        with pytest.raises(ValueError, match="bandwidth must hold values: .* got one on 'meta'"):
+            call()
 
 
 def test_primitives_reject_nan(impl):
