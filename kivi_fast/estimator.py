@@ -144,6 +144,8 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
     _validate.warn_if_ungraded("prior_z", prior_z, "kl")
     if check_kl_contrast(contrast) == "none":
         return _fixed_ratio_kl(prior_z, q_z, lam, clip, sigma, reverse)
+    if q_z.numel() == 0:  # (an empty batch: the moments' reductions would warn about it)
+        return q_z.sum((-2, -1))
     return sample_contrast_kl(prior_z, q_z, lam, contrast=contrast, clip=clip, bandwidth=bandwidth, reverse=reverse,
                               generator=generator, kernel_kl=kernel_kl, density_ratio=DensityRatio,
                               sample_eps=sample_eps)
@@ -257,4 +259,7 @@ def adaptive_contrast_kl(q_z, log_prior=None, lam: float = DEFAULT_LAM, **kwargs
     q_z = _validate.entering("adaptive_contrast_kl", q_z)
     if "reference_z" in kwargs:
         kwargs["reference_z"] = _validate.upcast_half(kwargs["reference_z"])
+    if isinstance(q_z, torch.Tensor) and q_z.dim() == 3 and q_z.numel() == 0:
+        _validate.check_samples("q_z", q_z)  # (an empty batch: the moments' reductions would warn about it)
+        return q_z.sum((-2, -1))
     return _adaptive_contrast_kl(q_z, log_prior, lam, kl_fn=kernel_kl, sample_eps=sample_eps, **kwargs)

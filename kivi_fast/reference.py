@@ -15,6 +15,8 @@ float64 functions take batched, validated tensors and are what the reference bac
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _validate
@@ -34,12 +36,34 @@ def _gram64(x: torch.Tensor, y: torch.Tensor, sigma: torch.Tensor) -> torch.Tens
     return torch.exp(-_sqdist(x, y) / (2 * sigma**2))
 
 
+# the compiled ops' message (csrc/kivi.h, kNotFiniteMessage)
+_NOT_FINITE = " contains NaN or Inf (or points so far apart that their squared distances overflow float64)"
+
+
+def _check_spread(*named: tuple[str, torch.Tensor]) -> None:
+    """Finite squared distances within each named set of (finite) samples [B, n, d], in turn."""
+    for name, x in named:
+        x64 = x.detach().double()
+        if x64.numel() == 0:
+            continue
+        largest = float(x64.abs().amax())
+        if math.isfinite(4.0 * x64.shape[-1] * largest * largest):
+            continue  # (no squared distance exceeds d (2 max |x|)^2)
+        if not bool(torch.isfinite(_sqdist(x64, x64)).all()):
+            raise ValueError(name + _NOT_FINITE)
+
+
 def _median64(x: torch.Tensor) -> torch.Tensor:
     """Median distance over the distinct pairs of rows, float64: [..., n, d] -> [...]."""
     x64 = x.detach().double()
     n = x.shape[-2]
+    if x64.shape[:-2].numel() == 0:  # (quantile refuses an empty batch)
+        return x64.new_empty(x64.shape[:-2])
     rows, cols = torch.triu_indices(n, n, offset=1, device=x.device)
-    sigma = torch.quantile(_sqdist(x64, x64)[..., rows, cols].sqrt(), 0.5, dim=-1)
+    squared = _sqdist(x64, x64)[..., rows, cols]
+    if not bool(torch.isfinite(squared).all()):
+        raise ValueError("x" + _NOT_FINITE)
+    sigma = torch.quantile(squared.sqrt(), 0.5, dim=-1)
     if bool((sigma == 0).any()):
         raise ValueError(
             "the median pairwise distance of the samples is 0 (at least half of the pairs coincide, or their "
@@ -52,6 +76,7 @@ def _fit64(num: torch.Tensor, den: torch.Tensor, lam: float, sigma: torch.Tensor
     """(alpha [B, n_den], sigma [B]) of the fit of num / den; batched samples, sigma None: the median."""
     _validate.check_finite("numer", num)
     _validate.check_finite("denom", den)
+    _check_spread(("denom", den), ("numer", num), ("denom", torch.cat([den, num], dim=1)))
     num, den = num.double(), den.double()
     if sigma is None:
         sigma = _median64(torch.cat([den, num], dim=1))
@@ -79,6 +104,7 @@ def _kl_and_clipped(prior_z, q_z, lam: float, clip: float, sigma, reverse: bool)
     """(KL estimate [B], fraction of q_z's ratios clipped [B]) on batched, validated samples."""
     _validate.check_finite("prior_z", prior_z)
     _validate.check_finite("q_z", q_z)
+    _check_spread(("q_z", q_z), ("prior_z", prior_z), ("q_z", torch.cat([q_z, prior_z], dim=1)))
     num, den = (prior_z, q_z) if reverse else (q_z, prior_z)
     alpha, sigma = _fit64(num.detach(), den.detach(), lam, sigma)
     r = _ratio64(q_z, num.detach(), den.detach(), alpha, 1.0 / (lam * num.shape[1]), sigma)

@@ -364,6 +364,36 @@ def test_sparse_samples_and_a_bandwidth_on_meta_are_named(impl):
             call()
 
 
+def test_an_empty_batch_gives_empty_results(impl):
+    """B = 0 gives [0]-shaped results on every implementation, without warnings (the reference's
+    quantile refused it; the contrast's moments warned of zero degrees of freedom)."""
+    p, q = torch.empty(0, 5, 3, dtype=torch.float64), torch.empty(0, 4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = [kivi_fast.kernel_kl(p, q), kivi_fast.kl(p, q), kivi_fast.kl(p, q, contrast="diagonal"),
+                   kivi_fast.adaptive_contrast_kl(q), kivi_fast.median_bandwidth(p), kivi_fast.DensityRatio().fit(p, q).sigma]
+    for result in results:
+        assert result.shape == (0,) and result.dtype == torch.float64
+    assert kivi_fast.DensityRatio().fit(p, q).alpha.shape == (0, 4)
+
+
+def test_points_whose_squared_distances_overflow_are_named(impl):
+    """Finite samples 1e155 apart: each implementation names a set whose distances overflow (the
+    reference gave NaN for the median and 'not positive definite' for the fit). Where only the
+    distances between the two sets overflow, either may be named (the compiled ops name the one far
+    from the Gram's centre)."""
+    message = " contains NaN or Inf \\(or points so far apart that their squared distances overflow float64\\)"
+    cases = [(lambda: kivi_fast.kernel_kl(P * 1e155, Q), "(prior_z|q_z)"),
+             (lambda: kivi_fast.kernel_kl(P, Q * 1e155), "q_z"),
+             (lambda: kivi_fast.kernel_kl(P, Q * 1e155, bandwidth=1.0), "q_z"),
+             (lambda: kivi_fast.median_bandwidth(P * 1e155), "x"),
+             (lambda: kivi_fast.DensityRatio().fit(P, Q * 1e155), "denom")]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=f"^{name}{message}"):
+            call()
+    torch.testing.assert_close(kivi_fast.kernel_kl(P * 1e153, Q * 1e153), kivi_fast.kernel_kl(P, Q), rtol=1e-9, atol=0)
+
+
 def test_primitives_reject_nan(impl):
     bad = with_value(P, (3, 1), float("nan"))
     with pytest.raises(ValueError, match="x contains NaN or Inf"):
