@@ -2,14 +2,20 @@
 ``kivi-fast <command> --help`` gives each option with its default).
 
 Bad arguments are usage errors (exit status 2); a run that cannot go on for a reason the message
-names (missing data, an unusable checkpoint) exits with status 1, without a traceback.
+names (missing data, an unusable checkpoint, a folder it cannot write) exits with status 1, without a
+traceback. So does an error that no check foresaw, in one line naming its type
+(KIVI_FAST_TRACEBACK=1 gives its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# set to 1 for the traceback of an error that no check foresaw (else one line, as for the others)
+TRACEBACK_ENV = "KIVI_FAST_TRACEBACK"
 
 # subcommand -> one-line help; each is the module kivi_fast.experiments.<name with - as _>
 COMMANDS = {
@@ -71,10 +77,17 @@ def main(argv=None) -> int:
 
     import torch
 
+    import kivi_fast
+
     parser, subparsers = build_parser()
     args = parser.parse_args(argv)
     args._given = given_options(args.command, sys.argv[1:] if argv is None else argv)
     threads = torch.get_num_threads()  # the commands set their own (runs.begin): a caller gets its back
+    try:
+        kivi_fast.backend()
+    except ValueError as err:  # (a bad KIVI_FAST_BACKEND)
+        print(f"kivi-fast {args.command}: error: {err}", file=sys.stderr)
+        return 1
     try:
         return int(args._run(args) or 0)
     except UsageError as err:
@@ -87,6 +100,17 @@ def main(argv=None) -> int:
         print(f"kivi-fast {args.command}: interrupted; a run resumes from its last checkpoint when rerun",
               file=sys.stderr)
         return 130
+    except OSError as err:  # a folder or file the run cannot read or write (permissions, a file in the way, a full disk)
+        where = f": {err.filename}" if err.filename else ""
+        print(f"kivi-fast {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+    except Exception as err:  # what no check foresaw (a size this machine cannot hold, damaged run files)
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        first = (str(err).strip().splitlines() or [""])[0]
+        print(f"kivi-fast {args.command}: error: {type(err).__name__}: {first} (unforeseen; {TRACEBACK_ENV}=1 "
+              "shows where)", file=sys.stderr)
+        return 1
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

@@ -1,6 +1,7 @@
 """The command line: every subcommand documents its options with their defaults, has --quick and
 --no-progress, and turns bad values into usage errors (exit status 2, the usage, no traceback)."""
 
+import os
 import subprocess
 import sys
 
@@ -103,6 +104,34 @@ def test_a_command_gives_the_caller_its_thread_count_back(threads, tmp_path, cap
     assert cli.main(["reverse-ablation", "--quick", "--lr", "1000", "--no-progress", "--run-dir",
                      str(tmp_path / "failed")]) == 1
     assert torch.get_num_threads() == threads
+
+
+def test_a_file_in_the_way_or_an_unforeseen_error_is_one_line(tmp_path, capsys, monkeypatch):
+    """An OSError (a folder where the run writes a file; also a read-only folder, a full disk) names
+    its file; an error no check foresaw names its type, in one line, and KIVI_FAST_TRACEBACK=1 shows
+    its traceback; a bad KIVI_FAST_BACKEND is named before the command runs."""
+    from kivi_fast.experiments import toy
+
+    (tmp_path / "run" / "results.json.tmp").mkdir(parents=True)
+    assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert f"kivi-fast toy: error: Is a directory: {tmp_path / 'run' / 'results.json.tmp'}" in err
+
+    def damaged(args):
+        raise KeyError("final")
+
+    monkeypatch.setattr(toy, "run", damaged)
+    assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(tmp_path / "r2")]) == 1
+    assert capsys.readouterr().err.strip() == ("kivi-fast toy: error: KeyError: 'final' (unforeseen; "
+                                               "KIVI_FAST_TRACEBACK=1 shows where)")
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(KeyError, match="final"):
+        cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(tmp_path / "r3")])
+    out = subprocess.run([sys.executable, "-m", "kivi_fast.cli", "toy", "--quick", "--no-progress", "--run-dir",
+                          str(tmp_path / "r4")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KIVI_FAST_BACKEND": "fortran"})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith('kivi-fast toy: error: KIVI_FAST_BACKEND must be "cpp" or "reference"')
 
 
 def test_toy_failing_before_any_update_does_not_blame_the_learning_rate(tmp_path, capsys):
