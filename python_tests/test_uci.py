@@ -207,6 +207,7 @@ def _data_copy(root: pathlib.Path, name: str = "boston") -> pathlib.Path:
     ("index_target.txt", "1.5\n", "index_target.txt holds an index"),
     ("n_splits.txt", "0\n", "says 0 splits"),
     ("n_splits.txt", "2.5\n", "says 2.5 splits, not a positive whole number"),
+    ("n_splits.txt", "nan\n", "says nan splits, not a positive whole number"),
 ])
 def test_a_damaged_uci_folder_is_one_line_naming_the_file(tmp_path, capsys, file, content, expected):
     from kivi_fast import cli
@@ -222,6 +223,27 @@ def test_a_damaged_uci_folder_is_one_line_naming_the_file(tmp_path, capsys, file
                      "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 1 and expected in err and "Traceback" not in err, err
+
+
+def test_a_uci_file_that_differs_from_its_checksum_is_named(tmp_path, capsys):
+    """Beside data/UCI_Datasets/SHA256SUMS a split's index file cut to its first 30 lines (still valid
+    indices: it trained on a tenth of the split, silently) is refused, naming the file; the intact
+    files with the same list load."""
+    from kivi_fast import cli
+
+    folder = tmp_path / datasets.DATASETS["yacht"].folder / "data"
+    folder.mkdir(parents=True)
+    for f in (CHECKOUT_DATA / datasets.DATASETS["yacht"].folder / "data").iterdir():
+        (folder / f.name).symlink_to(f)
+    (tmp_path / datasets.CHECKSUMS).write_text((CHECKOUT_DATA / datasets.CHECKSUMS).read_text())
+    assert datasets.load_split("yacht", 0, tmp_path).x_train.shape[0] > 200
+    lines = (folder / "index_train_0.txt").read_text().splitlines()[:30]
+    (folder / "index_train_0.txt").unlink()
+    (folder / "index_train_0.txt").write_text("\n".join(lines) + "\n")
+    code = cli.main(["uci", "--quick", "--dataset", "yacht", "--no-progress", "--data-dir", str(tmp_path),
+                     "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and "index_train_0.txt does not match its SHA-256" in err and "Traceback" not in err, err
 
 
 def test_data_dir_option_and_environment_variable(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ checkout, so it needs one of the first two.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +93,37 @@ def _folder(name: str, data_dir: str | os.PathLike | None) -> Path:
         "of the kivi_fast source repository; its README.md says where the files come from)")
 
 
+CHECKSUMS = "SHA256SUMS"  # beside the sets' folders: "<digest>  <folder>/data/<file>" per line
+_CHECKED: dict = {}  # path -> (size, mtime_ns) of the files found intact in this process
+
+
+def _check_digest(path: Path) -> None:
+    """A file of a set whose folder sits beside a SHA256SUMS that lists it must match its digest: a
+    truncated split index, say, is still a table of numbers and would train on a subset, silently."""
+    root = path.parents[2] if len(path.parents) > 2 else None
+    if root is None or not (root / CHECKSUMS).is_file():
+        return  # (a user's own copy without the list: nothing to check against)
+    try:
+        stat = path.stat()
+    except OSError:
+        return  # (missing: _table names it)
+    if _CHECKED.get(path) == (stat.st_size, stat.st_mtime_ns):
+        return
+    relative = path.relative_to(root).as_posix()
+    for line in (root / CHECKSUMS).read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if name.strip() == relative:
+            if hashlib.sha256(path.read_bytes()).hexdigest() != digest.strip():
+                raise DataNotFoundError(f"{path} does not match its SHA-256 in {root / CHECKSUMS} (damaged or "
+                                        "changed); copy the data set's folder again (data/UCI_Datasets/README.md)")
+            break
+    _CHECKED[path] = (stat.st_size, stat.st_mtime_ns)
+
+
 def _table(path: Path) -> np.ndarray:
-    """A whitespace-separated table of numbers; a missing or damaged file is a DataNotFoundError naming it."""
+    """A whitespace-separated table of numbers; a missing or damaged file (one that does not match the
+    checksum list beside the sets, where there is one) is a DataNotFoundError naming it."""
+    _check_digest(path)
     try:
         table = np.loadtxt(path, ndmin=1)
     except (OSError, ValueError) as err:
@@ -116,7 +146,7 @@ def _indices(path: Path, bound: int) -> np.ndarray:
 def n_splits(name: str, data_dir=None) -> int:
     path = _folder(name, data_dir) / "n_splits.txt"
     count = _table(path).reshape(-1)[0]
-    if count != round(count) or count < 1:
+    if not np.isfinite(count) or count != round(count) or count < 1:
         raise DataNotFoundError(f"{path} says {count:g} splits, not a positive whole number; copy the data set's "
                                 "folder again (data/UCI_Datasets/README.md)")
     return int(count)
