@@ -177,3 +177,13 @@ def test_derived_seeds_fit_torch_for_every_seed():
                                        (3 * 1_000_003 + 2 * 7_919) * 10_007 + 5_003 + 40 * 1_013 + 80)
     for value in ga._seeds(2**32 - 1, 9, 200, 800):
         torch.Generator().manual_seed(value)
+
+
+def test_every_case_has_a_gradient_to_compare_with_in_one_dimension_too():
+    """The relative errors divide by the true gradient's norm: in d = 1 the corr family's s = 1 case is
+    the prior itself (a zero gradient: `--dims 1` ended in a ZeroDivisionError), so corr starts at d = 2."""
+    cases = ga.make_cases(list(ga.CASE_FAMILIES), [1, 2], 20.0, 0, seed=0)
+    gaussians = [c for c in cases if isinstance(c, ga.GaussianCase)]
+    assert all(sum(float(g.norm()) for g in ga.gaussian_kl_grad(c.m, c.L)) > 0 for c in gaussians)
+    assert {c.d for c in cases if c.family == "corr"} == {2}
+    assert {c.d for c in cases if c.family == "iso"} == {1, 2}

@@ -208,12 +208,17 @@ def test_a_diverged_run_ends_in_one_line_and_keeps_the_last_good_checkpoint(meth
 
 
 def test_a_finished_run_is_not_retrained_and_not_continued_past_epochs(tmp_path, one_thread):
-    """Rerunning a finished run returns its results (results.json untouched); asking for fewer epochs
-    than it trained is refused (results.json said 3 epochs and config.json 2)."""
+    """Rerunning a finished run returns its results (results.json untouched); continuing it to more
+    epochs removes them until it finishes; asking for fewer epochs than it trained is refused
+    (results.json said 3 epochs and config.json 2)."""
     first = vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)
     written = (tmp_path / "results.json").stat().st_mtime_ns
     assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path) == first
     assert (tmp_path / "results.json").stat().st_mtime_ns == written
+    # continued to more epochs and stopped before them: no longer finished, so no results.json (the
+    # reports took the 1-epoch results for the extended run's)
+    assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=2), tmp_path, max_steps=1) is None
+    assert not (tmp_path / "results.json").exists()
     assert vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=2), tmp_path)["epochs"] == 2  # continued
     with pytest.raises(runs.RunError, match="has trained 2 epochs, more than --epochs 1"):
         vae_cmd.train(vae_args(tmp_path, method="gaussian", epochs=1), tmp_path)

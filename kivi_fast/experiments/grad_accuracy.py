@@ -108,7 +108,7 @@ BLR_COV = ((0.02857, -0.02035), (-0.02035, 0.02080))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=random_seed, default=0, help="random seed")
     parser.add_argument("--dims", type=positive_int, nargs="+", default=[2, 8, 32, 128],
-                        help="dimensions d of the shift, iso, corr and flow cases (blr is 2-D)")
+                        help="dimensions d of the shift, iso, corr and flow cases (blr is 2-D; corr needs d >= 2)")
     parser.add_argument("--cases", choices=CASE_FAMILIES, nargs="+", default=list(CASE_FAMILIES),
                         help="case families to run")
     parser.add_argument("--reps", type=int_at_least(2), default=40,
@@ -261,7 +261,7 @@ def make_cases(families, dims, condition: float, truth_samples: int, seed: int) 
                                           torch.full((d,), 1.5 / math.sqrt(d)), torch.eye(d)))
             elif family == "iso":
                 cases += [GaussianCase(f"iso s={s:g}", family, s, torch.zeros(d), s * torch.eye(d)) for s in ISO_SCALES]
-            elif family == "corr":
+            elif family == "corr" and d >= 2:  # (in one dimension corr s=1 is the prior: no gradient to compare)
                 chol = torch.linalg.cholesky(random_correlation(d, condition, seed=10_000 + d))
                 cases += [GaussianCase(f"corr s={s:g}", family, s, torch.zeros(d), s * chol) for s in CORR_SCALES]
             elif family == "flow":

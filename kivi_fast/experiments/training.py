@@ -241,13 +241,17 @@ def restore(path, config: dict, model, optimizer, data_rng: torch.Generator, ext
 def finished_run(run_dir, epoch: int, epochs: int) -> dict | None:
     """A resumed run's position against ``--epochs``: past it is refused (continuing would not give a
     run of ``epochs``, and the results would mix the two); at it, with results.json written, the run is
-    finished and that is its result (not retrained, re-timed or redrawn); otherwise None: train on."""
+    finished and that is its result (not retrained, re-timed or redrawn); otherwise None: train on (and
+    a results.json of the run's earlier --epochs is removed)."""
     if epoch > epochs:
         raise runs.RunError(f"{Path(run_dir) / 'checkpoint.pt'} has trained {epoch} epochs, more than --epochs "
                             f"{epochs}: pass --epochs {epoch} or more to continue it, or use another --run-dir")
     results = Path(run_dir) / "results.json"
     if epoch == epochs and results.exists():
         return runs.read_json(results)
+    # A finished run continued to more --epochs is no longer finished: its results.json (of fewer epochs)
+    # goes, so that the reports do not take it for this run's until it is written again at the end.
+    results.unlink(missing_ok=True)
     return None
 
 
