@@ -372,6 +372,11 @@ def test_the_command_lines_write_their_files(tmp_path, capsys):
     out = json.loads((tmp_path / "ais.json").read_text())
     assert out["settings"]["steps"] == 20 and -800 < out["ais_log_likelihood"] < 0
     assert "AIS test log-likelihood" in capsys.readouterr().out
+    # a mistyped second folder is named before any AIS runs (the first's ais.json is not rewritten)
+    written = (tmp_path / "ais.json").stat().st_mtime_ns
+    assert cli.main(["vae-ais", "--quick", "--no-progress", str(tmp_path), str(tmp_path / "typo")]) == 1
+    assert "not a kivi-fast vae run folder" in capsys.readouterr().err
+    assert (tmp_path / "ais.json").stat().st_mtime_ns == written
     # a second method, then the report: one figure, summary.json, the paired AIS difference
     other = tmp_path / "gaussian"
     assert cli.main(["vae", "--quick", "--method", "gaussian", "--no-progress", "--run-dir", str(other)]) == 0

@@ -108,9 +108,10 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     device = device_of(args.device)
     x_train, _, x_test = load_binarized_mnist(args.data_dir)
-    for folder in args.runs:
-        run_dir = Path(folder)
-        model, config, epoch = load_model(run_dir, device)
+    # every folder loaded before the first AIS: a mistyped second folder is named at once, not after
+    # the first folder's AIS (minutes at the default settings)
+    loaded = [(Path(folder), *load_model(Path(folder), device)) for folder in args.runs]
+    for run_dir, model, config, epoch in loaded:
         pool = x_test if args.split == "test" else x_train[:config["train_images"]]
         if args.images > pool.shape[0]:
             raise UsageError(f"--images: the {args.split} images number {pool.shape[0]}, got {args.images}")
