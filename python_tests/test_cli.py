@@ -134,6 +134,21 @@ def test_a_file_in_the_way_or_an_unforeseen_error_is_one_line(tmp_path, capsys, 
     assert out.stderr.strip().startswith('kivi-fast toy: error: KIVI_FAST_BACKEND must be "cpp" or "reference"')
 
 
+def test_a_folder_of_another_kind_of_run_is_refused(tmp_path, capsys):
+    """toy into a folder that holds another command's run wrote over its results.json (a vae run's
+    rerun then failed on it): the folder says what it holds, another kind of run is a usage error, the
+    same kind goes on in it."""
+    run = tmp_path / "run"
+    assert cli.main(["reverse-ablation", "--quick", "--no-progress", "--run-dir", str(run)]) == 0
+    before = (run / "metrics.json").read_bytes()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(run)])
+    assert exit_.value.code == 2
+    assert f"--run-dir: {run} holds a reverse-ablation run, not a toy one" in capsys.readouterr().err
+    assert not (run / "results.json").exists() and (run / "metrics.json").read_bytes() == before
+    assert cli.main(["reverse-ablation", "--quick", "--no-progress", "--run-dir", str(run)]) == 0
+
+
 def test_toy_failing_before_any_update_does_not_blame_the_learning_rate(tmp_path, capsys):
     """--s0 1e-300 gives NaN at step 0, before Adam's first update: the message names --s0, not --lr."""
     assert cli.main(["toy", "--quick", "--s0", "1e-300", "--no-progress", "--out", str(tmp_path)]) == 1

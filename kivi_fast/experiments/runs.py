@@ -36,10 +36,24 @@ def begin(args, name: str, quick: dict) -> Path:
     return run_folder(args.out, name, args.run_dir)
 
 
+RUN_MARKER = ".kivi-fast-run"  # in each run folder: the kind of run it holds (run_folder's name)
+
+
 def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) -> Path:
-    """``explicit`` if given (reused, so a run can resume), else ``root/name-YYYYmmdd-HHMMSS``."""
+    """``explicit`` if given (reused, so a run can resume), else ``root/name-YYYYmmdd-HHMMSS``. A folder
+    that holds another kind of run (its RUN_MARKER names another ``name``: another command, or another
+    data set or method of uci) is refused: the two would write over each other's files."""
+    from .options import UsageError
+
     path = Path(explicit) if explicit else Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     make_folder(path, "--run-dir" if explicit else "--out")
+    marker = path / RUN_MARKER
+    if marker.is_file():
+        held = marker.read_text(errors="replace").strip()
+        if held != name:
+            raise UsageError(f"--run-dir: {path} holds a {held} run, not a {name} one: use another folder")
+    else:
+        marker.write_text(name + "\n")
     return path
 
 
