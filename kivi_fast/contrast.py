@@ -519,5 +519,9 @@ def adaptive_contrast_kl(
                 f"log_prior must map samples of shape {tuple(q_z.shape)} to shape {tuple(q_z.shape[:-1])}, "
                 f"got {tuple(log_p.shape)}"
             )
+        # (checked on the CPU only, as the other values: on a GPU a NaN gives the estimate NaN)
+        if log_p.is_cpu and not torch.compiler.is_compiling() and not bool(torch.isfinite(log_p.detach()).all()):
+            raise ValueError("log_prior returned NaN or Inf at some of q_z's samples (a density of 0 there, or "
+                             "a prior's parameters that are not finite)")
         gaussian_part = gaussian_part - log_p.double().mean(-1)
     return (kl_whitened + gaussian_part).to(q_z.dtype)

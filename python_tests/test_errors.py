@@ -298,6 +298,11 @@ def test_adaptive_contrast_errors(impl):
     for returned in (lambda z: 1.0, lambda z: torch.ones(z.shape[:-1], dtype=torch.bool)):
         with pytest.raises(TypeError, match="log_prior must return a floating-point tensor on q_z's device"):
             kivi_fast.adaptive_contrast_kl(Q, returned)
+    for value in (float("nan"), -float("inf")):  # (was a NaN or an infinite estimate, silently)
+        with pytest.raises(ValueError, match="log_prior returned NaN or Inf at some of q_z's samples"):
+            kivi_fast.adaptive_contrast_kl(Q, lambda z: with_value(-z.pow(2).sum(-1), (3,), value))
+    with pytest.raises(TypeError, match="reverse must be a Python bool \\(True or False\\), got numpy.bool"):
+        kivi_fast.kernel_kl(P, Q, reverse=__import__("numpy").bool_(True))
     with pytest.raises(TypeError, match="generator must be a torch.Generator, got int"):
         kivi_fast.adaptive_contrast_kl(Q, generator=3)
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
