@@ -675,6 +675,25 @@ def test_batch_splits_pooled_by_the_report_equal_one_sequential_run(tmp_path):
     assert cli.main(["uci-batch", "yacht:kivi:0-1", "--out", str(tmp_path / "batch")]) == 1
 
 
+def test_report_names_folders_it_cannot_use(tmp_path, capsys):
+    """A mistyped run folder, folders none of which holds a finished split, and a --results of another
+    report end the report with one line, exit 1, writing nothing (it used to skip them with exit 0)."""
+    from kivi_fast import cli
+
+    results, empty = tmp_path / "results", tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["uci-report", str(tmp_path / "typo"), "--results", str(results)]) == 1
+    assert f"{tmp_path / 'typo'}: no such folder" in capsys.readouterr().err and not results.exists()
+    assert cli.main(["uci-report", str(empty), "--results", str(results)]) == 1
+    assert "none of the 1 folders holds a finished uci split: nothing exported" in capsys.readouterr().err
+    vae_results = tmp_path / "vae_results"
+    vae_results.mkdir()
+    (vae_results / "summary.json").write_text('{"methods": {}}')
+    assert cli.main(["uci-report", "--results", str(vae_results)]) == 1
+    assert "--results holds another report's results" in capsys.readouterr().err
+    assert sorted(p.name for p in vae_results.iterdir()) == ["summary.json"]
+
+
 def test_report_merge_keeps_exported_splits_and_refuses_other_settings(tmp_path, monkeypatch, capsys):
     from kivi_fast import cli
 

@@ -20,9 +20,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import datasets, runs
+from . import datasets, regression, runs
 from .options import add_common, plural
-from .regression import METHODS, PAPER_RESULTS, RESUME_KEYS, plot_training, split_statistics
+from .regression import METHODS, PAPER_RESULTS, RESUME_KEYS, split_statistics
 
 DATASET_ORDER = tuple(PAPER_RESULTS)
 PAPER_METHODS = ("KIVI", "SVGD", "Dropout", "Factorized", "HMC")
@@ -76,7 +76,7 @@ def _plot(splits: list[dict], path: Path, title: str) -> None:
         results.append({"split": s["split"], "history": {
             "epoch": h["eval_epoch"] if has_elbo else [], "elbo": h["elbo"] if has_elbo else [],
             "eval_epoch": h["eval_epoch"], "rmse": h["rmse"], "test_ll": h["test_ll"]}})
-    plot_training(results, path, title)
+    regression.plot_training(results, path, title)  # (looked up here: tests replace it)
 
 
 def pool_runs(run_dirs: list[Path], results_root: Path, merge: bool = False) -> dict | None:
@@ -287,6 +287,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     root = Path(args.results)
     _summaries(root)  # a --results holding other results: stop before writing into it (or making it)
+    if (root / "summary.json").exists():  # (vae-report's and mnist-report's folders hold one at the top)
+        raise runs.RunError(f"{root / 'summary.json'}: --results holds another report's results; use the folder of "
+                            "uci results")
+    for run_dir in map(Path, args.run_dirs):  # a mistyped folder: named before anything is written
+        if not run_dir.is_dir():
+            raise runs.RunError(f"{run_dir}: no such folder")
     runs.make_folder(root, "--results")
     groups: dict[str, list[Path]] = {}
     for run_dir in map(Path, args.run_dirs):
@@ -298,6 +304,8 @@ def run(args) -> int:
             print(f"{run_dir}: not a kivi-fast uci run folder (its summary.json names no data set), skipped")
             continue
         groups.setdefault(result_name(summary), []).append(run_dir)
+    if args.run_dirs and not groups:
+        raise runs.RunError(f"none of the {len(args.run_dirs)} folders holds a finished uci split: nothing exported")
     pooled = {}
     for name, dirs in groups.items():  # check every group before writing any
         try:
