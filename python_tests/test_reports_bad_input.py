@@ -71,10 +71,12 @@ def test_uci_report_names_a_damaged_file(tmp_path, capsys, name, text, message):
 
 def test_uci_report_skips_a_folder_of_another_command(tmp_path, capsys):
     """results/vae or results/mnist: a summary.json without a data set; skipped with a message, as a folder
-    with no finished split is."""
+    with no finished split is (beside finished ones: test_uci.py); given alone, nothing is exported and
+    the report says so, exit 1."""
     other = uci_run(tmp_path / "vae", summary={"methods": {}, "paper_ais_test_ll": {}})
-    assert cli.main(["uci-report", "--quick", str(other), "--results", str(tmp_path / "results")]) == 0
-    assert f"{other}: not a kivi-fast uci run folder" in capsys.readouterr().out
+    assert cli.main(["uci-report", "--quick", str(other), "--results", str(tmp_path / "results")]) == 1
+    out, err = capsys.readouterr()
+    assert f"{other}: not a kivi-fast uci run folder" in out and "nothing exported" in err
     assert not list((tmp_path / "results").glob("*/"))  # nothing exported
 
 
