@@ -145,11 +145,11 @@ def variances_in_range(var: torch.Tensor, name: str) -> torch.Tensor:
     between MIN_BANDWIDTH^2 and float64's largest: a variance that overflows made the factorization fail
     as if the samples lay on a subspace, and one below 1e-300 (a standard deviation below 1e-150, as
     for the kernels' bandwidth) a finite value with a NaN gradient. Raises on the CPU, naming the
-    cause; [...] elsewhere."""
+    cause; elsewhere the caller makes the elements out of range NaN (see whitening)."""
     in_range = (var.isfinite() & ((var == 0) | (var >= _validate.MIN_BANDWIDTH**2))).all(-1)
     if var.is_cpu and not bool(in_range.all()):
         if not bool(var.isfinite().all()):  # (with finite samples: a sum of squares overflowed, or inf - inf)
-            raise ValueError(f"{name}'s samples are so far apart that their variance overflows float64: rescale them")
+            raise variance_overflow(name)
         raise ValueError(f"{name} has a standard deviation below {_validate.MIN_BANDWIDTH:g} in some dimension: "
                          "samples that small ask to be rescaled")
     return in_range
@@ -160,9 +160,14 @@ def whiten(x: torch.Tensor, mean: torch.Tensor, chol: torch.Tensor) -> torch.Ten
     return torch.linalg.solve_triangular(chol, (x - mean).transpose(-1, -2), upper=False).transpose(-1, -2)
 
 
+def variance_overflow(name: str) -> ValueError:
+    """The error for finite samples whose variance overflows float64 (both contrasts' checks)."""
+    return ValueError(f"{name}'s samples are so far apart that their variance overflows float64: rescale them")
+
+
 def check_std(std: torch.Tensor, name: str) -> None:
-    """A zero standard deviation, or a NaN one (NaN/Inf samples), raises on the CPU (elsewhere it gives
-    NaN: see whitening)."""
+    """A zero standard deviation, a NaN one (NaN/Inf samples) or an infinite one (an overflowing
+    variance) raises on the CPU (elsewhere it gives NaN: see whitening)."""
     if not std.is_cpu:
         return
     if bool((std == 0).any()):
@@ -170,7 +175,7 @@ def check_std(std: torch.Tensor, name: str) -> None:
     if bool(std.isnan().any()):
         raise ValueError(f"{name} contains NaN or Inf")
     if bool(std.isinf().any()):
-        raise ValueError(f"{name}'s samples are so far apart that their variance overflows float64: rescale them")
+        raise variance_overflow(name)
 
 
 def check_kl_contrast(contrast: str) -> str:
