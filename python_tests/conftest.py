@@ -135,11 +135,10 @@ def _torch_threads_restored():
 @pytest.fixture
 def one_thread():
     """One torch thread for a training loop of small tensors, as the experiments run (runs.begin):
-    with two threads on a busy 2-core machine such a loop spends most of its time waiting."""
-    saved = torch.get_num_threads()
+    with two threads on a busy 2-core machine such a loop spends most of its time waiting. (The count
+    is given back after the test by _torch_threads_restored, as after every test.)"""
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(saved)
 
 
 def assert_last_good_checkpoint(run_dir, error: str) -> None:

@@ -95,6 +95,16 @@ def _folder(name: str, data_dir: str | os.PathLike | None) -> Path:
 
 CHECKSUMS = "SHA256SUMS"  # beside the sets' folders: "<digest>  <folder>/data/<file>" per line
 _CHECKED: dict = {}  # path -> (size, mtime_ns) of the files found intact in this process
+_DIGESTS: dict = {}  # checksum list path -> (its mtime_ns, {relative path: digest})
+
+
+def _digests(listing: Path) -> dict:
+    """{relative path: SHA-256} of a SHA256SUMS file, read once a process while it is unchanged."""
+    mtime = listing.stat().st_mtime_ns
+    if _DIGESTS.get(listing, (None,))[0] != mtime:
+        pairs = (line.partition("  ") for line in listing.read_text().splitlines())
+        _DIGESTS[listing] = (mtime, {name.strip(): digest.strip() for digest, _, name in pairs if name})
+    return _DIGESTS[listing][1]
 
 
 def _check_digest(path: Path) -> None:
@@ -109,14 +119,10 @@ def _check_digest(path: Path) -> None:
         return  # (missing: _table names it)
     if _CHECKED.get(path) == (stat.st_size, stat.st_mtime_ns):
         return
-    relative = path.relative_to(root).as_posix()
-    for line in (root / CHECKSUMS).read_text().splitlines():
-        digest, _, name = line.partition("  ")
-        if name.strip() == relative:
-            if hashlib.sha256(path.read_bytes()).hexdigest() != digest.strip():
-                raise DataNotFoundError(f"{path} does not match its SHA-256 in {root / CHECKSUMS} (damaged or "
-                                        "changed); copy the data set's folder again (data/UCI_Datasets/README.md)")
-            break
+    digest = _digests(root / CHECKSUMS).get(path.relative_to(root).as_posix())
+    if digest is not None and hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        raise DataNotFoundError(f"{path} does not match its SHA-256 in {root / CHECKSUMS} (damaged or "
+                                "changed); copy the data set's folder again (data/UCI_Datasets/README.md)")
     _CHECKED[path] = (stat.st_size, stat.st_mtime_ns)
 
 
