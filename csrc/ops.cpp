@@ -219,6 +219,12 @@ std::tuple<Tensor, Tensor> ratio_op(const Tensor& z, const Tensor& numer, const 
                     "], got ", alpha.sizes());
   check_alongside("ratio", "alpha", alpha, z.device());
   TORCH_CHECK_VALUE(std::isfinite(beta), "kivi_fast::ratio: beta must be finite, got ", beta);
+  // Where values are read (generic.cpp's reads_back): elsewhere a non-finite weight gives NaN for its
+  // batch element, as the other value checks do on a GPU.
+  if (alpha.is_cpu()) {
+    TORCH_CHECK_VALUE(at::isfinite(alpha).all().item<bool>(), "kivi_fast::ratio: alpha must be finite "
+                      "(the fitted weights of DensityRatio.alpha), got NaN or Inf");
+  }
   check_sigma("ratio", sigma, batch, z.device(), /*or_one=*/true);
   auto s = sigma.to(at::kDouble).reshape({-1}).expand({batch}).contiguous();
   auto coef = at::cat({alpha.to(at::kDouble), at::full({alpha.size(0), numer.size(1)}, beta,

@@ -369,6 +369,26 @@ def test_sparse_samples_and_a_bandwidth_on_meta_are_named(impl):
             call()
 
 
+def test_samples_on_meta_give_shapes_or_a_named_refusal(impl):
+    """On 'meta' the compiled ops run their fake kernels (shapes only); the reference, which reads the
+    samples' values, raised torch's 'Tensor.item() cannot be called on meta tensors'."""
+    p, q = P.to("meta"), Q.to("meta").requires_grad_()
+    calls = {"kl": lambda: kivi_fast.kl(p, q), "kernel_kl": lambda: kivi_fast.kernel_kl(p, q),
+             "adaptive_contrast_kl": lambda: kivi_fast.adaptive_contrast_kl(q),
+             "median_bandwidth": lambda: kivi_fast.median_bandwidth(q),
+             "rbf_gram": lambda: kivi_fast.rbf_gram(p, q, torch.tensor(0.7)),
+             "DensityRatio": lambda: kivi_fast.DensityRatio(bandwidth=0.7).fit(p, q).alpha}
+    shapes = {"rbf_gram": (P.shape[0], Q.shape[0]), "DensityRatio": (Q.shape[0],)}
+    for name, call in calls.items():
+        if impl == "reference":
+            with pytest.raises(NotImplementedError, match="reference reads the samples' values and cannot run on "
+                                                          "'meta' tensors"):
+                call()
+        else:
+            out = call()
+            assert out.device.type == "meta" and out.shape == shapes.get(name, ()), name
+
+
 def test_an_empty_batch_gives_empty_results(impl):
     """B = 0 gives [0]-shaped results on every implementation, without warnings (the reference's
     quantile refused it; the contrast's moments warned of zero degrees of freedom)."""
@@ -519,6 +539,13 @@ def test_ops_called_directly_refuse_what_they_cannot_compute():
     for beta in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="ratio: beta must be finite"):
             ops.ratio(q, p, q, alpha, beta, torch.ones(2, **f64))
+    for path in ("cpu", "generic"):
+        with implementation(path):
+            for v in (float("nan"), float("inf")):
+                bad = alpha.clone()
+                bad[1, 4] = v
+                with pytest.raises(ValueError, match="ratio: alpha must be finite"):
+                    ops.ratio(q, p, q, bad, 1.0, torch.ones(2, **f64))
     _, state = ops.ratio(q, p, q, alpha, 1.0, torch.ones(2, **f64))
     with pytest.raises(ValueError, match="weighted_grad: row_scale must be a dense floating-point tensor"):
         ops.weighted_grad(torch.ones(2, 12, dtype=torch.bool), state, q, p, q)
