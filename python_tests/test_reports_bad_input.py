@@ -41,6 +41,21 @@ def test_read_json_returns_what_it_parsed_and_names_an_unreadable_file(tmp_path)
         runs.read_json(tmp_path / "absent.json")
 
 
+def test_read_json_names_a_missing_field_at_any_depth(tmp_path):
+    """Damaged but valid JSON (a field lost) gave a bare KeyError, which the command line could only print
+    as unforeseen; now the file and the field are named, and lookups that expect a miss still work."""
+    path = tmp_path / "r.json"
+    path.write_text('{"a": {"b": [{"c": 1}]}, "d": 2}')
+    data = runs.read_json(path)
+    assert data == {"a": {"b": [{"c": 1}]}, "d": 2} and data.get("x", 5) == 5 and "x" not in data
+    assert json.loads(json.dumps(data)) == data
+    for lookup, field in ((lambda: data["x"], "'x'"), (lambda: data["a"]["y"], "'y'"),
+                          (lambda: data["a"]["b"][0]["z"], "'z'")):
+        with pytest.raises(runs.RunError, match=f"^{path}: has no field {field} ") as err:
+            lookup()
+        assert isinstance(err.value, KeyError)  # (code that falls back on a KeyError still does)
+
+
 # ---- uci-report ----------------------------------------------------------------------------------------
 
 
@@ -67,6 +82,15 @@ def test_uci_report_names_a_damaged_file(tmp_path, capsys, name, text, message):
     assert cli.main(["uci-report", "--quick", str(run_dir), "--results", str(tmp_path / "results")]) == 1
     err = capsys.readouterr().err
     assert f"kivi-fast uci-report: error: {run_dir / name}: " in err and message in err
+
+
+def test_uci_report_names_a_missing_field(tmp_path, capsys):
+    run_dir = uci_run(tmp_path / "run")
+    (run_dir / "split_00.json").write_text(json.dumps({"split": 0, "test_ll": -2.0}))
+    assert cli.main(["uci-report", "--quick", str(run_dir), "--results", str(tmp_path / "results")]) == 1
+    err = capsys.readouterr().err
+    assert f"kivi-fast uci-report: error: {run_dir / 'split_00.json'}: has no field 'rmse'" in err
+    assert "unforeseen" not in err
 
 
 def test_uci_report_skips_a_folder_of_another_command(tmp_path, capsys):

@@ -67,6 +67,27 @@ def make_folder(path: Path, option: str) -> None:
         raise UsageError(f"{option}: cannot make the folder {path}: {err.strerror or err}") from None
 
 
+class MissingField(RunError, KeyError):
+    """A field a command needs is not in a run file's JSON object (a damaged file, or one another command
+    or version wrote). Still a KeyError, for code that looks a field up and falls back."""
+
+    def __str__(self) -> str:  # (KeyError's would quote the message)
+        return str(self.args[0])
+
+
+class Fields(dict):
+    """A JSON object read by :func:`read_json`: looking up a field it lacks raises :class:`MissingField`
+    naming the file and the field, not a bare KeyError. ``get``, ``in`` and equality are dict's."""
+
+    def __init__(self, pairs=(), path=None):
+        super().__init__(pairs)
+        self.path = path
+
+    def __missing__(self, key):
+        raise MissingField(f"{self.path}: has no field {key!r} (a damaged file, or another command's or "
+                           "version's)")
+
+
 # how a JSON value's Python type reads in a message
 _JSON_KINDS = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean",
                type(None): "null"}
@@ -76,17 +97,18 @@ def read_json(path, expect=dict):
     """The JSON value in ``path``, which must be of type ``expect`` (dict: a JSON object, list: an array).
 
     A file that cannot be read, is not JSON or holds another type raises :class:`RunError` naming it:
-    the run folders and results the commands read may be damaged or another command's.
+    the run folders and results the commands read may be damaged or another command's. Its objects, at
+    any depth, are :class:`Fields`, so that a missing field is named too.
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=lambda pairs: Fields(pairs, path))
     except OSError as err:
         raise RunError(f"{path}: cannot read it: {err.strerror or err}") from None
     except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError for a binary file
         raise RunError(f"{path}: not JSON ({err})") from None
     if not isinstance(data, expect):
-        got = _JSON_KINDS.get(type(data), type(data).__name__)
+        got = next(_JSON_KINDS[t] for t in type(data).__mro__ if t in _JSON_KINDS)  # (Fields: "object")
         raise RunError(f"{path}: expected a JSON {_JSON_KINDS.get(expect, expect.__name__)}, got "
                        f"{'an' if got[0] in 'aeiou' else 'a'} {got}")
     return data
