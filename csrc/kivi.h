@@ -237,6 +237,9 @@ std::tuple<Tensor, Tensor> kl_finish(const Tensor& r_src, const std::optional<Te
 // though any order will do). As the generic median, NaN where that raises. cuda/median.cu; the generic
 // path's median on CUDA tensors with many pairs.
 Tensor median_of_pairs(const Tensor& pairs);
+// Its blocks for each of nb elements of P pairs on a device of sms multiprocessors (tests: the 32-bit
+// counts of a block's histogram).
+int64_t median_blocks_per_element(int64_t P, int64_t nb, int64_t sms);
 // The diagonal Gaussian contrast of samples x [B, n, d] (float32 or float64, CUDA), the forward and
 // backward of kivi_fast/contrast.py's _DiagonalContrast (the torch ops standardize and
 // standardize_grad, CUDA only: other devices take that composition). standardize: (z, s, t) float64, z

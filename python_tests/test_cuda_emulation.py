@@ -1014,3 +1014,28 @@ def test_translate_rewrites_launches_and_shared_variables_in_code_only():
     assert lines[10].strip() == '::emu::launch("k", k, 1, 32)(x);'
     assert lines[11].strip() == '::emu::launch("k", k, dim3(1, 2), 32, 0)(x);'
     assert lines[12].strip() == '::emu::launch("k", k, g, 64, n * 8, stream)(x);'
+
+
+def test_a_batch_the_forwards_int_step_could_overflow_goes_to_the_generic_path():
+    """The forward's blocks take elements b = blockIdx.x + k gridDim.x in an int, with up to one block
+    an element: from 2^30 elements on that step could pass int's range, so such batches are not the
+    fused forward's (the test needs no such tensor: handles_kl looks at shapes only)."""
+    assert EMU.handles_kl(4, 1, 2**30 - 1)
+    assert not EMU.handles_kl(4, 1, 2**30)
+
+
+@pytest.mark.parametrize("nb", [1, 4, 1056, 65535])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_no_median_block_counts_past_its_32_bit_histogram(nb, sms):
+    """median.cu's blocks count their keys in 32-bit shared bins, taking every (grid.x * 256)-th run of
+    256 pairs: with one block an element (many elements, nb >= 8 SMs) and N >= 92,682 points, P >= 2^32
+    pairs would have wrapped a bin. Checked from the block count (no tensor that large is needed); below
+    that the count is the one that fills the GPU."""
+    threads = 256
+    for P in (1, 255, 257, 10**6, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 92_682 * 92_681 // 2, 2**40, 2**50):
+        blocks = EMU.median_blocks_per_element(P, nb, sms)
+        assert 1 <= blocks <= 2**31 - 1
+        most = -(-P // (blocks * threads)) * threads  # a block's keys at most: its runs of 256
+        assert most < 2**32, (P, blocks)
+        if P < 2**31:
+            assert blocks == max(1, min(-(-P // threads), -(-8 * sms // nb)))

@@ -1333,7 +1333,9 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 }  // namespace
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
-  if (n_total > kMaxPoints || batch > std::numeric_limits<int>::max()) return false;
+  // (the forward's blocks step through the elements by an int, b += gridDim.x, with up to one block an
+  // element: below half of int's range that step cannot overflow)
+  if (n_total > kMaxPoints || batch > std::numeric_limits<int>::max() / 2) return false;
   const bool small = n_total * d <= kSmallWork;
   // many dimensions: the distances by pair_sqdist_kernel or pair_tile_kernel (batch on the grid's y
   // or z), and the points are not staged in shared memory, which a projection state reads

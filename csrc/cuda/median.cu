@@ -220,6 +220,12 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+int64_t median_blocks_per_element(int64_t P, int64_t nb, int64_t sms) {
+  const int64_t filling = std::min<int64_t>((P + kThreads - 1) / kThreads, (8 * sms + nb - 1) / nb);
+  // and enough that no block counts 2^32 keys in its 32-bit shared histogram (P >= 2^32: N >= 92,682)
+  return std::max<int64_t>({filling, (P >> 31) + 1, 1});
+}
+
 Tensor median_of_pairs(const Tensor& pairs_in) {
   const c10::cuda::CUDAGuard guard(pairs_in.device());
   const Tensor pairs = pairs_in.contiguous();
@@ -247,8 +253,8 @@ Tensor median_of_pairs(const Tensor& pairs_in) {
     unsigned long long* h_b = h + b0 * kMaxBins;
     unsigned long long* keys_b = keys + b0 * kGatherKeys;
     double* sigma_b = sigma.data_ptr<double>() + b0;
-    const int64_t per_element = std::min<int64_t>((P + kThreads - 1) / kThreads, (8 * sms + nb - 1) / nb);
-    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, per_element)), static_cast<unsigned>(nb));
+    const int64_t per_element = median_blocks_per_element(P, nb, sms);
+    const dim3 grid(static_cast<unsigned>(per_element), static_cast<unsigned>(nb));
     for (int shift = radix::kFirstShift; shift > radix::kEndShift; shift -= radix::kBits) {
       const int lo_bit = radix::digit_low_bit(shift);
       const unsigned bins = radix::digit_bins(shift);

@@ -89,6 +89,7 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("generic_median_bandwidth(Tensor x) -> Tensor", &generic::median_bandwidth);
   m.def("set_generic_kernels(bool flag) -> bool", &cuda::set_generic_kernels);
   m.def("handles_kl(int n_total, int d, int batch) -> bool", &handles_kl);
+  m.def("median_blocks_per_element(int P, int nb, int sms) -> int", &cuda::median_blocks_per_element);
   m.def("handles_kl_grad(int n_total, int n_q, int d, int batch) -> bool", &cuda::handles_kl_grad);
   m.def("set_two_blocks_per_sm(bool flag) -> bool", &cuda::set_two_blocks_per_sm);
   m.def("set_paired_elimination(bool flag) -> bool", &cuda::set_paired_elimination);
