@@ -126,6 +126,14 @@ def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> No
         raise ValueError(f"{name_a} and {name_b} must be on the same device, got {a.device} and {b.device}")
 
 
+def reads_values(x: torch.Tensor) -> bool:
+    """Whether the value checks of the Python code may read ``x`` back to the host: on the CPU, where
+    that is free. On a GPU a read would stall every call and break CUDA-graph capture, so a bad value
+    gives NaN for its batch element instead (csrc/generic.cpp's reads_back is the compiled ops' rule).
+    The one place for the choice, so that tests can run the device's branches on CPU tensors."""
+    return x.is_cpu
+
+
 def check_finite(name: str, x: torch.Tensor) -> None:
     """NaN/Inf check where no compiled op reads the data first (the reference backend, the contrast's
     CPU fits); the compiled ops check while they read it."""
@@ -214,7 +222,7 @@ def bandwidth_tensor(bandwidth, batch: int | None, like: torch.Tensor) -> torch.
         # Checked where reading the values is free (CPU, eagerly; the compiled ops check them again); on
         # a GPU the read would stall every call, and a bandwidth below MIN_BANDWIDTH or not finite gives
         # NaN for its batch element instead.
-        if sigma.is_cpu and not torch.compiler.is_compiling() and \
+        if reads_values(sigma) and not torch.compiler.is_compiling() and \
                 not bool((torch.isfinite(sigma) & (sigma >= MIN_BANDWIDTH)).all()):
             raise ValueError(f"bandwidth must be finite and at least {MIN_BANDWIDTH:g}, got {bandwidth}")
         return sigma.expand(rows).contiguous()

@@ -108,7 +108,7 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
         rho = torch.zeros(q_z.shape[:-2], dtype=q_z.dtype, device=q_z.device)
     r = rho[..., None, None]
     cov = (1 - r) * cov + r * torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
-    if q_z.is_cpu:  # (else NaN, as below)
+    if _validate.reads_values(q_z):  # (else NaN, as below)
         _validate.check_finite(name, q_z)
     in_range = variances_in_range(cov.detach().diagonal(dim1=-2, dim2=-1), name)
     chol, info = torch.linalg.cholesky_ex(cov)
@@ -123,14 +123,14 @@ def whitening(q_z: torch.Tensor, shrink: str = "auto", name: str = "q_z", sample
         # diagonal covariance for them, factored anew for the whole batch (a failed factor's backward
         # would put NaN into the element's gradient even where its value is not selected). On the CPU
         # only when an element needs it; elsewhere always, as knowing would read ok back.
-        if fallback and (not q_z.is_cpu or not bool(ok.all())):
+        if fallback and (not _validate.reads_values(q_z) or not bool(ok.all())):
             cov = torch.where(ok[..., None, None], cov, torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1)))
             rho = torch.where(ok, rho, 1.0)
             chol, info = torch.linalg.cholesky_ex(cov)
             ok = info == 0
     # The checks of values here raise on the CPU only: on a GPU reading them back would stall every
     # call (and break CUDA-graph capture), so a bad fit gives NaN for its batch element instead.
-    if not chol.is_cpu:
+    if not _validate.reads_values(chol):
         chol = torch.where((ok & in_range)[..., None, None], chol, math.nan)
     elif not bool(ok.all()):
         if fallback:  # (a diagonal that does not factor)
@@ -147,7 +147,7 @@ def variances_in_range(var: torch.Tensor, name: str) -> torch.Tensor:
     for the kernels' bandwidth) a finite value with a NaN gradient. Raises on the CPU, naming the
     cause; elsewhere the caller makes the elements out of range NaN (see whitening)."""
     in_range = (var.isfinite() & ((var == 0) | (var >= _validate.MIN_BANDWIDTH**2))).all(-1)
-    if var.is_cpu and not bool(in_range.all()):
+    if _validate.reads_values(var) and not bool(in_range.all()):
         if not bool(var.isfinite().all()):  # (with finite samples: a sum of squares overflowed, or inf - inf)
             raise variance_overflow(name)
         raise ValueError(f"{name} has a standard deviation below {_validate.MIN_BANDWIDTH:g} in some dimension: "
@@ -168,7 +168,7 @@ def variance_overflow(name: str) -> ValueError:
 def check_std(std: torch.Tensor, name: str) -> None:
     """A zero standard deviation, a NaN one (NaN/Inf samples) or an infinite one (an overflowing
     variance) raises on the CPU (elsewhere it gives NaN: see whitening)."""
-    if not std.is_cpu:
+    if not _validate.reads_values(std):
         return
     if bool((std == 0).any()):
         raise ValueError(f"{name} has a dimension in which all samples are equal (zero standard deviation)")
@@ -525,7 +525,8 @@ def adaptive_contrast_kl(
                 f"got {tuple(log_p.shape)}"
             )
         # (checked on the CPU only, as the other values: on a GPU a NaN gives the estimate NaN)
-        if log_p.is_cpu and not torch.compiler.is_compiling() and not bool(torch.isfinite(log_p.detach()).all()):
+        if _validate.reads_values(log_p) and not torch.compiler.is_compiling() and \
+                not bool(torch.isfinite(log_p.detach()).all()):
             raise ValueError("log_prior returned NaN or Inf at some of q_z's samples (a density of 0 there, or "
                              "a prior's parameters that are not finite)")
         gaussian_part = gaussian_part - log_p.double().mean(-1)

@@ -33,7 +33,7 @@ def _warn_if_mostly_clipped(clipped: torch.Tensor, clip: float) -> None:
     # Reading the fraction copies it to the host: done for CPU tensors only, where that is free. On
     # other devices it would stall the stream at every call, and under torch.compile it is a
     # data-dependent branch, so the check is skipped there.
-    if not clipped.is_cpu or torch.compiler.is_compiling() or clipped.numel() == 0:
+    if not _validate.reads_values(clipped) or torch.compiler.is_compiling() or clipped.numel() == 0:
         return
     worst = clipped.item() if clipped.dim() == 0 else clipped.max().item()
     if worst > 0.5:

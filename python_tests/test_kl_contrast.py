@@ -196,6 +196,35 @@ def test_a_hyperplane_in_64_dimensions_is_singular_and_just_more_samples_are_not
         contrast.whitening(torch.randn(d + 1, d, generator=gen(seed), **f64), "never", "x")
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_devices_fit_makes_bad_elements_nan_and_leaves_the_others(monkeypatch, fallback):
+    """On a GPU the contrast reads no value back (_validate.reads_values): a bad batch element's factor
+    is NaN instead of the CPU's error. That branch, run here on CPU tensors: a dimension without spread
+    (singular; under the fallback its diagonal does not factor either), a standard deviation below
+    1e-150, a variance that overflows float64, a NaN sample. Each gives its element a NaN factor, and
+    the good elements' fits are the CPU branch's."""
+    from kivi_fast import _validate, contrast
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 2.0, 0.5]) + 0.3
+    x[1, :, 2] = 0.5
+    x[2] = x[2] * 1e-152
+    x[3] = x[3] * 1e154
+    x[4, 7, 1] = float("nan")
+    good, bad = [0, 5], [1, 2, 3, 4]
+    for i in bad:  # (the CPU's branch names each)
+        with pytest.raises(ValueError):
+            contrast.whitening(x[i:i + 1], fallback=fallback)
+    want_mean, want_chol, want_rho = contrast.whitening(x[good], fallback=fallback)
+    monkeypatch.setattr(_validate, "reads_values", lambda t: False)
+    mean, chol, rho = contrast.whitening(x, fallback=fallback)
+    assert chol[bad].isnan().all()
+    torch.testing.assert_close(chol[good], want_chol, rtol=0, atol=0)
+    torch.testing.assert_close(mean[good], want_mean, rtol=0, atol=0)
+    torch.testing.assert_close(rho[good], want_rho, rtol=0, atol=0)
+    contrast.check_std(x.std(-2, keepdim=True), "x")  # (the diagonal's check: nothing raised)
+
+
 def test_bad_contrast_arguments_are_named():
     p, q = torch.randn(30, 2, **f64), torch.randn(30, 2, **f64)
     for kl in (kivi_fast.kl, reference.kl):
