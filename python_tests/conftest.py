@@ -24,6 +24,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
+# torch.compile's on-disk cache is not keyed on the CPU capability its C++ kernels were generated for:
+# after a run of the suite under ATEN_CPU_CAPABILITY=avx2 (torch's kernels as on an AVX2-only machine,
+# the other CPU kind CI may draw), a run under the default AVX-512 loaded that run's graphs and failed
+# inside them ("index out of bounds", test_bench_sides.py's compiled sides). One cache a capability.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # (another torch's layout: its default cache)
+        pass
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = \
+            f"{default_cache_dir()}-{torch.backends.cpu.get_cpu_capability().lower()}"
+
 # The implementation fixtures only switch a flag and restore it, so sharing them across the
 # examples of one test is intended.
 
