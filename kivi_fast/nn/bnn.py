@@ -25,6 +25,8 @@ from torch import nn
 
 import kivi_fast
 
+from ._checks import exact, positive_float, positive_int, positive_ints, trailing
+
 LOG_2PI = math.log(2 * math.pi)
 PRIOR_PRECISION = (6.0, 6.0)  # Gamma(shape, rate) prior on the noise precision (App. E)
 KL_METHODS = ("kivi", "kivi-ac", "kivi-contrast", "factorized")
@@ -52,9 +54,11 @@ class GammaPrecision(nn.Module):
     def __init__(self, alpha: float = PRIOR_PRECISION[0], beta: float = PRIOR_PRECISION[1],
                  prior: tuple[float, float] = PRIOR_PRECISION):
         super().__init__()
-        self.log_alpha = nn.Parameter(torch.tensor(math.log(alpha)))
-        self.log_beta = nn.Parameter(torch.tensor(math.log(beta)))
-        self.prior = tuple(float(v) for v in prior)
+        self.log_alpha = nn.Parameter(torch.tensor(math.log(positive_float("alpha", alpha))))
+        self.log_beta = nn.Parameter(torch.tensor(math.log(positive_float("beta", beta))))
+        if isinstance(prior, (str, bytes)) or len(prior) != 2:
+            raise ValueError(f"prior must be a Gamma's (shape, rate), two positive numbers, got {prior!r}")
+        self.prior = (positive_float("prior[0]", prior[0]), positive_float("prior[1]", prior[1]))
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -95,7 +99,8 @@ class GammaPrecision(nn.Module):
 # ---- the network --------------------------------------------------------------------------------
 
 def mlp_forward(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Outputs of the ReLU MLP for S weight samples: x [B, D], weights[l] [S, n_in + 1, n_out] -> [S, B].
+    """Outputs of the ReLU MLP for S weight samples: x [B, D], weights[l] [S, n_in + 1, n_out] -> [S, B]
+    for one output (the regression BNN), [S, B, n_out] for more (the classifier's logits).
 
     The last row of each weight matrix is the bias. Each layer's pre-activation is divided by
     sqrt(n_in + 1), as in PBP and ZhuSuan's BNN examples (the paper's code base): with N(0, I) weights
@@ -126,18 +131,32 @@ class RegressionBNN(nn.Module):
         super().__init__()
         if kl_method not in KL_METHODS:
             raise ValueError(f"kl_method must be one of {KL_METHODS}, got {kl_method!r}")
+        layer_sizes = positive_ints("layer_sizes", layer_sizes)
+        if len(layer_sizes) < 2 or layer_sizes[-1] != 1:
+            raise ValueError(f"layer_sizes must be (inputs, [hidden, ...], 1), got {layer_sizes}")
+        self.layer_sizes = layer_sizes
         self.shapes = [(n_in + 1, n_out) for n_in, n_out in zip(layer_sizes[:-1], layer_sizes[1:])]
         if len(posteriors) != len(self.shapes):
             raise ValueError(f"need one posterior per layer ({len(self.shapes)}), got {len(posteriors)}")
+        for i, (q, (a, b)) in enumerate(zip(posteriors, self.shapes)):
+            if getattr(q, "dim", a * b) != a * b:  # (a posterior that says its sample size)
+                raise ValueError(f"posteriors[{i}] samples {q.dim} weights; layer {i} has ({a - 1} + 1) x {b} = "
+                                 f"{a * b} (bias row included)")
+            if kl_method == "factorized" and not hasattr(q, "kl_to_standard_normal"):
+                raise TypeError(f'kl_method="factorized" needs posteriors with a closed-form '
+                                f"kl_to_standard_normal(); posteriors[{i}] is a {type(q).__name__}")
         self.posteriors = nn.ModuleList(posteriors)
         self.precision = GammaPrecision()
-        self.kl_method, self.lam, self.n_prior, self.contrast = kl_method, float(lam), int(n_prior), contrast
+        self.kl_method, self.lam, self.contrast = kl_method, float(lam), contrast
+        self.n_prior = positive_int("n_prior", n_prior)
 
     def sample_weights(self, n: int) -> list[torch.Tensor]:
         """n flat samples per layer, [n, (n_in + 1) n_out] each."""
+        n = positive_int("n", n)
         return [q.sample(n) for q in self.posteriors]
 
     def weight_matrices(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The flat samples as the weight matrices [n, n_in + 1, n_out] that :func:`mlp_forward` takes."""
         return [w.reshape(w.shape[0], *shape) for w, shape in zip(flat, self.shapes)]
 
     def layer_kls(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -159,8 +178,13 @@ class RegressionBNN(nn.Module):
         """ELBO of the whole data set estimated from the minibatch (x, y) of a set of ``n_data`` points.
 
         The same ``n_samples`` posterior samples serve the likelihood (M) and the KL estimate (n_q), as
-        in the paper's setting n_q = M. Returns the ELBO and its terms, all as totals (not per point).
+        in the paper's setting n_q = M. x [B, D], y [B]. Returns the ELBO and its terms, all as totals
+        (not per point).
         """
+        self._check_inputs(x)
+        exact("y", y, (x.shape[0],))
+        if positive_int("n_data", n_data) < x.shape[0]:
+            raise ValueError(f"n_data (the data set's size) must be at least the batch's {x.shape[0]}, got {n_data}")
         flat = self.sample_weights(n_samples)
         y_hat = mlp_forward(x, self.weight_matrices(flat))  # [S, B]
         log_lik = self.precision.expected_log_likelihood(y, y_hat).mean(0).sum() * (n_data / x.shape[0])
@@ -168,9 +192,15 @@ class RegressionBNN(nn.Module):
         kl_prec = self.precision.kl()
         return {"elbo": log_lik - kl_w - kl_prec, "log_lik": log_lik, "kl_weights": kl_w, "kl_precision": kl_prec}
 
+    def _check_inputs(self, x) -> None:
+        trailing("x", x, (self.layer_sizes[0],))
+        if x.dim() != 2 or x.shape[0] < 1:
+            raise ValueError(f"x must have shape [B, {self.layer_sizes[0]}] with B >= 1, got {list(x.shape)}")
+
     @torch.no_grad()
     def predict(self, x: torch.Tensor, n_samples: int = 100) -> torch.Tensor:
-        """Network outputs for ``n_samples`` posterior draws: [S, B] (normalized units)."""
+        """Network outputs for ``n_samples`` posterior draws: x [B, D] -> [S, B] (normalized units)."""
+        self._check_inputs(x)
         return mlp_forward(x, self.weight_matrices(self.sample_weights(n_samples)))
 
 

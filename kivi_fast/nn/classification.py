@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
+from ._checks import exact, positive_int, positive_ints, trailing
 from .bnn import mlp_forward
 from .gaussian import FactorizedGaussian
 from .mmnn import MMNN
@@ -56,8 +57,9 @@ class MatrixPosterior(nn.Module):
             last = self.mmnn.layers[-1]
             last.right.mul_(init_std / float(self.mmnn.sample_matrices(4).std()))
 
-    def sample(self, n: int) -> torch.Tensor:
-        return self.mmnn.sample_matrices(n).transpose(1, 2).reshape(n, self.dim)
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[n, (n_in + 1) n_out] samples (reparameterized)."""
+        return self.mmnn.sample_matrices(n, generator).transpose(1, 2).reshape(n, self.dim)
 
 
 class LogisticDiscriminator(nn.Module):
@@ -90,9 +92,14 @@ class ClassificationBNN(nn.Module):
         super().__init__()
         if method not in POSTERIORS:
             raise ValueError(f"method must be one of {', '.join(POSTERIORS)}, got {method!r}")
-        self.method, self.lam, self.clip, self.n_prior = method, float(lam), float(clip), int(n_prior)
+        sizes = positive_ints("sizes", sizes)
+        if len(sizes) < 3:
+            raise ValueError(f"sizes must be (inputs, hidden, ..., classes), at least three, got {sizes}")
+        self.sizes = sizes
+        self.method, self.lam, self.clip = method, float(lam), float(clip)
+        self.n_prior = positive_int("n_prior", n_prior)
         self.shapes = [(n_in + 1, n_out) for n_in, n_out in zip(sizes[:-1], sizes[1:])]
-        hidden = mmnn_hidden or paper_mmnn_hidden(sizes[1])
+        hidden = paper_mmnn_hidden(sizes[1]) if mmnn_hidden is None else positive_int("mmnn_hidden", mmnn_hidden)
         if method == "bbb":
             # near a point estimate at the start, as mean-field VI for BNNs usually starts (Blundell et al.)
             self.posteriors = nn.ModuleList(FactorizedGaussian(a * b, std=bbb_init_std, mean_init_std=1.0)
@@ -124,15 +131,30 @@ class ClassificationBNN(nn.Module):
 
     def discriminator_loss(self, flat: Sequence[torch.Tensor]) -> torch.Tensor:
         """PC's discriminators' logistic loss on the posterior samples ``flat`` and as many prior draws."""
+        if self.discriminators is None:
+            raise ValueError(f'discriminator_loss needs method="pc" (the discriminators), got {self.method!r}')
         return sum(t.loss(w, torch.randn_like(w)) for t, w in zip(self.discriminators, flat))
 
     def elbo(self, x: torch.Tensor, y: torch.Tensor, n_data: int, n_samples: int = 10) -> dict:
-        """The ELBO of the whole training set from the minibatch (x, y), and its terms (totals)."""
-        flat = self.sample_weights(n_samples)
+        """The ELBO of the whole training set of ``n_data`` points from the minibatch x [B, inputs],
+        y [B] (class indices), and its terms (totals)."""
+        self._check_batch(x, y, n_data)
+        flat = self.sample_weights(positive_int("n_samples", n_samples))
         log_lik = -F.cross_entropy(self.logits(x, flat).flatten(0, 1), y.repeat(n_samples), reduction="mean")
         log_lik = log_lik * n_data
         kl = torch.stack(self.layer_kls(flat)).sum()
         return {"elbo": log_lik - kl, "log_lik": log_lik, "kl": kl, "samples": flat}
+
+    def _check_batch(self, x, y, n_data) -> None:
+        trailing("x", x, (self.sizes[0],))
+        if x.dim() != 2 or x.shape[0] < 1:
+            raise ValueError(f"x must have shape [B, {self.sizes[0]}] with B >= 1, got {list(x.shape)}")
+        exact("y", y, (x.shape[0],), floating=False)
+        if y.is_floating_point() or y.dtype == torch.bool:
+            raise TypeError(f"y must hold class indices (an integer tensor), got {y.dtype}")
+        if positive_int("n_data", n_data) < x.shape[0]:
+            raise ValueError(f"n_data (the training set's size) must be at least the batch's {x.shape[0]}, "
+                             f"got {n_data}")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, n_data: int, n_samples: int = 10
                 ) -> tuple[torch.Tensor, dict]:

@@ -16,14 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..contrast import standard_normal_log_prob
+from ._checks import positive_int, trailing
 
 
 class PlanarFlow(nn.Module):
-    """``n_layers`` planar layers in ``dim`` dimensions on a standard normal base."""
+    """``n_layers`` planar layers in ``dim`` dimensions on a standard normal base. Built with zero
+    parameters it is the identity (q = N(0, I)); :meth:`random` draws a fixed non-Gaussian one."""
 
     def __init__(self, dim: int, n_layers: int = 4):
         super().__init__()
-        self.dim = dim
+        self.dim = dim = positive_int("dim", dim)
+        n_layers = positive_int("n_layers", n_layers)
         self.u = nn.Parameter(torch.zeros(n_layers, dim))
         self.w = nn.Parameter(torch.zeros(n_layers, dim))
         self.b = nn.Parameter(torch.zeros(n_layers))
@@ -46,10 +49,13 @@ class PlanarFlow(nn.Module):
     def u_hat(self) -> torch.Tensor:
         """u projected so that w^T u_hat = -1 + softplus(w^T u) > -1 (invertibility), per layer."""
         wu = (self.w * self.u).sum(-1, keepdim=True)
-        return self.u + (F.softplus(wu) - 1 - wu) * self.w / self.w.pow(2).sum(-1, keepdim=True)
+        # (w = 0, as built: the correction is 0, and the floor keeps 0 / 0 from making it NaN)
+        norm2 = self.w.pow(2).sum(-1, keepdim=True).clamp_min(torch.finfo(self.w.dtype).tiny)
+        return self.u + (F.softplus(wu) - 1 - wu) * self.w / norm2
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Push base points x [..., dim] through the layers: returns (z, log|det dz/dx|) ([..., dim], [...])."""
+        trailing("x", x, (self.dim,))
         u_hat = self.u_hat().to(x.dtype)
         w, b = self.w.to(x.dtype), self.b.to(x.dtype)
         log_det = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
@@ -63,25 +69,32 @@ class PlanarFlow(nn.Module):
         return z, log_det
 
     def sample_with_log_prob(self, n: int, generator: torch.Generator | None = None,
-                             dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-        """n samples [n, dim] and their exact log-density log q(z) [n] (change of variables)."""
-        x = torch.randn(n, self.dim, generator=generator, dtype=dtype)
+                             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """n samples [n, dim] and their exact log-density log q(z) [n] (change of variables), on the
+        parameters' device, in ``dtype`` (default: the parameters')."""
+        p = self.u
+        x = torch.randn(positive_int("n", n), self.dim, generator=generator, dtype=dtype or p.dtype, device=p.device)
         z, log_det = self(x)
         return z, standard_normal_log_prob(x) - log_det
 
-    def sample(self, n: int, generator: torch.Generator | None = None, dtype=torch.float64) -> torch.Tensor:
+    def sample(self, n: int, generator: torch.Generator | None = None, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+        """[n, dim] samples, as :meth:`sample_with_log_prob`'s."""
         return self.sample_with_log_prob(n, generator, dtype)[0]
 
     def kl_to_standard_normal(self, n: int = 100_000, generator: torch.Generator | None = None,
                               chunk: int = 20_000) -> tuple[float, float]:
-        """Monte Carlo KL(q || N(0, I)) = E_q[log q(z) - log N(z; 0, I)] from ``n`` draws.
+        """Monte Carlo KL(q || N(0, I)) = E_q[log q(z) - log N(z; 0, I)] from ``n`` draws (in float64).
 
         Returns (estimate, standard error); the standard error tells how much of a ground truth it is.
         """
+        if positive_int("n", n) < 2:
+            raise ValueError(f"n must be at least 2 (a standard error needs two draws), got {n}")
+        chunk = positive_int("chunk", chunk)
         terms = []
         with torch.no_grad():
             for start in range(0, n, chunk):
-                z, log_q = self.sample_with_log_prob(min(chunk, n - start), generator)
+                z, log_q = self.sample_with_log_prob(min(chunk, n - start), generator, torch.float64)
                 terms.append(log_q - standard_normal_log_prob(z))
         t = torch.cat(terms)
         return float(t.mean()), float(t.std() / t.numel() ** 0.5)

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.nn.functional import softplus
 
+from ._checks import positive_float, positive_int, trailing
+
 STD_PARAMETERIZATIONS = ("softplus", "exp")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -37,15 +39,15 @@ class FactorizedGaussian(nn.Module):
         super().__init__()
         if std_param not in STD_PARAMETERIZATIONS:
             raise ValueError(f"std_param must be one of {STD_PARAMETERIZATIONS}, got {std_param!r}")
-        if not std > 0:
-            raise ValueError(f"std must be positive, got {std}")
-        self.dim, self.std_param = int(dim), std_param
+        std = positive_float("std", std)
+        self.dim, self.std_param = positive_int("dim", dim), std_param
         init_mean = torch.full((self.dim,), float(mean))
         if mean_init_std:
             init_mean = init_mean + torch.randn(self.dim) * mean_init_std
         self.mean = nn.Parameter(init_mean)
-        # the inverse of the std's map: softplus^-1(s) = log(exp(s) - 1), or log s
-        rho = math.log(math.expm1(std)) if std_param == "softplus" else math.log(std)
+        # the inverse of the std's map: softplus^-1(s) = log(exp(s) - 1) = s + log(1 - exp(-s)) (which
+        # does not overflow for s above ~709), or log s
+        rho = std + math.log(-math.expm1(-std)) if std_param == "softplus" else math.log(std)
         self.rho = nn.Parameter(torch.full((self.dim,), rho))
 
     @property
@@ -58,11 +60,12 @@ class FactorizedGaussian(nn.Module):
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, dim] reparameterized samples."""
-        eps = torch.randn(n, self.dim, generator=generator, dtype=self.mean.dtype, device=self.mean.device)
+        eps = torch.randn(positive_int("n", n), self.dim, generator=generator, dtype=self.mean.dtype, device=self.mean.device)
         return self.mean + self.std * eps
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:
         """log q(w), [..., dim] -> [...]."""
+        trailing("w", w, (self.dim,))
         z = (w - self.mean) / self.std
         return (-0.5 * z.pow(2) - self.log_std - LOG_SQRT_2PI).sum(-1)
 

@@ -8,6 +8,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ._checks import positive_int, positive_ints, trailing
+
 INITS = ("glorot", "torch")
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
@@ -17,11 +19,13 @@ class NoiseInjection(nn.Module):
 
     def __init__(self, dim: int, init_log_std: float = 0.0):
         super().__init__()
-        self.log_std = nn.Parameter(torch.full((int(dim),), float(init_log_std)))
+        self.log_std = nn.Parameter(torch.full((positive_int("dim", dim),), float(init_log_std)))
 
     def forward(self, h: torch.Tensor, generator: torch.Generator | None = None,
                 xi: torch.Tensor | None = None) -> torch.Tensor:
-        """``xi``: standard-normal draws broadcastable with h, drawn by the caller (default: drawn here)."""
+        """h [..., dim] -> [..., dim]; ``xi``: standard-normal draws broadcastable with h, drawn by the
+        caller (default: drawn here)."""
+        trailing("h", h, self.log_std.shape)
         if xi is None:
             xi = torch.randn(h.shape, generator=generator, dtype=h.dtype, device=h.device)
         return h + xi * self.log_std.exp()
@@ -56,9 +60,11 @@ class MLPGenerator(nn.Module):
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-        sizes = [int(s) for s in sizes]
-        if len(sizes) < 2 or min(sizes) < 1:
+        sizes = positive_ints("sizes", sizes)
+        if len(sizes) < 2:
             raise ValueError(f"sizes must be (noise, [hidden, ...], output) with positive entries, got {sizes}")
+        if noise_at is not None and (isinstance(noise_at, bool) or not isinstance(noise_at, int)):
+            raise TypeError(f"noise_at must be None or an int naming a hidden layer, got {noise_at!r}")
         if noise_at is not None and not 1 <= noise_at <= len(sizes) - 2:
             raise ValueError(f"noise_at must name a hidden layer, 1 to {len(sizes) - 2}, got {noise_at}")
         self.noise_dim, self.dim = sizes[0], sizes[-1]
@@ -81,6 +87,9 @@ class MLPGenerator(nn.Module):
         return self.net[-1]
 
     def forward(self, eps: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Samples from noise: eps [..., noise_dim] -> [..., dim] (``generator``: the injected noise's,
+        with ``noise_at``)."""
+        trailing("eps", eps, (self.noise_dim,))
         h = eps
         for layer in self.net:
             h = layer(h, generator) if isinstance(layer, NoiseInjection) else layer(h)
@@ -89,7 +98,7 @@ class MLPGenerator(nn.Module):
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, dim] samples, differentiable w.r.t. the parameters (reparameterized)."""
         p = self.net[0].weight
-        return self(torch.randn(n, self.noise_dim, generator=generator, dtype=p.dtype, device=p.device), generator)
+        return self(torch.randn(positive_int("n", n), self.noise_dim, generator=generator, dtype=p.dtype, device=p.device), generator)
 
 
 def stochastic_net_2d(noise_dim: int = 2, hidden: int = 20, out_dim: int = 2, activation: str = "relu",

@@ -8,6 +8,15 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ._checks import positive_int, positive_ints, trailing
+
+
+def _matrix_shape(name: str, shape) -> tuple[int, int]:
+    sizes = positive_ints(name, shape)
+    if len(sizes) != 2:
+        raise ValueError(f"{name} must be a (rows, cols) pair, got {shape!r}")
+    return sizes[0], sizes[1]
+
 
 class MatrixMultiplicationLayer(nn.Module):
     """X [.., M_in, N_in] -> (A_l X + B_l) A_r + B_r  [.., M_out, N_out] (Alg. 2, lines 2-3).
@@ -27,7 +36,7 @@ class MatrixMultiplicationLayer(nn.Module):
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int]):
         super().__init__()
-        (m_in, n_in), (m_out, n_out) = tuple(in_shape), tuple(out_shape)
+        (m_in, n_in), (m_out, n_out) = _matrix_shape("in_shape", in_shape), _matrix_shape("out_shape", out_shape)
         self.in_shape, self.out_shape = (m_in, n_in), (m_out, n_out)
         self.left_scale, self.right_scale = m_in ** -0.5, n_in ** -0.5
         self.left = nn.Parameter(torch.empty(m_out, m_in).uniform_(-1, 1))
@@ -36,6 +45,8 @@ class MatrixMultiplicationLayer(nn.Module):
         self.right_bias = nn.Parameter(torch.zeros(m_out, n_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., M_in, N_in] -> [..., M_out, N_out]."""
+        trailing("x", x, self.in_shape)
         return ((self.left_scale * self.left) @ x + self.left_bias) @ (self.right_scale * self.right) + self.right_bias
 
     @staticmethod
@@ -56,23 +67,27 @@ class MMNN(nn.Module):
 
     def __init__(self, shapes: Sequence[Sequence[int]]):
         super().__init__()
-        shapes = [tuple(int(v) for v in s) for s in shapes]
-        if len(shapes) < 2 or any(len(s) != 2 or min(s) < 1 for s in shapes):
-            raise ValueError(f"shapes must be at least two (rows, cols) pairs of positive sizes, got {shapes}")
+        if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or len(shapes) < 2:
+            raise ValueError(f"shapes must be at least two (rows, cols) pairs of positive sizes, got {shapes!r}")
+        shapes = [_matrix_shape(f"shapes[{i}]", s) for i, s in enumerate(shapes)]
         self.noise_shape, self.shape = shapes[0], shapes[-1]
         self.dim = self.shape[0] * self.shape[1]
         self.layers = nn.ModuleList(MatrixMultiplicationLayer(a, b) for a, b in zip(shapes[:-1], shapes[1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Matrices from noise matrices: [..., *noise_shape] -> [..., M, N]."""
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
                 x = torch.relu(x)
         return x
 
-    def sample_matrices(self, n: int) -> torch.Tensor:
+    def sample_matrices(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[n, M, N] samples, differentiable w.r.t. the parameters (reparameterized)."""
         p = self.layers[0].left
-        return self(torch.randn(n, *self.noise_shape, dtype=p.dtype, device=p.device))
+        return self(torch.randn(positive_int("n", n), *self.noise_shape, generator=generator, dtype=p.dtype,
+                                device=p.device))
 
-    def sample(self, n: int) -> torch.Tensor:
-        return self.sample_matrices(n).reshape(n, self.dim)
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[n, M N] samples, each matrix flattened row-major."""
+        return self.sample_matrices(n, generator).reshape(n, self.dim)

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
+from ._checks import exact, positive_float, positive_int, positive_ints, trailing
 from .gaussian import gaussian_kl_to_standard_normal
 from .generator import NoiseInjection
 
@@ -36,16 +37,28 @@ class BernoulliDecoder(nn.Module):
 
     def __init__(self, z_dim: int = 8, hidden=(500, 500), x_dim: int = 784):
         super().__init__()
-        self.z_dim, self.x_dim = z_dim, x_dim
-        self.net = _mlp([z_dim, *hidden, x_dim])
+        self.z_dim, self.x_dim = positive_int("z_dim", z_dim), positive_int("x_dim", x_dim)
+        self.net = _mlp([self.z_dim, *positive_ints("hidden", hidden), self.x_dim])
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """The pixels' logits: z [..., z_dim] -> [..., x_dim]."""
+        trailing("z", z, (self.z_dim,))
         return self.net(z)
 
     def log_likelihood(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """log p(x | z) summed over pixels; z [..., z_dim], x broadcastable to z's leading shape + [x_dim]."""
-        logits = self.net(z)
+        trailing("x", x, (self.x_dim,))
+        logits = self.logits(z)
         return -F.binary_cross_entropy_with_logits(logits, x.expand_as(logits), reduction="none").sum(-1)
+
+
+def _check_encoder_input(x, x_dim: int, n: int, noise, noise_shape) -> None:
+    trailing("x", x, (x_dim,))
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [B, {x_dim}], got {list(x.shape)}")
+    want = noise_shape(x.shape[0], positive_int("n", n))
+    if noise is not None:
+        exact("noise", noise, want)
 
 
 class ImplicitEncoder(nn.Module):
@@ -56,16 +69,21 @@ class ImplicitEncoder(nn.Module):
 
     def __init__(self, x_dim: int = 784, hidden=(500, 500), z_dim: int = 8, init_noise_std: float = 1.0):
         super().__init__()
-        self.x_dim, self.z_dim, self.noise_dim = x_dim, z_dim, hidden[0]
-        self.first = nn.Linear(x_dim, hidden[0])
-        self.noise = NoiseInjection(hidden[0], math.log(init_noise_std))
-        self.rest = _mlp([*hidden, z_dim])
+        hidden = positive_ints("hidden", hidden)
+        if not hidden:
+            raise ValueError("hidden must name at least one layer (the noise goes into the first)")
+        self.x_dim, self.z_dim, self.noise_dim = positive_int("x_dim", x_dim), positive_int("z_dim", z_dim), hidden[0]
+        self.first = nn.Linear(self.x_dim, hidden[0])
+        self.noise = NoiseInjection(hidden[0], math.log(positive_float("init_noise_std", init_noise_std)))
+        self.rest = _mlp([*hidden, self.z_dim])
 
     def noise_shape(self, batch: int, n: int) -> tuple[int, int, int]:
+        """The shape of ``forward``'s noise for ``batch`` rows and ``n`` samples each."""
         return (batch, n, self.noise_dim)
 
     def forward(self, x: torch.Tensor, n: int, noise: torch.Tensor | None = None) -> torch.Tensor:
         """n samples of z per row of x: [B, x_dim] -> [B, n, z_dim]; ``noise``: eps [B, n, noise_dim]."""
+        _check_encoder_input(x, self.x_dim, n, noise, self.noise_shape)
         h = F.relu(self.first(x))
         if noise is None:
             noise = torch.randn(self.noise_shape(x.shape[0], n), dtype=h.dtype, device=h.device)
@@ -77,18 +95,22 @@ class GaussianEncoder(nn.Module):
 
     def __init__(self, x_dim: int = 784, hidden=(500, 500), z_dim: int = 8):
         super().__init__()
-        self.x_dim, self.z_dim = x_dim, z_dim
-        self.net = _mlp([x_dim, *hidden, 2 * z_dim])
+        self.x_dim, self.z_dim = positive_int("x_dim", x_dim), positive_int("z_dim", z_dim)
+        self.net = _mlp([self.x_dim, *positive_ints("hidden", hidden), 2 * self.z_dim])
 
     def noise_shape(self, batch: int, n: int) -> tuple[int, int, int]:
+        """The shape of ``forward``'s noise for ``batch`` rows and ``n`` samples each."""
         return (batch, n, self.z_dim)
 
     def moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, log std), each [B, z_dim]."""
+        """(mean, log std), each [B, z_dim], of x [B, x_dim]."""
+        trailing("x", x, (self.x_dim,))
         mean, log_std = self.net(x).chunk(2, dim=-1)
         return mean, log_std
 
     def forward(self, x: torch.Tensor, n: int, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """n samples of z per row of x: [B, x_dim] -> [B, n, z_dim]; ``noise``: eps [B, n, z_dim]."""
+        _check_encoder_input(x, self.x_dim, n, noise, self.noise_shape)
         mean, log_std = self.moments(x)
         if noise is None:
             noise = torch.randn(self.noise_shape(x.shape[0], n), dtype=mean.dtype, device=mean.device)
@@ -158,6 +180,9 @@ class VAE(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(E_q log p(x | z) over the first ``n_rec`` samples, KL), each [B]; the ELBO is their difference."""
         noise = draws["noise"]
+        if not 1 <= positive_int("n_rec", n_rec) <= noise.shape[1]:
+            raise ValueError(f"n_rec must be between 1 and the {noise.shape[1]} samples of draws['noise'], "
+                             f"got {n_rec}")
         if self.kl_estimator == "gaussian":  # one pass of the encoder gives the samples and the KL
             mean, log_std = self.encoder.moments(x)
             z = self.encoder.reparameterize(mean, log_std, noise)
@@ -177,5 +202,8 @@ def slice_draws(draws: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, t
 def build_vae(kl: str = "kivi-ac", *, x_dim: int = 784, hidden=(500, 500), z_dim: int = 8, **kl_options) -> VAE:
     """The paper's VAE for MNIST: decoder z_dim -> 500 -> 500 -> 784, encoder 784 -> 500 -> 500 -> z_dim
     (implicit, or Gaussian for ``kl="gaussian"``)."""
+    hidden = positive_ints("hidden", hidden)
+    if not hidden:
+        raise ValueError("hidden must name at least one layer")
     encoder = GaussianEncoder(x_dim, hidden, z_dim) if kl == "gaussian" else ImplicitEncoder(x_dim, hidden, z_dim)
     return VAE(encoder, BernoulliDecoder(z_dim, tuple(reversed(hidden)), x_dim), kl, **kl_options)

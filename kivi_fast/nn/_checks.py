@@ -1,0 +1,65 @@
+"""The nn modules' argument checks, on metadata only (types, shapes; no values), so that they cost
+nothing in a training step, stay traceable by torch.compile and read nothing back from a GPU.
+
+Without them torch would truncate a size (``int(2.7)``), or broadcast a sample of the wrong trailing
+shape into a plausible result of the right shape (a [B, 1] target against [S, B] predictions scores
+sample s against target s).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1: an integer, not a bool (True would pass as 1) or a float (2.7 as 2).
+    A symbolic size (a shape under torch.compile's dynamic shapes) is taken as it is."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def positive_ints(name: str, values: Sequence) -> list[int]:
+    """Each entry of the sequence ``values`` by :func:`positive_int`, named ``name[i]``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of positive ints, got {values!r}")
+    return [positive_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def positive_float(name: str, value) -> float:
+    """``value`` as a finite float > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive number, got {value!r}")
+    value = float(value)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value
+
+
+def trailing(name: str, x, shape: Sequence[int]) -> None:
+    """``x`` a floating-point tensor [..., *shape]."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    k = len(shape)
+    if x.dim() < k or tuple(x.shape[x.dim() - k:]) != tuple(shape):
+        want = ", ".join(["...", *map(str, shape)])
+        raise ValueError(f"{name} must have shape [{want}], got {list(x.shape)}")
+
+
+def exact(name: str, x, shape: Sequence[int], floating: bool = True) -> None:
+    """``x`` a tensor of exactly ``shape`` (floating-point unless ``floating`` is False)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")

@@ -1,0 +1,199 @@
+"""kivi_fast.nn's modules, for training loops of one's own: a bad argument or input is named, never
+truncated, broadcast into a plausible result, or turned into NaN (each case below did one of these)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kivi_fast.nn import (MMNN, BernoulliDecoder, FactorizedGaussian, GammaPrecision, GaussianEncoder,
+                          ImplicitEncoder, MatrixMultiplicationLayer, MLPGenerator, NoiseInjection, PlanarFlow,
+                          RegressionBNN, build_vae)
+from kivi_fast.nn.classification import ClassificationBNN
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- PlanarFlow -------------------------------------------------------------------------------------
+
+
+def test_a_planar_flow_as_built_is_the_identity():
+    """w = 0 made u_hat 0 / 0: every sample and the KL were NaN. Built, the flow is the identity, so its
+    samples are its base draws, its density N(0, I)'s and its KL 0."""
+    flow = PlanarFlow(3)
+    z, log_q = flow.sample_with_log_prob(50, gen(0))
+    base = torch.randn(50, 3, generator=gen(0))
+    assert z.dtype == torch.float32 and torch.equal(z, base)
+    torch.testing.assert_close(log_q, torch.distributions.Normal(0.0, 1.0).log_prob(base).sum(-1))
+    assert flow.kl_to_standard_normal(1000, gen(1)) == (0.0, 0.0)
+    # trained a step from there, it stays finite
+    flow.u.data.normal_(generator=gen(2))
+    assert flow.sample(10, gen(3)).isfinite().all()
+
+
+def test_a_planar_flow_samples_where_and_as_its_parameters_are():
+    flow = PlanarFlow.random(3, generator=gen(0))
+    assert flow.sample(4).dtype == torch.float32 and flow.double().sample(4).dtype == torch.float64
+    assert flow.sample(4, dtype=torch.float32).dtype == torch.float32
+    on_meta = PlanarFlow.random(3, generator=gen(0)).to("meta").sample(4)  # (was: drawn on the CPU)
+    assert on_meta.device.type == "meta" and on_meta.shape == (4, 3)
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 3\], got \[4, 2\]"):
+        flow(torch.zeros(4, 2))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor, got torch.int64"):
+        flow(torch.zeros(4, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="n must be at least 2"):
+        flow.kl_to_standard_normal(1)
+    with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
+        flow.kl_to_standard_normal(100, chunk=0)
+
+
+# ---- sizes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build, error, message", [
+    (lambda: MLPGenerator((2.7, 5, 3)), TypeError, r"sizes\[0\] must be a positive int, got 2.7"),
+    (lambda: MLPGenerator("23"), TypeError, "sizes must be a sequence of positive ints"),
+    (lambda: MLPGenerator((2, True, 3)), TypeError, r"sizes\[1\] must be a positive int, got True"),
+    (lambda: MLPGenerator((2, 0, 3)), ValueError, r"sizes\[1\] must be a positive int, got 0"),
+    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=1.5), TypeError, "noise_at must be None or an int"),
+    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=True), TypeError, "noise_at must be None or an int"),
+    (lambda: MMNN([(2.7, 3), (4, 5)]), TypeError, r"shapes\[0\]\[0\] must be a positive int"),
+    (lambda: MMNN([(True, 3), (4, 5)]), TypeError, r"shapes\[0\]\[0\] must be a positive int"),
+    (lambda: MMNN([(2, 3, 1), (4, 5)]), ValueError, r"shapes\[0\] must be a \(rows, cols\) pair"),
+    (lambda: MatrixMultiplicationLayer((0, 3), (4, 5)), ValueError, r"in_shape\[0\] must be a positive int"),
+    (lambda: FactorizedGaussian(2.7), TypeError, "dim must be a positive int, got 2.7"),
+    (lambda: FactorizedGaussian(3, std=0.0), ValueError, "std must be positive and finite"),
+    (lambda: NoiseInjection(0), ValueError, "dim must be a positive int, got 0"),
+    (lambda: PlanarFlow(3, n_layers=0), ValueError, "n_layers must be a positive int, got 0"),
+    (lambda: GammaPrecision(alpha=0), ValueError, "alpha must be positive and finite, got 0.0"),
+    (lambda: GammaPrecision(beta=float("inf")), ValueError, "beta must be positive and finite"),
+    (lambda: GammaPrecision(prior=(6,)), ValueError, r"prior must be a Gamma's \(shape, rate\)"),
+    (lambda: GammaPrecision(prior=(0, 1)), ValueError, r"prior\[0\] must be positive and finite"),
+    (lambda: ImplicitEncoder(init_noise_std=0), ValueError, "init_noise_std must be positive and finite"),
+    (lambda: ImplicitEncoder(hidden=()), ValueError, "hidden must name at least one layer"),
+    (lambda: build_vae(hidden=()), ValueError, "hidden must name at least one layer"),
+    (lambda: BernoulliDecoder(z_dim=8.0), TypeError, "z_dim must be a positive int, got 8.0"),
+    (lambda: ClassificationBNN((784, 10, 10), mmnn_hidden=0), ValueError, "mmnn_hidden must be a positive int"),
+    (lambda: ClassificationBNN((784, 10)), ValueError, "sizes must be .* at least three"),
+])
+def test_bad_sizes_are_named(build, error, message):
+    """Each was truncated (2.7 -> 2, True -> 1, '23' -> (2, 3)), passed over (noise_at=1.5 built no
+    noise layer, mmnn_hidden=0 became the paper's 500), or failed inside math or torch without the
+    argument's name ('math domain error', a ZeroDivisionError, an IndexError)."""
+    with pytest.raises(error, match=message):
+        build()
+
+
+def test_a_large_initial_std_does_not_overflow():
+    """softplus^-1(800) by log(expm1(800)) overflowed (OverflowError: math range error)."""
+    q = FactorizedGaussian(3, std=800.0)
+    torch.testing.assert_close(q.std, torch.full((3,), 800.0))
+    torch.testing.assert_close(FactorizedGaussian(3, std=0.3).std, torch.full((3,), 0.3))
+
+
+# ---- shapes that broadcast into a plausible result ---------------------------------------------------
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: FactorizedGaussian(5).log_prob(torch.zeros(4, 1)), r"w must have shape \[\.\.\., 5\], got \[4, 1\]"),
+    (lambda: NoiseInjection(5)(torch.zeros(3, 1)), r"h must have shape \[\.\.\., 5\], got \[3, 1\]"),
+    (lambda: MatrixMultiplicationLayer((2, 3), (4, 5))(torch.randn(7, 2, 1)),
+     r"x must have shape \[\.\.\., 2, 3\], got \[7, 2, 1\]"),
+    (lambda: MLPGenerator((4, 8, 3))(torch.randn(6, 1)), r"eps must have shape \[\.\.\., 4\], got \[6, 1\]"),
+    (lambda: ImplicitEncoder(10, (6,), 2)(torch.rand(3, 10), 4, torch.randn(3, 4, 1)),
+     r"noise must have shape \[3, 4, 6\], got \[3, 4, 1\]"),
+    (lambda: ImplicitEncoder(10, (6,), 2)(torch.rand(3, 10), 4, torch.randn(4, 6)),
+     r"noise must have shape \[3, 4, 6\], got \[4, 6\]"),
+    (lambda: ImplicitEncoder(10, (6,), 2)(torch.rand(3, 10), 4, torch.randn(3, 9, 6)),
+     r"noise must have shape \[3, 4, 6\], got \[3, 9, 6\]"),
+    (lambda: GaussianEncoder(10, (6,), 2)(torch.rand(3, 10), 4, torch.randn(3, 4, 1)),
+     r"noise must have shape \[3, 4, 2\], got \[3, 4, 1\]"),
+    (lambda: GaussianEncoder(10, (6,), 2)(torch.rand(10), 4), r"x must have shape \[B, 10\], got \[10\]"),
+    (lambda: BernoulliDecoder(2, (6,), 10).log_likelihood(torch.rand(3, 1, 9), torch.randn(3, 4, 2)),
+     r"x must have shape \[\.\.\., 10\], got \[3, 1, 9\]"),
+])
+def test_a_wrong_trailing_shape_is_named(call, message):
+    """Each broadcast the wrong shape and returned a result of the right one: one noise value reused
+    across a layer's units, a [B, 1] input against every row."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def regression_bnn(**options) -> RegressionBNN:
+    torch.manual_seed(0)
+    return RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 9))], **options)
+
+
+def test_the_regression_bnn_names_bad_data():
+    """y [B, 1] broadcast against the [S, B] predictions when B = S (the defaults' 100 and 100): sample s
+    was scored against target s, a plausible ELBO, no error."""
+    model = regression_bnn()
+    x, y = torch.randn(10, 3), torch.randn(10)
+    model.elbo(x, y, 100, n_samples=10)  # (the valid call)
+    with pytest.raises(ValueError, match=r"y must have shape \[10\], got \[10, 1\]"):
+        model.elbo(x, y[:, None], 100, n_samples=10)
+    with pytest.raises(ValueError, match=r"y must have shape \[10\], got \[1\]"):
+        model.elbo(x, y[:1], 100, n_samples=10)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, 3\] with B >= 1, got \[3\]"):
+        model.predict(x[0])
+    with pytest.raises(ValueError, match=r"x must have shape \[B, 3\] with B >= 1, got \[0, 3\]"):
+        model.elbo(x[:0], y[:0], 100)
+    with pytest.raises(ValueError, match="n_data .* must be at least the batch's 10, got 5"):
+        model.elbo(x, y, 5, n_samples=10)
+    with pytest.raises(ValueError, match="n_data must be a positive int, got 0"):
+        model.elbo(x, y, 0, n_samples=10)
+
+
+def test_the_regression_bnn_checks_its_layers_against_its_posteriors():
+    with pytest.raises(ValueError, match=r"posteriors\[0\] samples 30 weights; layer 0 has \(3 \+ 1\) x 8 = 32"):
+        RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 30)), MLPGenerator((4, 10, 9))])
+    with pytest.raises(ValueError, match=r"layer_sizes must be \(inputs, \[hidden, \.\.\.\], 1\)"):
+        RegressionBNN((3, 8, 2), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 18))])
+    with pytest.raises(TypeError, match='kl_method="factorized" needs posteriors with a closed-form'):
+        RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 9))], kl_method="factorized")
+    with pytest.raises(TypeError, match="n_prior must be a positive int, got 2.7"):
+        regression_bnn(n_prior=2.7)
+
+
+def test_the_vaes_n_rec_must_name_samples_it_has():
+    """n_rec = 0 gave a NaN reconstruction term, and n_rec above the draws' samples averaged over
+    fewer than asked, with no error."""
+    torch.manual_seed(0)
+    vae = build_vae("kivi", x_dim=12, hidden=(6,), z_dim=2, n_q=5, n_p=5)
+    x = torch.rand(3, 12).round()
+    draws = vae.draws(3, gen(0), "cpu")
+    rec, kl = vae(x, draws, n_rec=5)
+    assert rec.shape == kl.shape == (3,) and rec.isfinite().all()
+    for n_rec, error in ((0, ValueError), (6, ValueError), (-1, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="n_rec must be"):
+            vae(x, draws, n_rec=n_rec)
+
+
+def test_the_classifier_names_bad_batches_and_methods():
+    torch.manual_seed(0)
+    model = ClassificationBNN((12, 6, 6, 3), "kivi", mmnn_hidden=4, n_prior=4)
+    x, y = torch.randn(5, 12), torch.randint(0, 3, (5,))
+    loss, _ = model(x, y, 100, n_samples=4)
+    assert loss.isfinite()
+    with pytest.raises(ValueError, match=r"y must have shape \[5\], got \[5, 1\]"):
+        model(x, y[:, None], 100, n_samples=4)
+    with pytest.raises(TypeError, match="y must hold class indices"):
+        model(x, y.float(), 100, n_samples=4)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, 12\] with B >= 1, got \[0, 12\]"):
+        model(x[:0], y[:0], 100, n_samples=4)
+    with pytest.raises(ValueError, match='discriminator_loss needs method="pc"'):
+        model.discriminator_loss(model.sample_weights(4))
+
+
+def test_the_matrix_posteriors_take_a_generator():
+    """MMNN.sample and MatrixPosterior.sample drew from the global stream only, unlike the other
+    posteriors' sample(n, generator)."""
+    torch.manual_seed(0)
+    q = MMNN([(3, 3), (4, 5)])
+    assert torch.equal(q.sample(6, gen(7)), q.sample(6, gen(7)))
+    assert q.sample(6, gen(7)).shape == (6, 20)
+    model = ClassificationBNN((12, 6, 6, 3), "kivi", mmnn_hidden=4)
+    a, b = (model.posteriors[0].sample(3, gen(1)) for _ in range(2))
+    assert torch.equal(a, b) and a.shape == (3, 13 * 6) and a.isfinite().all()
