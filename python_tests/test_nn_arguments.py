@@ -8,7 +8,7 @@ import torch
 
 from kivi_fast.nn import (MMNN, BernoulliDecoder, FactorizedGaussian, GammaPrecision, GaussianEncoder,
                           ImplicitEncoder, MatrixMultiplicationLayer, MLPGenerator, NoiseInjection, PlanarFlow,
-                          RegressionBNN, build_vae)
+                          RegressionBNN, VAE, build_vae)
 from kivi_fast.nn.classification import ClassificationBNN
 
 
@@ -77,6 +77,20 @@ def test_a_planar_flow_samples_where_and_as_its_parameters_are():
     (lambda: BernoulliDecoder(z_dim=8.0), TypeError, "z_dim must be a positive int, got 8.0"),
     (lambda: ClassificationBNN((784, 10, 10), mmnn_hidden=0), ValueError, "mmnn_hidden must be a positive int"),
     (lambda: ClassificationBNN((784, 10)), ValueError, "sizes must be .* at least three"),
+    # the estimator's options, checked when the module is built (they failed at its first step)
+    (lambda: build_vae("kivi-ac", contrast="bogus"), ValueError, "contrast must be one of"),
+    (lambda: build_vae("kivi", lam=0.0), ValueError, "lam must be positive and finite"),
+    (lambda: build_vae("kivi", clip=2.0), ValueError, r"clip must lie in \(0, 1\)"),
+    (lambda: build_vae("kivi", n_q=1), ValueError, "n_q must be at least 2"),
+    (lambda: build_vae("kivi", n_p=2.0), TypeError, "n_p must be a positive int"),
+    (lambda: VAE(ImplicitEncoder(z_dim=4), BernoulliDecoder(z_dim=8), "kivi"), ValueError,
+     r"the encoder's z_dim \(4\) and the decoder's \(8\) differ"),
+    (lambda: RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 9))], "kivi-ac",
+                           contrast="bogus"), ValueError, "contrast must be one of"),
+    (lambda: RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 9))], lam=1e-12),
+     ValueError, "lam must be at least 1e-10"),
+    (lambda: ClassificationBNN((12, 6, 6, 3), clip=0.0), ValueError, "clip must be positive and finite"),
+    (lambda: ClassificationBNN((12, 6, 6, 3), n_prior=1), ValueError, "n_prior must be at least 2"),
 ])
 def test_bad_sizes_are_named(build, error, message):
     """Each was truncated (2.7 -> 2, True -> 1, '23' -> (2, 3)), passed over (noise_at=1.5 built no

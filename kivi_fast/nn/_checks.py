@@ -63,3 +63,24 @@ def exact(name: str, x, shape: Sequence[int], floating: bool = True) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+
+
+def samples(name: str, value) -> int:
+    """A sample count the KL estimators take: an int >= 2."""
+    value = positive_int(name, value)
+    if not isinstance(value, torch.SymInt) and value < 2:
+        raise ValueError(f"{name} must be at least 2 (the kernel estimators need two samples), got {value}")
+    return value
+
+
+def kl_options(lam, clip=None, contrast=None) -> tuple:
+    """The estimator's options a module passes to kivi_fast's KL at every step, checked once when it is
+    built (else a bad one would fail at the first step, named as the estimator's own argument)."""
+    from .. import _validate
+    from ..contrast import CONTRASTS
+
+    lam = _validate.check_lam(lam)
+    clip = None if clip is None else _validate.check_clip(clip)
+    if contrast is not None and contrast not in CONTRASTS:
+        raise ValueError(f'contrast must be one of {", ".join(map(repr, CONTRASTS))}, got {contrast!r}')
+    return lam, clip, contrast

@@ -25,7 +25,7 @@ from torch import nn
 
 import kivi_fast
 
-from ._checks import exact, positive_float, positive_int, positive_ints, trailing
+from ._checks import exact, kl_options, positive_float, positive_int, positive_ints, samples, trailing
 
 LOG_2PI = math.log(2 * math.pi)
 PRIOR_PRECISION = (6.0, 6.0)  # Gamma(shape, rate) prior on the noise precision (App. E)
@@ -147,8 +147,9 @@ class RegressionBNN(nn.Module):
                                 f"kl_to_standard_normal(); posteriors[{i}] is a {type(q).__name__}")
         self.posteriors = nn.ModuleList(posteriors)
         self.precision = GammaPrecision()
-        self.kl_method, self.lam, self.contrast = kl_method, float(lam), contrast
-        self.n_prior = positive_int("n_prior", n_prior)
+        self.kl_method = kl_method
+        self.lam, _, self.contrast = kl_options(lam, None, contrast)
+        self.n_prior = samples("n_prior", n_prior)
 
     def sample_weights(self, n: int) -> list[torch.Tensor]:
         """n flat samples per layer, [n, (n_in + 1) n_out] each."""

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
-from ._checks import exact, positive_int, positive_ints, trailing
+from ._checks import exact, kl_options, positive_int, positive_ints, samples, trailing
 from .bnn import mlp_forward
 from .gaussian import FactorizedGaussian
 from .mmnn import MMNN
@@ -96,8 +96,9 @@ class ClassificationBNN(nn.Module):
         if len(sizes) < 3:
             raise ValueError(f"sizes must be (inputs, hidden, ..., classes), at least three, got {sizes}")
         self.sizes = sizes
-        self.method, self.lam, self.clip = method, float(lam), float(clip)
-        self.n_prior = positive_int("n_prior", n_prior)
+        self.method = method
+        self.lam, self.clip, _ = kl_options(lam, clip)
+        self.n_prior = samples("n_prior", n_prior)
         self.shapes = [(n_in + 1, n_out) for n_in, n_out in zip(sizes[:-1], sizes[1:])]
         hidden = paper_mmnn_hidden(sizes[1]) if mmnn_hidden is None else positive_int("mmnn_hidden", mmnn_hidden)
         if method == "bbb":

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
-from ._checks import exact, positive_float, positive_int, positive_ints, trailing
+from ._checks import exact, kl_options, positive_float, positive_int, positive_ints, samples, trailing
 from .gaussian import gaussian_kl_to_standard_normal
 from .generator import NoiseInjection
 
@@ -152,8 +152,11 @@ class VAE(nn.Module):
             raise ValueError(f"kl must be one of {', '.join(KL_ESTIMATORS)}, got {kl!r}")
         if (kl == "gaussian") != isinstance(encoder, GaussianEncoder):
             raise ValueError('kl="gaussian" goes with a GaussianEncoder, the others with an implicit encoder')
+        if getattr(encoder, "z_dim", decoder.z_dim) != decoder.z_dim:
+            raise ValueError(f"the encoder's z_dim ({encoder.z_dim}) and the decoder's ({decoder.z_dim}) differ")
         self.encoder, self.decoder, self.kl_estimator = encoder, decoder, kl
-        self.n_q, self.n_p, self.lam, self.clip, self.contrast = n_q, n_p, lam, clip, contrast
+        self.lam, self.clip, self.contrast = kl_options(lam, clip, contrast)
+        self.n_q, self.n_p = samples("n_q", n_q), samples("n_p", n_p)
 
     def draws(self, batch: int, generator: torch.Generator | None, device, dtype=torch.float32,
               n_q: int | None = None) -> dict[str, torch.Tensor]:
