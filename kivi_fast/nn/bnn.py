@@ -75,6 +75,7 @@ class GammaPrecision(nn.Module):
         return 0.5 * (torch.digamma(a) - b.log() - a / b * (y - y_hat).pow(2) - LOG_2PI)
 
     def kl(self) -> torch.Tensor:
+        """KL(q(lambda) || prior), a 0-d tensor (closed form: :func:`gamma_kl`)."""
         return gamma_kl(self.alpha, self.beta, *(torch.tensor(v) for v in self.prior))
 
     def predictive_log_prob(self, y: torch.Tensor, y_hat: torch.Tensor, integrate: bool = True) -> torch.Tensor:

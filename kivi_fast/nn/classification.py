@@ -116,6 +116,8 @@ class ClassificationBNN(nn.Module):
         return self.posteriors.parameters()
 
     def sample_weights(self, n: int) -> list[torch.Tensor]:
+        """n flat samples per weight matrix, [n, (n_in + 1) n_out] each."""
+        n = positive_int("n", n)
         return [q.sample(n) for q in self.posteriors]
 
     def logits(self, x: torch.Tensor, flat: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -123,6 +125,8 @@ class ClassificationBNN(nn.Module):
         return mlp_forward(x, [w.reshape(w.shape[0], *s) for w, s in zip(flat, self.shapes)])
 
     def layer_kls(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """KL(q(W_l) || N(0, I)) per weight matrix, 0-d each: closed form ("bbb", ``flat`` unused), the
+        discriminators' mean logit ("pc"), or KIVI from the samples ``flat`` and n_prior prior draws."""
         if self.method == "bbb":
             return [q.kl_to_standard_normal() for q in self.posteriors]
         if self.method == "pc":  # the discriminators held fixed: the ELBO moves the posteriors only
@@ -174,6 +178,7 @@ class ClassificationBNN(nn.Module):
 
 
 def n_weights(sizes: Sequence[int]) -> int:
+    """The weights of the MLP ``sizes``, biases included."""
     return sum((a + 1) * b for a, b in zip(sizes[:-1], sizes[1:]))
 
 

@@ -160,9 +160,10 @@ class VAE(nn.Module):
 
     def draws(self, batch: int, generator: torch.Generator | None, device, dtype=torch.float32,
               n_q: int | None = None) -> dict[str, torch.Tensor]:
-        """The random numbers of one step on ``batch`` data points: encoder noise, and N(0, I) samples
-        for the KL (prior samples for "kivi", reference draws for "kivi-ac"; none for "gaussian",
-        whose training step draws only the n_rec samples it needs)."""
+        """The random numbers of one step on ``batch`` data points: ``noise``, the encoder's
+        [batch, n_q, noise width] (``encoder.noise_shape``), and ``prior``, N(0, I) samples for the KL
+        [batch, n_p, z_dim] (prior samples for "kivi", reference draws for "kivi-ac"; none for
+        "gaussian", whose training step draws only the n_rec samples it needs: n_q 1 unless given)."""
         n_q = (1 if self.kl_estimator == "gaussian" else self.n_q) if n_q is None else n_q
         out = {"noise": torch.randn(self.encoder.noise_shape(batch, n_q), generator=generator, device=device,
                                     dtype=dtype)}
