@@ -185,10 +185,16 @@ def check_kl_contrast(contrast: str) -> str:
     return contrast
 
 
-def resolve_contrast(contrast: str, n: int, d: int) -> str:
-    """The contrast that ``contrast`` names for n samples in d dimensions: "auto" is "full" when n > d."""
+def check_contrast(contrast: str) -> str:
+    """A Gaussian contrast's name, checked: one of CONTRASTS."""
     if contrast not in CONTRASTS:
         raise ValueError(f'contrast must be one of {", ".join(map(repr, CONTRASTS))}, got {contrast!r}')
+    return contrast
+
+
+def resolve_contrast(contrast: str, n: int, d: int) -> str:
+    """The contrast that ``contrast`` names for n samples in d dimensions: "auto" is "full" when n > d."""
+    check_contrast(contrast)
     if contrast == "auto":
         return "full" if n > d else "diagonal"
     return contrast

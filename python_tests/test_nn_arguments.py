@@ -3,6 +3,8 @@ truncated, broadcast into a plausible result, or turned into NaN (each case belo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -19,24 +21,43 @@ def gen(seed: int) -> torch.Generator:
 # ---- PlanarFlow -------------------------------------------------------------------------------------
 
 
-def test_a_planar_flow_as_built_is_the_identity():
-    """w = 0 made u_hat 0 / 0: every sample and the KL were NaN. Built, the flow is the identity, so its
-    samples are its base draws, its density N(0, I)'s and its KL 0."""
-    flow = PlanarFlow(3)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_planar_flow_as_built_trains(seed):
+    """Its parameters started at 0, where u_hat was 0 / 0: every sample and the KL were NaN (and at
+    u = w = b = 0 every gradient is 0, so not even the identity could have trained). Built, its samples
+    and KL are finite, every parameter gets a gradient, and Adam steps toward N(2, I) move its mean."""
+    flow = PlanarFlow(3, generator=gen(seed))
+    z, log_q = flow.sample_with_log_prob(50, gen(0))
+    assert z.dtype == torch.float32 and z.isfinite().all() and log_q.isfinite().all()
+    kl, error = flow.kl_to_standard_normal(2000, gen(1))
+    assert math.isfinite(kl) and math.isfinite(error)
+    opt = torch.optim.Adam(flow.parameters(), lr=0.05)
+    target = torch.distributions.Normal(2.0, 1.0)
+    for step in range(20):
+        z, log_q = flow.sample_with_log_prob(200, gen(10 + step))
+        loss = (log_q - target.log_prob(z).sum(-1)).mean()  # KL(q || N(2, I)) + const
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad.abs().sum() > 0 for p in flow.parameters())
+        opt.step()
+    moved = flow.sample(2000, gen(99)).mean(0)
+    assert (moved > 0.3).all(), moved
+
+
+def test_a_planar_flow_of_zero_scale_is_the_identity():
+    """init_scale=0 (random()'s start): w = 0, where the floor of |w|^2 keeps u_hat from 0 / 0."""
+    flow = PlanarFlow(3, init_scale=0.0)
     z, log_q = flow.sample_with_log_prob(50, gen(0))
     base = torch.randn(50, 3, generator=gen(0))
-    assert z.dtype == torch.float32 and torch.equal(z, base)
+    assert torch.equal(z, base)
     torch.testing.assert_close(log_q, torch.distributions.Normal(0.0, 1.0).log_prob(base).sum(-1))
     assert flow.kl_to_standard_normal(1000, gen(1)) == (0.0, 0.0)
-    # trained a step from there, it stays finite
-    flow.u.data.normal_(generator=gen(2))
-    assert flow.sample(10, gen(3)).isfinite().all()
 
 
 def test_a_planar_flow_samples_where_and_as_its_parameters_are():
     flow = PlanarFlow.random(3, generator=gen(0))
     assert flow.sample(4).dtype == torch.float32 and flow.double().sample(4).dtype == torch.float64
-    assert flow.sample(4, dtype=torch.float32).dtype == torch.float32
+    assert flow.sample(4, dtype=torch.float64).dtype == torch.float64
     on_meta = PlanarFlow.random(3, generator=gen(0)).to("meta").sample(4)  # (was: drawn on the CPU)
     assert on_meta.device.type == "meta" and on_meta.shape == (4, 3)
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 3\], got \[4, 2\]"):
@@ -57,8 +78,9 @@ def test_a_planar_flow_samples_where_and_as_its_parameters_are():
     (lambda: MLPGenerator("23"), TypeError, "sizes must be a sequence of positive ints"),
     (lambda: MLPGenerator((2, True, 3)), TypeError, r"sizes\[1\] must be a positive int, got True"),
     (lambda: MLPGenerator((2, 0, 3)), ValueError, r"sizes\[1\] must be a positive int, got 0"),
-    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=1.5), TypeError, "noise_at must be None or an int"),
-    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=True), TypeError, "noise_at must be None or an int"),
+    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=1.5), TypeError, "noise_at must be an int, got 1.5"),
+    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=True), TypeError, "noise_at must be an int, got True"),
+    (lambda: MLPGenerator((2, 5, 5, 3), noise_at=3), ValueError, "noise_at must name a hidden layer, 1 to 2"),
     (lambda: MMNN([(2.7, 3), (4, 5)]), TypeError, r"shapes\[0\]\[0\] must be a positive int"),
     (lambda: MMNN([(True, 3), (4, 5)]), TypeError, r"shapes\[0\]\[0\] must be a positive int"),
     (lambda: MMNN([(2, 3, 1), (4, 5)]), ValueError, r"shapes\[0\] must be a \(rows, cols\) pair"),
@@ -73,7 +95,8 @@ def test_a_planar_flow_samples_where_and_as_its_parameters_are():
     (lambda: GammaPrecision(prior=(0, 1)), ValueError, r"prior\[0\] must be positive and finite"),
     (lambda: ImplicitEncoder(init_noise_std=0), ValueError, "init_noise_std must be positive and finite"),
     (lambda: ImplicitEncoder(hidden=()), ValueError, "hidden must name at least one layer"),
-    (lambda: build_vae(hidden=()), ValueError, "hidden must name at least one layer"),
+    (lambda: build_vae(hidden=()), ValueError, "hidden must name at least one layer"),  # (the implicit one's)
+    (lambda: GammaPrecision(prior=6.0), ValueError, r"prior must be a Gamma's \(shape, rate\)"),
     (lambda: BernoulliDecoder(z_dim=8.0), TypeError, "z_dim must be a positive int, got 8.0"),
     (lambda: ClassificationBNN((784, 10, 10), mmnn_hidden=0), ValueError, "mmnn_hidden must be a positive int"),
     (lambda: ClassificationBNN((784, 10)), ValueError, "sizes must be .* at least three"),
@@ -180,8 +203,11 @@ def test_the_vaes_n_rec_must_name_samples_it_has():
     draws = vae.draws(3, gen(0), "cpu")
     rec, kl = vae(x, draws, n_rec=5)
     assert rec.shape == kl.shape == (3,) and rec.isfinite().all()
-    for n_rec, error in ((0, ValueError), (6, ValueError), (-1, ValueError), (1.5, TypeError)):
-        with pytest.raises(error, match="n_rec must be"):
+    for n_rec, error, message in ((0, ValueError, "n_rec must be a positive int, got 0"),
+                                  (-1, ValueError, "n_rec must be a positive int, got -1"),
+                                  (1.5, TypeError, "n_rec must be a positive int, got 1.5"),
+                                  (6, ValueError, r"n_rec must be between 1 and the 5 samples of draws\['noise'\]")):
+        with pytest.raises(error, match=message):
             vae(x, draws, n_rec=n_rec)
 
 
@@ -193,8 +219,10 @@ def test_the_classifier_names_bad_batches_and_methods():
     assert loss.isfinite()
     with pytest.raises(ValueError, match=r"y must have shape \[5\], got \[5, 1\]"):
         model(x, y[:, None], 100, n_samples=4)
-    with pytest.raises(TypeError, match="y must hold class indices"):
-        model(x, y.float(), 100, n_samples=4)
+    for dtype in (torch.float32, torch.int32):  # (cross_entropy takes int64 and uint8 targets only)
+        with pytest.raises(TypeError, match=f"y must hold class indices as int64 or uint8, got {dtype}"):
+            model(x, y.to(dtype), 100, n_samples=4)
+    assert model(x, y.to(torch.uint8), 100, n_samples=4)[0].isfinite()
     with pytest.raises(ValueError, match=r"x must have shape \[B, 12\] with B >= 1, got \[0, 12\]"):
         model(x[:0], y[:0], 100, n_samples=4)
     with pytest.raises(ValueError, match='discriminator_loss needs method="pc"'):
@@ -211,3 +239,28 @@ def test_the_matrix_posteriors_take_a_generator():
     model = ClassificationBNN((12, 6, 6, 3), "kivi", mmnn_hidden=4)
     a, b = (model.posteriors[0].sample(3, gen(1)) for _ in range(2))
     assert torch.equal(a, b) and a.shape == (3, 13 * 6) and a.isfinite().all()
+
+
+def test_the_gaussian_vae_checks_its_noise_and_takes_what_it_does_not_use():
+    """The Gaussian VAE's step skips its encoder's forward (moments, then reparameterize), so a noise of
+    the wrong shape broadcast there: one row's noise for the whole batch. Its n_q and n_p are unused
+    (closed-form KL) and its hidden layers may be none (a linear encoder and decoder)."""
+    torch.manual_seed(0)
+    vae = build_vae("gaussian", x_dim=12, hidden=(6,), z_dim=2, n_q=1, n_p=1)
+    x = torch.rand(3, 12).round()
+    rec, kl = vae(x, vae.draws(3, gen(0), "cpu"))
+    assert rec.shape == kl.shape == (3,)
+    for bad, message in ((torch.randn(3, 1, 1), r"noise must have shape \[3, 1, 2\], got \[3, 1, 1\]"),
+                         (torch.randn(1, 1, 2), r"noise must have shape \[3, 1, 2\], got \[1, 1, 2\]"),
+                         (torch.randn(3, 2), r"draws\['noise'\] must be a \[B, n, width\] tensor")):
+        with pytest.raises(ValueError, match=message):
+            vae(x, {"noise": bad})
+    linear = build_vae("gaussian", x_dim=12, hidden=(), z_dim=2)
+    assert linear(x, linear.draws(3, gen(0), "cpu"))[0].shape == (3,)
+
+
+def test_the_factorized_bnn_takes_closed_form_posteriors_only():
+    model = RegressionBNN((3, 8, 1), [FactorizedGaussian(32), FactorizedGaussian(9)], "factorized", n_prior=1)
+    assert model.elbo(torch.randn(4, 3), torch.randn(4), 10, n_samples=3)["elbo"].isfinite()
+    with pytest.raises(TypeError, match=r"posteriors\[0\] is a PlanarFlow"):  # (its KL is Monte Carlo)
+        RegressionBNN((3, 8, 1), [PlanarFlow(32), FactorizedGaussian(9)], "factorized")

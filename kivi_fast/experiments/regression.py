@@ -144,6 +144,7 @@ def train_epoch(model, opt, data: datasets.Split, batch_size: int, n_samples: in
     n_batches = 0
     for start in range(0, n, batch_size):
         idx = perm[start:start + batch_size]
+        model.check_batch(data.x_train[idx], data.y_train[idx], n)  # (its errors are not the KL's, below)
         try:
             terms = model.elbo(data.x_train[idx], data.y_train[idx], n, n_samples)
         except ValueError as err:  # the estimator refusing its samples: said once, not as a traceback

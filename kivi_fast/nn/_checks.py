@@ -14,13 +14,19 @@ from typing import Sequence
 import torch
 
 
+def integer(name: str, value, what: str = "an int") -> int:
+    """``value`` as an int: an integer, not a bool (True would pass as 1) or a float (2.7 as 2)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
 def positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1: an integer, not a bool (True would pass as 1) or a float (2.7 as 2).
-    A symbolic size (a shape under torch.compile's dynamic shapes) is taken as it is."""
+    """``value`` as an int >= 1 (:func:`integer`). A symbolic size (a shape under torch.compile's dynamic
+    shapes) is taken as it is."""
     if isinstance(value, torch.SymInt):
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    value = integer(name, value, "a positive int")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value}")
     return int(value)
@@ -77,10 +83,17 @@ def kl_options(lam, clip=None, contrast=None) -> tuple:
     """The estimator's options a module passes to kivi_fast's KL at every step, checked once when it is
     built (else a bad one would fail at the first step, named as the estimator's own argument)."""
     from .. import _validate
-    from ..contrast import CONTRASTS
+    from ..contrast import check_contrast
 
     lam = _validate.check_lam(lam)
     clip = None if clip is None else _validate.check_clip(clip)
-    if contrast is not None and contrast not in CONTRASTS:
-        raise ValueError(f'contrast must be one of {", ".join(map(repr, CONTRASTS))}, got {contrast!r}')
-    return lam, clip, contrast
+    return lam, clip, None if contrast is None else check_contrast(contrast)
+
+
+def batch(x, width: int, n_data: int | None = None) -> None:
+    """A minibatch of inputs x [B, width] with B >= 1, from a data set of ``n_data`` >= B points."""
+    trailing("x", x, (width,))
+    if x.dim() != 2 or x.shape[0] < 1:
+        raise ValueError(f"x must have shape [B, {width}] with B >= 1, got {list(x.shape)}")
+    if n_data is not None and positive_int("n_data", n_data) < x.shape[0]:
+        raise ValueError(f"n_data (the data set's size) must be at least the batch's {x.shape[0]}, got {n_data}")

@@ -25,7 +25,8 @@ from torch import nn
 
 import kivi_fast
 
-from ._checks import exact, kl_options, positive_float, positive_int, positive_ints, samples, trailing
+from ._checks import batch, exact, kl_options, positive_float, positive_int, positive_ints, samples
+from .flows import PlanarFlow
 
 LOG_2PI = math.log(2 * math.pi)
 PRIOR_PRECISION = (6.0, 6.0)  # Gamma(shape, rate) prior on the noise precision (App. E)
@@ -56,7 +57,7 @@ class GammaPrecision(nn.Module):
         super().__init__()
         self.log_alpha = nn.Parameter(torch.tensor(math.log(positive_float("alpha", alpha))))
         self.log_beta = nn.Parameter(torch.tensor(math.log(positive_float("beta", beta))))
-        if isinstance(prior, (str, bytes)) or len(prior) != 2:
+        if isinstance(prior, (str, bytes)) or not isinstance(prior, Sequence) or len(prior) != 2:
             raise ValueError(f"prior must be a Gamma's (shape, rate), two positive numbers, got {prior!r}")
         self.prior = (positive_float("prior[0]", prior[0]), positive_float("prior[1]", prior[1]))
 
@@ -143,14 +144,15 @@ class RegressionBNN(nn.Module):
             if getattr(q, "dim", a * b) != a * b:  # (a posterior that says its sample size)
                 raise ValueError(f"posteriors[{i}] samples {q.dim} weights; layer {i} has ({a - 1} + 1) x {b} = "
                                  f"{a * b} (bias row included)")
-            if kl_method == "factorized" and not hasattr(q, "kl_to_standard_normal"):
+            # (PlanarFlow's kl_to_standard_normal is a Monte Carlo (estimate, error) pair, not a term to train on)
+            if kl_method == "factorized" and (not hasattr(q, "kl_to_standard_normal") or isinstance(q, PlanarFlow)):
                 raise TypeError(f'kl_method="factorized" needs posteriors with a closed-form '
                                 f"kl_to_standard_normal(); posteriors[{i}] is a {type(q).__name__}")
         self.posteriors = nn.ModuleList(posteriors)
         self.precision = GammaPrecision()
         self.kl_method = kl_method
         self.lam, _, self.contrast = kl_options(lam, None, contrast)
-        self.n_prior = samples("n_prior", n_prior)
+        self.n_prior = n_prior if kl_method == "factorized" else samples("n_prior", n_prior)
 
     def sample_weights(self, n: int) -> list[torch.Tensor]:
         """n flat samples per layer, [n, (n_in + 1) n_out] each."""
@@ -183,10 +185,7 @@ class RegressionBNN(nn.Module):
         in the paper's setting n_q = M. x [B, D], y [B]. Returns the ELBO and its terms, all as totals
         (not per point).
         """
-        self._check_inputs(x)
-        exact("y", y, (x.shape[0],))
-        if positive_int("n_data", n_data) < x.shape[0]:
-            raise ValueError(f"n_data (the data set's size) must be at least the batch's {x.shape[0]}, got {n_data}")
+        self.check_batch(x, y, n_data)
         flat = self.sample_weights(n_samples)
         y_hat = mlp_forward(x, self.weight_matrices(flat))  # [S, B]
         log_lik = self.precision.expected_log_likelihood(y, y_hat).mean(0).sum() * (n_data / x.shape[0])
@@ -194,15 +193,15 @@ class RegressionBNN(nn.Module):
         kl_prec = self.precision.kl()
         return {"elbo": log_lik - kl_w - kl_prec, "log_lik": log_lik, "kl_weights": kl_w, "kl_precision": kl_prec}
 
-    def _check_inputs(self, x) -> None:
-        trailing("x", x, (self.layer_sizes[0],))
-        if x.dim() != 2 or x.shape[0] < 1:
-            raise ValueError(f"x must have shape [B, {self.layer_sizes[0]}] with B >= 1, got {list(x.shape)}")
+    def check_batch(self, x, y, n_data: int) -> None:
+        """What :meth:`elbo` checks of its data: x [B, D] with B >= 1, y [B], n_data >= B."""
+        batch(x, self.layer_sizes[0], n_data)
+        exact("y", y, (x.shape[0],))
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, n_samples: int = 100) -> torch.Tensor:
         """Network outputs for ``n_samples`` posterior draws: x [B, D] -> [S, B] (normalized units)."""
-        self._check_inputs(x)
+        batch(x, self.layer_sizes[0])
         return mlp_forward(x, self.weight_matrices(self.sample_weights(n_samples)))
 
 

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
-from ._checks import exact, kl_options, positive_int, positive_ints, samples, trailing
+from ._checks import batch, exact, kl_options, positive_int, positive_ints, samples
 from .bnn import mlp_forward
 from .gaussian import FactorizedGaussian
 from .mmnn import MMNN
@@ -98,7 +98,7 @@ class ClassificationBNN(nn.Module):
         self.sizes = sizes
         self.method = method
         self.lam, self.clip, _ = kl_options(lam, clip)
-        self.n_prior = samples("n_prior", n_prior)
+        self.n_prior = samples("n_prior", n_prior) if method == "kivi" else n_prior
         self.shapes = [(n_in + 1, n_out) for n_in, n_out in zip(sizes[:-1], sizes[1:])]
         hidden = paper_mmnn_hidden(sizes[1]) if mmnn_hidden is None else positive_int("mmnn_hidden", mmnn_hidden)
         if method == "bbb":
@@ -151,15 +151,10 @@ class ClassificationBNN(nn.Module):
         return {"elbo": log_lik - kl, "log_lik": log_lik, "kl": kl, "samples": flat}
 
     def _check_batch(self, x, y, n_data) -> None:
-        trailing("x", x, (self.sizes[0],))
-        if x.dim() != 2 or x.shape[0] < 1:
-            raise ValueError(f"x must have shape [B, {self.sizes[0]}] with B >= 1, got {list(x.shape)}")
+        batch(x, self.sizes[0], n_data)
         exact("y", y, (x.shape[0],), floating=False)
-        if y.is_floating_point() or y.dtype == torch.bool:
-            raise TypeError(f"y must hold class indices (an integer tensor), got {y.dtype}")
-        if positive_int("n_data", n_data) < x.shape[0]:
-            raise ValueError(f"n_data (the training set's size) must be at least the batch's {x.shape[0]}, "
-                             f"got {n_data}")
+        if y.dtype not in (torch.long, torch.uint8):  # (cross_entropy's target dtypes)
+            raise TypeError(f"y must hold class indices as int64 or uint8, got {y.dtype}")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, n_data: int, n_samples: int = 10
                 ) -> tuple[torch.Tensor, dict]:

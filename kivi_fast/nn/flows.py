@@ -20,16 +20,29 @@ from ._checks import positive_int, trailing
 
 
 class PlanarFlow(nn.Module):
-    """``n_layers`` planar layers in ``dim`` dimensions on a standard normal base. Built with zero
-    parameters it is the identity (q = N(0, I)); :meth:`random` draws a fixed non-Gaussian one."""
+    """``n_layers`` planar layers in ``dim`` dimensions on a standard normal base, for training: u, w
+    and b start with U(-s, s) entries, s = ``init_scale`` (default 1/sqrt(dim), as Pyro's planar flow;
+    from ``generator``, else torch's global one). Not at 0: with u = w = b = 0 every gradient is 0, and
+    the invertibility projection of u (``u_hat``) jumps by ~0.3 / |w| as w leaves 0, so the flow could
+    not train from there. ``init_scale=0`` is the identity (fixed); :meth:`random` builds a fixed
+    non-Gaussian flow."""
 
-    def __init__(self, dim: int, n_layers: int = 4):
+    def __init__(self, dim: int, n_layers: int = 4, init_scale: float | None = None,
+                 generator: torch.Generator | None = None):
         super().__init__()
         self.dim = dim = positive_int("dim", dim)
         n_layers = positive_int("n_layers", n_layers)
-        self.u = nn.Parameter(torch.zeros(n_layers, dim))
-        self.w = nn.Parameter(torch.zeros(n_layers, dim))
-        self.b = nn.Parameter(torch.zeros(n_layers))
+        scale = dim ** -0.5 if init_scale is None else float(init_scale)
+        if not 0.0 <= scale < float("inf"):
+            raise ValueError(f"init_scale must be finite and non-negative, got {init_scale}")
+
+        def start(*shape: int) -> torch.Tensor:  # (scale 0 draws nothing: random()'s stream stays its own)
+            if scale == 0:
+                return torch.zeros(shape)
+            return (torch.rand(shape, generator=generator) * 2 - 1) * scale
+
+        self.u, self.w, self.b = (nn.Parameter(start(n_layers, dim)), nn.Parameter(start(n_layers, dim)),
+                                  nn.Parameter(start(n_layers)))
 
     @classmethod
     def random(cls, dim: int, n_layers: int = 4, strength: float = 1.0,
@@ -37,7 +50,7 @@ class PlanarFlow(nn.Module):
         """A fixed, clearly non-Gaussian flow: each layer moves points by up to ``strength`` along a
         random direction u, switching sign across a random hyperplane with a steep tanh (|w| = 3), so
         the base splits into separated lobes."""
-        flow = cls(dim, n_layers)
+        flow = cls(dim, n_layers, init_scale=0.0)
         with torch.no_grad():
             u = torch.randn(n_layers, dim, generator=generator)
             w = torch.randn(n_layers, dim, generator=generator)
@@ -49,7 +62,7 @@ class PlanarFlow(nn.Module):
     def u_hat(self) -> torch.Tensor:
         """u projected so that w^T u_hat = -1 + softplus(w^T u) > -1 (invertibility), per layer."""
         wu = (self.w * self.u).sum(-1, keepdim=True)
-        # (w = 0, as built: the correction is 0, and the floor keeps 0 / 0 from making it NaN)
+        # (at w = 0 the correction is 0, and the floor keeps 0 / 0 from making it NaN)
         norm2 = self.w.pow(2).sum(-1, keepdim=True).clamp_min(torch.finfo(self.w.dtype).tiny)
         return self.u + (F.softplus(wu) - 1 - wu) * self.w / norm2
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ._checks import positive_int, positive_ints, trailing
+from ._checks import integer, positive_int, positive_ints, trailing
 
 INITS = ("glorot", "torch")
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
@@ -63,9 +63,7 @@ class MLPGenerator(nn.Module):
         sizes = positive_ints("sizes", sizes)
         if len(sizes) < 2:
             raise ValueError(f"sizes must be (noise, [hidden, ...], output) with positive entries, got {sizes}")
-        if noise_at is not None and (isinstance(noise_at, bool) or not isinstance(noise_at, int)):
-            raise TypeError(f"noise_at must be None or an int naming a hidden layer, got {noise_at!r}")
-        if noise_at is not None and not 1 <= noise_at <= len(sizes) - 2:
+        if noise_at is not None and not 1 <= integer("noise_at", noise_at) <= len(sizes) - 2:
             raise ValueError(f"noise_at must name a hidden layer, 1 to {len(sizes) - 2}, got {noise_at}")
         self.noise_dim, self.dim = sizes[0], sizes[-1]
         layers: list[nn.Module] = []

@@ -156,7 +156,8 @@ class VAE(nn.Module):
             raise ValueError(f"the encoder's z_dim ({encoder.z_dim}) and the decoder's ({decoder.z_dim}) differ")
         self.encoder, self.decoder, self.kl_estimator = encoder, decoder, kl
         self.lam, self.clip, self.contrast = kl_options(lam, clip, contrast)
-        self.n_q, self.n_p = samples("n_q", n_q), samples("n_p", n_p)
+        # (the Gaussian encoder's KL is closed-form: its n_q, n_p are unused)
+        self.n_q, self.n_p = (n_q, n_p) if kl == "gaussian" else (samples("n_q", n_q), samples("n_p", n_p))
 
     def draws(self, batch: int, generator: torch.Generator | None, device, dtype=torch.float32,
               n_q: int | None = None) -> dict[str, torch.Tensor]:
@@ -184,7 +185,12 @@ class VAE(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(E_q log p(x | z) over the first ``n_rec`` samples, KL), each [B]; the ELBO is their difference."""
         noise = draws["noise"]
-        if not 1 <= positive_int("n_rec", n_rec) <= noise.shape[1]:
+        if not isinstance(noise, torch.Tensor) or noise.dim() != 3:
+            got = list(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
+            raise ValueError(f"draws['noise'] must be a [B, n, width] tensor (VAE.draws), got {got}")
+        # (here, for both encoders: the Gaussian one's moments and reparameterize below skip its forward)
+        _check_encoder_input(x, self.encoder.x_dim, noise.shape[1], noise, self.encoder.noise_shape)
+        if positive_int("n_rec", n_rec) > noise.shape[1]:
             raise ValueError(f"n_rec must be between 1 and the {noise.shape[1]} samples of draws['noise'], "
                              f"got {n_rec}")
         if self.kl_estimator == "gaussian":  # one pass of the encoder gives the samples and the KL
@@ -207,7 +213,5 @@ def build_vae(kl: str = "kivi-ac", *, x_dim: int = 784, hidden=(500, 500), z_dim
     """The paper's VAE for MNIST: decoder z_dim -> 500 -> 500 -> 784, encoder 784 -> 500 -> 500 -> z_dim
     (implicit, or Gaussian for ``kl="gaussian"``)."""
     hidden = positive_ints("hidden", hidden)
-    if not hidden:
-        raise ValueError("hidden must name at least one layer")
     encoder = GaussianEncoder(x_dim, hidden, z_dim) if kl == "gaussian" else ImplicitEncoder(x_dim, hidden, z_dim)
     return VAE(encoder, BernoulliDecoder(z_dim, tuple(reversed(hidden)), x_dim), kl, **kl_options)
