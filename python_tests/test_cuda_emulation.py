@@ -1018,10 +1018,10 @@ def test_translate_rewrites_launches_and_shared_variables_in_code_only():
 
 def test_a_batch_the_forwards_int_step_could_overflow_goes_to_the_generic_path():
     """The forward's blocks take elements b = blockIdx.x + k gridDim.x in an int, with up to one block
-    an element: from 2^30 elements on that step could pass int's range, so such batches are not the
-    fused forward's (the test needs no such tensor: handles_kl looks at shapes only)."""
-    assert EMU.handles_kl(4, 1, 2**30 - 1)
-    assert not EMU.handles_kl(4, 1, 2**30)
+    an element: b + gridDim.x <= 2 B - 1, past int's range above 2^30 elements, so such batches are not
+    the fused forward's (the test needs no such tensor: handles_kl looks at shapes only)."""
+    assert EMU.handles_kl(4, 1, 2**30)
+    assert not EMU.handles_kl(4, 1, 2**30 + 1)
 
 
 @pytest.mark.parametrize("nb", [1, 4, 1056, 65535])

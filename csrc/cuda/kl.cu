@@ -1334,8 +1334,8 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
   // (the forward's blocks step through the elements by an int, b += gridDim.x, with up to one block an
-  // element: below half of int's range that step cannot overflow)
-  if (n_total > kMaxPoints || batch > std::numeric_limits<int>::max() / 2) return false;
+  // element: b + gridDim.x <= 2 batch - 1, within int's range up to 2^30 elements)
+  if (n_total > kMaxPoints || batch > (int64_t{1} << 30)) return false;
   const bool small = n_total * d <= kSmallWork;
   // many dimensions: the distances by pair_sqdist_kernel or pair_tile_kernel (batch on the grid's y
   // or z), and the points are not staged in shared memory, which a projection state reads
