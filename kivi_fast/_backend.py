@@ -105,7 +105,7 @@ class CompiledOps:
         return torch.ops.kivi_fast.rbf_gram(x, y, sigma)
 
 
-def _holding_values(*tensors) -> None:
+def _refuse_meta(*tensors) -> None:
     """Refuse tensors on 'meta': the reference reads values (its checks, the median's quantile), so a
     shapes-only run (the compiled ops' fake kernels) has nothing to read."""
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
@@ -119,7 +119,7 @@ class ReferenceOps:
 
     @staticmethod
     def kl(prior_z, q_z, lam, clip, sigma, reverse, grad_state):
-        _holding_values(prior_z, q_z)
+        _refuse_meta(prior_z, q_z)
         unbatched = q_z.dim() == 2
         if unbatched:
             prior_z, q_z = prior_z[None], q_z[None]
@@ -128,23 +128,23 @@ class ReferenceOps:
 
     @staticmethod
     def fit(numer, denom, lam, sigma):
-        _holding_values(numer, denom)
+        _refuse_meta(numer, denom)
         return reference._fit64(numer, denom, lam, sigma)
 
     @staticmethod
     def ratio(z, numer, denom, alpha, beta, sigma):
-        _holding_values(z, numer, denom)
+        _refuse_meta(z, numer, denom)
         return reference._ratio64(z, numer, denom, alpha, beta, sigma)
 
     @staticmethod
     def median_bandwidth(x):
-        _holding_values(x)
+        _refuse_meta(x)
         _validate_finite("x", x)
         return reference._median64(x)
 
     @staticmethod
     def rbf_gram(x, y, sigma):
-        _holding_values(x, y)
+        _refuse_meta(x, y)
         _validate_finite("x", x)
         _validate_finite("y", y)
         return reference._gram64(x.double(), y.double(), sigma).to(x.dtype)
