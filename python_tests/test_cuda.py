@@ -480,6 +480,38 @@ def test_bad_values_on_cuda_give_nan_for_their_batch_element(n, d):
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
 
 
+def test_a_non_finite_ratio_weight_on_cuda_gives_nan_for_its_element_only():
+    """On the CPU the ratio op refuses a NaN or Inf alpha; on a GPU it gives NaN for that batch element
+    (no read back), and the other elements their ratios."""
+    g = torch.Generator().manual_seed(0)
+    p, q = (torch.randn(3, 20, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    fit = kivi_fast.DensityRatio(lam=1e-2).fit(numer=p, denom=q)
+    want = torch.ops.kivi_fast.ratio(q, p, q, fit.alpha, fit.beta, fit.sigma.reshape(-1), False)[0]
+    alpha = fit.alpha.clone()
+    alpha[1, 5] = float("nan")
+    args = [t.to(CUDA) for t in (q, p, q, alpha)]
+    with no_host_sync():
+        r = torch.ops.kivi_fast.ratio(*args, fit.beta, fit.sigma.reshape(-1).to(CUDA), False)[0]
+    assert r[1].isnan().all() and r[[0, 2]].isfinite().all()
+    assert_close_rel(r[[0, 2]], want[[0, 2]], 1e-12)
+
+
+@pytest.mark.parametrize("contrast", ["full", "auto"])
+def test_contrast_variances_out_of_range_on_cuda_give_nan_for_their_element(contrast):
+    """contrast.variances_in_range's mask on a GPU (the CPU raises, naming the cause): a standard
+    deviation below 1e-150 and a variance that overflows float64 make their element's estimate NaN,
+    the others finite and equal to the CPU's."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 60, 3, generator=g, dtype=torch.float64)
+    q[1] = q[1] * 1e-152
+    q[2] = q[2] * 1e154
+    on_device = q.to(CUDA)
+    with no_host_sync():
+        got = kivi_fast.adaptive_contrast_kl(on_device, None, contrast=contrast, generator=None,
+                                             reference_z=torch.randn(4, 60, 3, device=CUDA, dtype=torch.float64))
+    assert got[[1, 2]].isnan().all() and got[[0, 3]].isfinite().all(), got
+
+
 def test_auto_contrast_of_samples_on_a_subspace_on_cuda_equals_the_cpu():
     """"auto" whitens a batch element whose samples lie on a subspace by its diagonal: on a GPU too,
     without reading back which element that is (the CPU knows it; the GPU factors the batch anew)."""
