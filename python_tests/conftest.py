@@ -105,7 +105,7 @@ def implementation(name: str):
     """Run kivi_fast's public functions on one implementation: "cpu", "generic" or "reference"."""
     if name in ("cpu", "generic") and not has_ops():
         pytest.fail("the compiled ops are not built (pip install --no-build-isolation -e .)")
-    saved = _backend._state.get("name")
+    saved = _backend.backend()  # (loaded first: restoring a name never set would leave None behind)
     old_flag = None
     try:
         if name == "reference":
