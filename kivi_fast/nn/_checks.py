@@ -90,10 +90,11 @@ def kl_options(lam, clip=None, contrast=None) -> tuple:
     return lam, clip, None if contrast is None else check_contrast(contrast)
 
 
-def batch(x, width: int, n_data: int | None = None) -> None:
-    """A minibatch of inputs x [B, width] with B >= 1, from a data set of ``n_data`` >= B points."""
+def batch(x, width: int, n_data: int | None = None, least: int = 1) -> None:
+    """A minibatch of inputs x [B, width] with B >= ``least``, from a data set of ``n_data`` >= B points."""
     trailing("x", x, (width,))
-    if x.dim() != 2 or x.shape[0] < 1:
-        raise ValueError(f"x must have shape [B, {width}] with B >= 1, got {list(x.shape)}")
+    if x.dim() != 2 or x.shape[0] < least:
+        rows = f" with B >= {least}" if least else ""
+        raise ValueError(f"x must have shape [B, {width}]{rows}, got {list(x.shape)}")
     if n_data is not None and positive_int("n_data", n_data) < x.shape[0]:
         raise ValueError(f"n_data (the data set's size) must be at least the batch's {x.shape[0]}, got {n_data}")

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
-from ._checks import exact, kl_options, positive_float, positive_int, positive_ints, samples, trailing
+from ._checks import batch, exact, kl_options, positive_float, positive_int, positive_ints, samples, trailing
 from .gaussian import gaussian_kl_to_standard_normal
 from .generator import NoiseInjection
 
@@ -53,9 +53,7 @@ class BernoulliDecoder(nn.Module):
 
 
 def _check_encoder_input(x, x_dim: int, n: int, noise, noise_shape) -> None:
-    trailing("x", x, (x_dim,))
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [B, {x_dim}], got {list(x.shape)}")
+    batch(x, x_dim, least=0)
     want = noise_shape(x.shape[0], positive_int("n", n))
     if noise is not None:
         exact("noise", noise, want)
@@ -188,12 +186,12 @@ class VAE(nn.Module):
         if not isinstance(noise, torch.Tensor) or noise.dim() != 3:
             got = list(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
             raise ValueError(f"draws['noise'] must be a [B, n, width] tensor (VAE.draws), got {got}")
-        # (here, for both encoders: the Gaussian one's moments and reparameterize below skip its forward)
-        _check_encoder_input(x, self.encoder.x_dim, noise.shape[1], noise, self.encoder.noise_shape)
         if positive_int("n_rec", n_rec) > noise.shape[1]:
             raise ValueError(f"n_rec must be between 1 and the {noise.shape[1]} samples of draws['noise'], "
                              f"got {n_rec}")
         if self.kl_estimator == "gaussian":  # one pass of the encoder gives the samples and the KL
+            # (the checks of the encoder's forward, which this pass skips)
+            _check_encoder_input(x, self.encoder.x_dim, noise.shape[1], noise, self.encoder.noise_shape)
             mean, log_std = self.encoder.moments(x)
             z = self.encoder.reparameterize(mean, log_std, noise)
             kl = gaussian_kl_to_standard_normal(mean, log_std)
