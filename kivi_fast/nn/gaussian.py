@@ -60,7 +60,8 @@ class FactorizedGaussian(nn.Module):
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, dim] reparameterized samples."""
-        eps = torch.randn(positive_int("n", n), self.dim, generator=generator, dtype=self.mean.dtype, device=self.mean.device)
+        eps = torch.randn(positive_int("n", n), self.dim, generator=generator, dtype=self.mean.dtype,
+                          device=self.mean.device)
         return self.mean + self.std * eps
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,8 @@ class MLPGenerator(nn.Module):
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, dim] samples, differentiable w.r.t. the parameters (reparameterized)."""
         p = self.net[0].weight
-        return self(torch.randn(positive_int("n", n), self.noise_dim, generator=generator, dtype=p.dtype, device=p.device), generator)
+        eps = torch.randn(positive_int("n", n), self.noise_dim, generator=generator, dtype=p.dtype, device=p.device)
+        return self(eps, generator)
 
 
 def stochastic_net_2d(noise_dim: int = 2, hidden: int = 20, out_dim: int = 2, activation: str = "relu",
