@@ -214,7 +214,7 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     and one pass, or from differences in tiles),
     set_tile_subblocks (the tiled distances, pair_tile_kernel's and kernel_block's: only the 16 x 16
     sub-blocks that hold a needed pair, or all 16 of a tile),
-    set_balanced_tile_ranges (off by default; pair_tile_kernel with few tile pairs: each pair's
+    set_balanced_tile_ranges (pair_tile_kernel with few tile pairs: each pair's
     dimensions in ranges by its cost, or the same ranges for all),
     set_paired_weight_dims (the weight state's backward: two dimensions a thread, or one),
     set_weight_kernel (the weight state's backward: grad_from_weights_kernel, or the generic path's

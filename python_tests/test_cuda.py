@@ -489,9 +489,9 @@ def test_a_non_finite_ratio_weight_on_cuda_gives_nan_for_its_element_only():
     want = torch.ops.kivi_fast.ratio(q, p, q, fit.alpha, fit.beta, fit.sigma.reshape(-1), False)[0]
     alpha = fit.alpha.clone()
     alpha[1, 5] = float("nan")
-    args = [t.to(CUDA) for t in (q, p, q, alpha)]
+    q_, p_, alpha_, sigma_ = (t.to(CUDA) for t in (q, p, alpha, fit.sigma.reshape(-1)))  # (copies sync)
     with no_host_sync():
-        r = torch.ops.kivi_fast.ratio(*args, fit.beta, fit.sigma.reshape(-1).to(CUDA), False)[0]
+        r = torch.ops.kivi_fast.ratio(q_, p_, q_, alpha_, fit.beta, sigma_, False)[0]
     assert r[1].isnan().all() and r[[0, 2]].isfinite().all()
     assert_close_rel(r[[0, 2]], want[[0, 2]], 1e-12)
 

@@ -318,8 +318,8 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     """The tiled distances with every sub-block computed (set_tile_subblocks(False)) and the weight
     state's backward with one dimension a thread (set_paired_weight_dims(False)): each sum is taken in
     the same order as by the defaults, so the outputs and gradients are the same bits, and each equals
-    the CPU kernels. The distances' ranges by cost (set_balanced_tile_ranges(True)) split the
-    dimensions elsewhere, their norms and products (set_product_tile_distances(True)) round another
+    the CPU kernels. The distances' ranges by cost (set_balanced_tile_ranges, the default) and the
+    same ranges for all split the dimensions differently, their norms and products (set_product_tile_distances(True)) round another
     way, and the generic path's GEMM (set_weight_kernel(False)) sums in its own order, so theirs may
     differ in the last bits: within 1e-12 (float64; 1e-10 for the norms and products), 1e-6 (float32)."""
     b, n_p, n_q, d = shape
