@@ -208,8 +208,14 @@ def test_under_capturing_the_sides_read_nothing_back_and_equal_the_reference(sid
 def test_eager_sides_captured_in_a_cuda_graph_replay_their_eager_values(side):
     """pure_torch.capture (bench/gpu.py --graphed's: warm-up on a side stream, then the capture, under
     capturing()) of either side's forward + backward above 256 rows and 2^17 pairs: it captures, and a
-    replay gives the eager call's value and gradient."""
-    p, q = (t.float().cuda() for t in draw((2, 300, 3), seed=7))
+    replay gives the eager call's value and gradient, up to the side's own float32 error. Inside a
+    capture cuBLAS may pick other kernels, which sum in another order: on an H200 the strong side's
+    replay equalled its eager call bitwise, while the fast side's float32 solve moved the gradient by
+    4e-3 of its largest element, its eager error against float64 being 3.5e-3. A capture's bug (a stale
+    or reused buffer) is off by order 1."""
+    p64, q64 = draw((2, 300, 3), seed=7)
+    want64, want64_g = (t.cuda() for t in value_and_grad(lambda a, b: reference.kernel_kl(a, b, LAM), p64, q64))
+    p, q = p64.float().cuda(), q64.float().cuda()
     fn = lambda a, b: pure_torch.kl(a, b, LAM, side=side)  # noqa: E731
     want, want_g = value_and_grad(fn, p, q)
     out = {}
@@ -220,8 +226,12 @@ def test_eager_sides_captured_in_a_cuda_graph_replay_their_eager_values(side):
     out["value"].zero_()
     replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out["value"], want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out["grad"], want_g, rtol=1e-4, atol=1e-6)
+    # each a distance relative to the float64 value's size (the gradient's: its largest element)
+    scale, scale_g = want64.abs(), want64_g.abs().max()
+    error = ((want.double() - want64).abs() / scale).max(), (want_g.double() - want64_g).abs().max() / scale_g
+    moved = ((out["value"] - want).double().abs() / scale).max(), (out["grad"] - want_g).double().abs().max() / scale_g
+    # two roundings of the same float32 computation: each about the eager one's error
+    assert moved[0] <= 3 * error[0] + 1e-6 and moved[1] <= 3 * error[1] + 1e-6, (moved, error)
 
 
 def test_a_compiled_side_that_fails_on_a_later_call_is_left_out(capsys):

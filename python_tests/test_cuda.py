@@ -288,8 +288,9 @@ REORDERING_SWITCHES = ("set_balanced_tile_ranges", "set_weight_kernel", "set_pro
 
 @pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)
 def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, shape):
-    """The tiled distances with every sub-block (set_tile_subblocks(False)), their ranges by cost
-    (set_balanced_tile_ranges(True)) or from norms and products (set_product_tile_distances(True)),
+    """The tiled distances with every sub-block (set_tile_subblocks(False)), the same ranges of
+    dimensions for every tile pair (set_balanced_tile_ranges(False): by cost is the default) or from
+    norms and products (set_product_tile_distances(True)),
     and the weight state's backward with one dimension a thread
     (set_paired_weight_dims(False)) or by the generic path (set_weight_kernel(False)) against the CPU
     kernels, and
