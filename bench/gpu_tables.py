@@ -3,13 +3,14 @@
     python bench/gpu_tables.py runs/gpu_check          # the folder gpu_check.sh wrote (OUT_DIR)
     python bench/gpu_tables.py bench --markdown        # the committed JSON
 
-For each float32 shape, forward + backward: ours (eager) against each pure side at its strongest,
-eager, compiled or captured in a CUDA graph. A shape that the compiled phase timed
-(``cuda_compiled.json``) takes all its numbers from that run, where ours, the eager sides, the
+For each float32 shape, forward + backward: each side at its strongest, eager, compiled or captured in
+a CUDA graph, ours included, and each pure side's ratio to ours so. A shape that the compiled phase
+timed (``cuda_compiled.json``) takes all its numbers from that run, where ours, the eager sides, the
 compiled ones and the graphed ones were timed in turn in one process; the others come from the bench
-phase (``cuda_results.json``). Ratios are the benches' own (medians of each round's ratio); "like for
-like" is each compiled pure side against ours compiled the same way, and "graphed" each pure side's
-call captured in a CUDA graph against ours captured so ("-" where one was left out). Peak MB is of
+phase (``cuda_results.json``), eager only. Ratios are the benches' own (medians of each round's
+ratio) where both sides' best ran the same way, else the ratio of the two medians; "eager" is each
+eager pure side over ours eager, and "compiled" each compiled pure side over ours compiled the same
+way ("-" where one was left out). Peak MB is of
 ours and the eager sides, from the bench phase where it timed the shape, else from the compiled
 phase's run (a compiled or graphed side's would leave out the graphs' memory pool). Then the training steps (``train_steps.json``), when that file is there. The
 float64 rows (``cuda_results64.json``) and the forward-alone rows are left to the JSON.
@@ -42,35 +43,49 @@ def rows_by_shape(data: dict | None) -> dict:
     return {r["shape"]: r for r in data["rows"] if r["dtype"] == "float32" and r["pass"] == "fwd+bwd"}
 
 
-def strongest(row: dict, side: str) -> tuple[str, float, float]:
-    """(which, ms, its ratio to ours) of a pure side at its strongest in one row: eager, compiled or
-    graphed."""
-    options = [(side, row[side + "_s"], row[side + "_ratio"])]
+def strongest(row: dict, side: str) -> tuple[str, float]:
+    """(how, seconds) of a side at its strongest in one row: eager, compiled or graphed."""
+    options = [("eager", row[side + "_s"])]
     for way in ("compiled", "graphed"):
         if row.get(f"{side}_{way}_s") is not None:
-            options.append((f"{side} {way}", row[f"{side}_{way}_s"], row[f"{side}_{way}_ratio"]))
+            options.append((way, row[f"{side}_{way}_s"]))
     return min(options, key=lambda o: o[1])
 
 
+def best_ratio(row: dict, side: str) -> float:
+    """A pure side at its strongest over ours at its strongest: the bench's own ratio where both ran
+    the same way, else the ratio of their medians."""
+    (way, t), (ours_way, ours_t) = strongest(row, side), strongest(row, "ours")
+    if way == ours_way:
+        return row[f"{side}_ratio"] if way == "eager" else row[f"{side}_{way}_vs_ours_{way}"]
+    return t / ours_t
+
+
 def like_for_like(row: dict, way: str) -> str:
-    """Each pure side run `way` (compiled, graphed) over ours run the same way, "-" where one is missing."""
-    likes = [row.get(f"{s}_{way}_vs_ours_{way}") for s in SIDES]
+    """Each pure side run `way` (eager, compiled) over ours run the same way, "-" where one is missing."""
+    if way == "eager":
+        likes = [row.get(f"{s}_ratio") for s in SIDES]
+    else:
+        likes = [row.get(f"{s}_{way}_vs_ours_{way}") for s in SIDES]
     return "-" if all(v is None for v in likes) else " / ".join(cpu_bench._fmt(v, ".2f") for v in likes)
 
 
+def at_best(row: dict, side: str) -> str:
+    way, t = strongest(row, side)
+    return cpu_bench._fmt_ms(t) + ("" if way == "eager" else f" ({way})")
+
+
 def bench_table(bench: dict, compiled: dict, markdown: bool) -> str:
-    head = ["shape", "dtype", "pass", "timed in", "ours ms", "strong at its best", "fast at its best",
-            "strong/ours", "fast/ours", "like for like", "graphed", "peak MB ours / strong / fast"]
+    head = ["shape", "dtype", "pass", "timed in", "ours at its best", "strong at its best", "fast at its best",
+            "strong/ours", "fast/ours", "eager", "compiled", "peak MB ours / strong / fast"]
     body = []
     for shape, row in {**bench, **compiled}.items():
-        best = {side: strongest(row, side) for side in SIDES}
         peaks = bench.get(shape, row)
         mb = " / ".join(cpu_bench._fmt(peaks.get(k + "_mb"), ".1f") for k in ("ours",) + SIDES)
-        body.append([shape, "float32", "fwd+bwd", "compiled phase" if shape in compiled else "bench phase",
-                     cpu_bench._fmt_ms(row["ours_s"])]
-                    + [f"{cpu_bench._fmt_ms(best[s][1])} ({best[s][0]})" for s in SIDES]
-                    + [f"{best[s][2]:.2f}" for s in SIDES]
-                    + [like_for_like(row, "compiled"), like_for_like(row, "graphed"), mb])
+        body.append([shape, "float32", "fwd+bwd", "compiled phase" if shape in compiled else "bench phase"]
+                    + [at_best(row, s) for s in ("ours",) + SIDES]
+                    + [f"{best_ratio(row, s):.2f}" for s in SIDES]
+                    + [like_for_like(row, "eager"), like_for_like(row, "compiled"), mb])
     return cpu_bench._render(head, body, markdown)
 
 
