@@ -1,5 +1,5 @@
-"""bench/gpu_tables.py, which turns a GPU run's JSON into the GPU section's tables: each pure side at its
-strongest (eager or compiled), from the run that timed it, on made-up rows."""
+"""bench/gpu_tables.py, which turns a GPU run's JSON into the GPU section's tables: each side at its
+strongest (eager, compiled or graphed), ours included, from the run that timed it, on made-up rows."""
 
 import json
 import os
@@ -45,15 +45,33 @@ def test_each_pure_side_at_its_strongest_from_the_run_that_timed_it(tmp_path):
     t = tables(tmp_path, {"cuda_results.json": bench, "cuda_compiled.json": compiled})
     small, mid, large = t["(1000, 32)"], t["(2000, 32)"], t["(5000, 64)"]
     assert small["timed in"] == mid["timed in"] == "compiled phase" and large["timed in"] == "bench phase"
-    assert small["ours ms"] == "1.1"  # the compiled run's ours, not the bench phase's
-    assert small["strong at its best"] == "2.2 (strong compiled)" and small["strong/ours"] == "1.90"
-    assert small["fast at its best"] == "3.3 (fast)" and small["fast/ours"] == "3.00"
-    assert small["like for like"] == "2.10 / 5.40"
+    # ours at its best too: compiled here, from the compiled run, not the bench phase's eager 1.0
+    assert small["ours at its best"] == "1 (compiled)" and small["strong at its best"] == "2.2 (compiled)"
+    assert small["strong/ours"] == "2.10"  # both compiled: the bench's own like-for-like ratio
+    assert small["fast at its best"] == "3.3" and small["fast/ours"] == "3.30"  # eager over compiled: 3.3 / 1.0
+    assert small["eager"] == "4.00 / 3.00" and small["compiled"] == "2.10 / 5.40"
     assert small["peak MB ours / strong / fast"] == "8.0 / 30.0 / 20.0"  # the bench phase's
-    assert mid["strong at its best"] == "7 (strong)" and mid["strong/ours"] == "3.60"
-    assert mid["like for like"] == "4.20 / -" and mid["peak MB ours / strong / fast"] == "33.0 / 110.0 / 61.0"
-    assert large["strong at its best"] == "12 (strong)" and large["strong/ours"] == "1.71"
-    assert large["fast/ours"] == "1.29" and large["like for like"] == "-"
+    assert mid["strong at its best"] == "7" and mid["strong/ours"] == f"{7 / 1.9:.2f}"
+    assert mid["eager"] == "3.60 / 2.50" and mid["compiled"] == "4.20 / -"
+    assert mid["peak MB ours / strong / fast"] == "33.0 / 110.0 / 61.0"
+    assert large["ours at its best"] == "7" and large["strong/ours"] == "1.71"
+    assert large["fast/ours"] == "1.29" and large["compiled"] == "-"
+
+
+def test_a_graphed_best_takes_the_graphed_ratio():
+    """Where ours and a pure side are both at their best graphed, the ratio is the bench's own
+    graphed-against-graphed one; where they are at their best different ways, the ratio of the medians."""
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_tables
+    finally:
+        sys.path.remove(BENCH)
+    r = row("(100, 8)", 0.5, 2.0, 3.0, ours_compiled_s=0.9, strong_compiled_s=0.3, fast_compiled_s=1.0,
+            ours_graphed_s=0.2, strong_graphed_s=0.6, fast_graphed_s=0.5, strong_graphed_vs_ours_graphed=3.05,
+            fast_graphed_vs_ours_graphed=2.45)
+    assert gpu_tables.strongest(r, "ours") == ("graphed", 0.2)
+    assert gpu_tables.best_ratio(r, "fast") == 2.45
+    assert gpu_tables.best_ratio(r, "strong") == 0.3 / 0.2  # strong compiled, ours graphed
 
 
 def test_files_from_different_gpus_are_refused(tmp_path):

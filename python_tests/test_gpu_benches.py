@@ -64,27 +64,6 @@ def test_bench_compiled_and_steps_write_what_gpu_tables_reads(tmp_path):
     assert "| vae kivi-ac full step |" in tables.stdout
 
 
-def test_gpu_tables_compare_each_side_at_its_best_with_ours_at_its_best():
-    """A pure side's ratio to ours is taken between both at their best: the bench's own like-for-like
-    ratio where both ran the same way (graphed here), the ratio of the medians where not."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import gpu_tables
-    finally:
-        sys.path.remove(os.path.join(ROOT, "bench"))
-    row = {"ours_s": 0.5, "strong_s": 2.0, "fast_s": 3.0, "strong_ratio": 4.1, "fast_ratio": 6.2,
-           "ours_compiled_s": 0.9, "strong_compiled_s": 0.3, "fast_compiled_s": 1.0,
-           "ours_graphed_s": 0.2, "strong_graphed_s": 0.6, "fast_graphed_s": 0.5,
-           "strong_graphed_vs_ours_graphed": 3.05, "fast_graphed_vs_ours_graphed": 2.45,
-           "strong_compiled_vs_ours_compiled": 0.33, "fast_compiled_vs_ours_compiled": 1.1}
-    assert gpu_tables.strongest(row, "ours") == ("graphed", 0.2)
-    assert gpu_tables.best_ratio(row, "fast") == 2.45  # both graphed: the bench's ratio
-    assert gpu_tables.best_ratio(row, "strong") == 0.3 / 0.2  # strong compiled, ours graphed
-    eager_only = {"ours_s": 0.5, "strong_s": 2.0, "fast_s": 3.0, "strong_ratio": 4.1, "fast_ratio": 6.2}
-    assert [gpu_tables.best_ratio(eager_only, s) for s in ("strong", "fast")] == [4.1, 6.2]
-    assert gpu_tables.like_for_like(eager_only, "compiled") == "-"
-
-
 def test_the_profile_times_each_switch_both_ways_and_reads_the_stage_clocks():
     # 3 x (12, 3): a batch of more than one wave on the stand-in's two multiprocessors;
     # (300, 3): more than 512 points, the generic path (its tiled distances); (20, 50): the weight state;
