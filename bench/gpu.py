@@ -220,7 +220,9 @@ def switch_ab(p, q, switch: str, target_s: float) -> str:
     set_weight_kernel (the weight state's backward: grad_from_weights_kernel, or the generic path's
     GEMM of the weights and the samples, converted to float64 in chunks),
     set_product_tile_distances (off by default; the tiled distances, pair_tile_kernel's and
-    kernel_block's, from the points' norms and products, the GEMM's form, or from their differences)."""
+    kernel_block's, from the points' norms and products, the GEMM's form, or from their differences),
+    set_gemm_pair_distances (off by default; the many-dimension path's distances where d >= N from
+    cuBLAS's float64 GEMM of the centred points, or from the pair kernels)."""
     ours = cpu_bench.IMPLS["ours"]
     t = time_sides({"ours": with_switch(switch, True, ours), "off": with_switch(switch, False, ours)}, ("off",),
                    p, q, True, target_s)
@@ -324,6 +326,8 @@ def main(argv=None) -> int:
                     if 2 * n <= 512:  # few tile pairs (up to 8 tiles): pair_tile_kernel's ranges by cost
                         print(switch_ab(p, q, "set_balanced_tile_ranges", args.target_s))
                     print(switch_ab(p, q, "set_product_tile_distances", args.target_s))
+                if 2 * n <= 512 and 2 * n * d > 6144 and d >= 2 * n:  # the pair distances by cuBLAS
+                    print(switch_ab(p, q, "set_gemm_pair_distances", args.target_s))
                 if d + 1 >= 2 * n and n * 2 * n <= 2**16:  # the weight state's backward kernel
                     print(switch_ab(p, q, "set_paired_weight_dims", args.target_s))
                     print(switch_ab(p, q, "set_weight_kernel", args.target_s))

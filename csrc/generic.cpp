@@ -63,20 +63,6 @@ Tensor centred(Tensor points, const Tensor& centre) {
   return centre.defined() ? points.sub_(centre) : points;
 }
 
-// The centre of the stacked points [a; b] ([B, 1, d] float64: kivi.h's centre_coordinate of stacked
-// rows centre_rows(N), the CPU kernels' centre), or none where there are none. Elementwise ATen calls
-// only: no read-back, so a CUDA graph can capture it.
-Tensor centre_point(const Tensor& a, const Tensor& b) {
-  const int64_t na = a.size(1), n = na + b.size(1);
-  if (n == 0) return Tensor();
-  auto row = [&](int64_t i) { return i < na ? a.narrow(1, i, 1) : b.narrow(1, i - na, 1); };
-  const auto r = centre_rows(n);
-  auto three = at::cat({row(r[0]), row(r[1]), row(r[2])}, 1).to(at::kDouble);  // [B, 3, d]
-  three = at::where(three.isfinite(), three, NAN);  // (fmin and fmax pass NaN over)
-  const Tensor x = three.narrow(1, 0, 1), y = three.narrow(1, 1, 1), z = three.narrow(1, 2, 1);
-  return at::fmax(at::fmin(x, y), at::fmin(at::fmax(x, y), z));
-}
-
 // sq_norms: [B, N] of the stacked points [denom; numer], centred
 void check_finite_rows(const Tensor& sq_norms, int64_t n_den, Names names) {
   // A NaN/Inf coordinate makes the squared norm of its row NaN/Inf, so the norms (computed anyway
@@ -127,6 +113,18 @@ Tensor median_of_pairs(const Tensor& pairs) {
 }  // namespace
 
 namespace generic {
+
+// (kivi.h says what it is.) Coordinate by coordinate: non-finite ones are passed over by fmin and fmax.
+Tensor centre_point(const Tensor& a, const Tensor& b) {
+  const int64_t na = a.size(1), n = na + b.size(1);
+  if (n == 0) return Tensor();
+  auto row = [&](int64_t i) { return i < na ? a.narrow(1, i, 1) : b.narrow(1, i - na, 1); };
+  const auto r = centre_rows(n);
+  auto three = at::cat({row(r[0]), row(r[1]), row(r[2])}, 1).to(at::kDouble);  // [B, 3, d]
+  three = at::where(three.isfinite(), three, NAN);
+  const Tensor x = three.narrow(1, 0, 1), y = three.narrow(1, 1, 1), z = three.narrow(1, 2, 1);
+  return at::fmax(at::fmin(x, y), at::fmin(at::fmax(x, y), z));
+}
 
 namespace {
 

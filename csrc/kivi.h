@@ -128,6 +128,10 @@ struct Fit {
 namespace generic {
 Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
 Tensor median_bandwidth(const Tensor& x);         // [B] float64
+// The centre of the stacked points [a; b] ([B, 1, d] float64: centre_coordinate of stacked rows
+// centre_rows(N), the CPU kernels' centre), or none where there are none. Elementwise ATen calls only
+// (no read-back): the generic path's and cuda::gemm_pair_sqdist's Gram points less this.
+Tensor centre_point(const Tensor& a, const Tensor& b);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
 // The kl op's forward: (KL [B], grad state [B, n_q, *] (see grad_state_width; width 0 unless
 // grad_state), sigma [B], clipped [B]), float64. clipped: the fraction of the n_q evaluation points
@@ -281,13 +285,17 @@ bool use_generic_kernels();
 // 16 x 16 sub-blocks that hold a needed pair (the default) or all 16 of a tile; returns the old value.
 bool set_tile_subblocks(bool flag);
 // Benches and tests: whether pair_tile_kernel, with few tile pairs, splits each pair's dimensions in
-// ranges by the pair's cost (more ranges for fuller tile pairs) or the same ranges for all (the
-// default); returns the old value.
+// ranges by the pair's cost (more ranges for fuller tile pairs; the default) or the same ranges for
+// all; returns the old value.
 bool set_balanced_tile_ranges(bool flag);
 // Benches and tests: whether the tiled distances (pair_tile_kernel's, kernel_block's) come from the
 // points' norms and products (the GEMM's form) or from their differences (the default); returns the
 // old value.
 bool set_product_tile_distances(bool flag);
+// Benches and tests: whether kl's many-dimension path with d >= N takes its pair distances from
+// cuBLAS's float64 GEMM of the centred points (gemm_pair_sqdist in cuda/kl.cu) or from the pair
+// kernels' differences (the default); returns the old value.
+bool set_gemm_pair_distances(bool flag);
 // Benches and tests: whether the weight state's backward kernel takes two dimensions a thread (the
 // default) or one; returns the old value.
 bool set_paired_weight_dims(bool flag);

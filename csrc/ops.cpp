@@ -40,6 +40,7 @@ bool set_generic_kernels(bool) { TORCH_CHECK(false, "kivi_fast was built without
 bool set_tile_subblocks(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_balanced_tile_ranges(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_product_tile_distances(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
+bool set_gemm_pair_distances(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_paired_weight_dims(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 bool set_weight_kernel(bool) { TORCH_CHECK(false, "kivi_fast was built without its CUDA kernels"); }
 }  // namespace cuda

@@ -35,7 +35,8 @@ def _emulation():
 def switched(setter: str, flag: bool):
     """One of the emulation's testing switches (its ops set_two_blocks_per_sm, set_paired_elimination,
     set_gathered_selection, set_generic_kernels, set_gemm_kernel_values, set_tile_subblocks,
-    set_balanced_tile_ranges, set_paired_weight_dims, set_weight_kernel, set_product_tile_distances) set
+    set_balanced_tile_ranges, set_paired_weight_dims, set_weight_kernel, set_product_tile_distances,
+    set_gemm_pair_distances) set
     to flag inside the block, its old value restored after."""
     set_flag = getattr(_emulation(), setter)
     old = set_flag(flag)

@@ -21,8 +21,9 @@ import torch
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 SWITCHES = ("set_paired_elimination", "set_gathered_selection", "set_two_blocks_per_sm", "set_generic_kernels",
             "set_gemm_kernel_values", "set_tile_subblocks", "set_balanced_tile_ranges", "set_paired_weight_dims",
-            "set_weight_kernel", "set_product_tile_distances", "set_force_generic")
-OFF_BY_DEFAULT = ("set_gemm_kernel_values", "set_product_tile_distances", "set_force_generic")
+            "set_weight_kernel", "set_product_tile_distances", "set_gemm_pair_distances", "set_force_generic")
+OFF_BY_DEFAULT = ("set_gemm_kernel_values", "set_product_tile_distances", "set_gemm_pair_distances",
+                  "set_force_generic")
 
 
 def install() -> dict:

@@ -127,6 +127,7 @@ def test_the_cuda_kernels_switches_say_when_the_build_has_no_cuda_kernels():
                  lambda: torch.ops.kivi_fast_testing.set_tile_subblocks(True),
                  lambda: torch.ops.kivi_fast_testing.set_balanced_tile_ranges(True),
                  lambda: torch.ops.kivi_fast_testing.set_product_tile_distances(True),
+                 lambda: torch.ops.kivi_fast_testing.set_gemm_pair_distances(True),
                  lambda: torch.ops.kivi_fast_testing.set_paired_weight_dims(True),
                  lambda: torch.ops.kivi_fast_testing.set_weight_kernel(True),
                  lambda: torch.ops.kivi_fast_testing.set_forward_stage_clocks(None)):

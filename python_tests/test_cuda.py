@@ -277,20 +277,24 @@ VARIANT_CASES = [
     ("set_product_tile_distances", (1, 100, 100, 3000)),  # the fused wide path's distances from norms and products
     ("set_product_tile_distances", (1, 70, 60, 2011)),    # 3 tiles, the last of 2 points; a partial last slab
     ("set_product_tile_distances", (1, 300, 290, 3)),     # the generic path's pairs for its median
+    ("set_gemm_pair_distances", (1, 100, 100, 3000)),  # the wide path's distances by cuBLAS, not pair_tile_kernel
+    ("set_gemm_pair_distances", (2, 9, 13, 3000)),     # not pair_sqdist_kernel; a chunk of 2^21 / 44 dimensions
 ]
 VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "ranges-wide", "ranges-uneven",
                "weights-fused", "weights-tiled", "weights-gemm-fused", "weights-gemm-tiled", "products-wide",
-               "products-uneven", "products-generic"]
+               "products-uneven", "products-generic", "gemm-pairs-tiles", "gemm-pairs-warps"]
 # the variants whose sums are taken in another order or form than the defaults' (other ranges of
 # dimensions, a GEMM, norms and products): the same values up to rounding, not the same bits
-REORDERING_SWITCHES = ("set_balanced_tile_ranges", "set_weight_kernel", "set_product_tile_distances")
+REORDERING_SWITCHES = ("set_balanced_tile_ranges", "set_weight_kernel", "set_product_tile_distances",
+                       "set_gemm_pair_distances")
 
 
 @pytest.mark.parametrize("switch, shape", VARIANT_CASES, ids=VARIANT_IDS)
 def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, shape):
     """The tiled distances with every sub-block (set_tile_subblocks(False)), the same ranges of
     dimensions for every tile pair (set_balanced_tile_ranges(False): by cost is the default) or from
-    norms and products (set_product_tile_distances(True)),
+    norms and products (set_product_tile_distances(True)), the wide path's from cuBLAS's GEMM
+    (set_gemm_pair_distances(True)),
     and the weight state's backward with one dimension a thread
     (set_paired_weight_dims(False)) or by the generic path (set_weight_kernel(False)) against the CPU
     kernels, and

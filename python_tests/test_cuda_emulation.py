@@ -319,9 +319,11 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
     state's backward with one dimension a thread (set_paired_weight_dims(False)): each sum is taken in
     the same order as by the defaults, so the outputs and gradients are the same bits, and each equals
     the CPU kernels. The distances' ranges by cost (set_balanced_tile_ranges, the default) and the
-    same ranges for all split the dimensions differently, their norms and products (set_product_tile_distances(True)) round another
-    way, and the generic path's GEMM (set_weight_kernel(False)) sums in its own order, so theirs may
-    differ in the last bits: within 1e-12 (float64; 1e-10 for the norms and products), 1e-6 (float32)."""
+    same ranges for all split the dimensions differently, their norms and products
+    (set_product_tile_distances(True)) and cuBLAS's GEMM of the centred points
+    (set_gemm_pair_distances(True)) round another way, and the generic path's GEMM
+    (set_weight_kernel(False)) sums in its own order, so theirs may differ in the last bits: within
+    1e-12 (float64; 1e-10 for the norms and products), 1e-6 (float32)."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float32, sum(shape), 1.2, 0.3)
     runs, ran = [], []
@@ -338,13 +340,16 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
         tiles = [{launch.kernel for launch in r if launch.kernel.startswith(("pair_tile", "kernel_block"))} for r in ran]
         assert tiles[0] and all(k.endswith(", true>") for k in tiles[0]), tiles
         assert tiles[1] == {k.replace(", true>", ", false>") for k in tiles[0]}, tiles
+    if switch == "set_gemm_pair_distances":  # no pair kernel, or one (the GEMM is ATen's)
+        pairs = [any(launch.kernel.startswith(("pair_tile", "pair_sqdist")) for launch in r) for r in ran]
+        assert pairs == [False, True], pairs
     if switch == "set_weight_kernel":  # the backward's kernel, or none of it (the generic path's GEMM)
         assert [any(launch.kernel.startswith("grad_from_weights") for launch in r) for r in ran] == [True, False]
     (a, ag), (e, eg) = runs
     if switch in REORDERING_SWITCHES:
         # (norms minus products round relative to the norms: the generic path's grad state, from their
         # kernel values, 1.5e-12 off at (300, 290, 3))
-        rtol64 = 1e-10 if switch == "set_product_tile_distances" else 1e-12
+        rtol64 = 1e-10 if switch in ("set_product_tile_distances", "set_gemm_pair_distances") else 1e-12
         for x, y in zip((*a[:3], ag), (*e[:3], eg)):
             assert_close_rel(x.double(), y.double(), rtol64 if x.dtype == torch.float64 else 1e-6)
     else:
@@ -353,14 +358,19 @@ def test_the_benches_other_kernel_variants_give_the_same_bits(switch, shape):
 
 @pytest.mark.parametrize("case", ["offset", "outlier"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(1, 100, 100, 300), (1, 300, 290, 3)], ids=["wide", "generic"])
-def test_product_distances_far_from_the_origin_keep_their_digits(shape, dtype, case):
-    """set_product_tile_distances (the benches' A/B): norms minus products round relative to the norms.
-    Staged relative to a reference point, the norms are of the points' spread, so samples 1e4 from the
-    origin (spread ~1) keep the differences' accuracy, where norms from the origin would lose ~8 digits
-    of each distance (bench/distance_schemes.py, its offset problems): against the CPU kernels. And the
-    reference, the middle of three points' coordinates, is not the first point when that one lies 1e6
-    from the others (as a reference it would cost ~12 digits): against the reference's differences."""
+@pytest.mark.parametrize("switch, shape", [("set_product_tile_distances", (1, 100, 100, 300)),
+                                           ("set_product_tile_distances", (1, 300, 290, 3)),
+                                           ("set_gemm_pair_distances", (1, 100, 100, 300)),
+                                           ("set_gemm_pair_distances", (2, 9, 13, 3000))],
+                         ids=["products-wide", "products-generic", "gemm-tiles", "gemm-warps"])
+def test_product_distances_far_from_the_origin_keep_their_digits(switch, shape, dtype, case):
+    """set_product_tile_distances and set_gemm_pair_distances (the benches' A/Bs): norms minus products
+    round relative to the norms. Relative to a reference point, the norms are of the points' spread,
+    so samples 1e4 from the origin (spread ~1) keep the differences' accuracy, where norms from the
+    origin would lose ~8 digits of each distance (bench/distance_schemes.py, its offset problems):
+    against the CPU kernels. And the reference, the middle of three points' coordinates, is not the
+    first point when that one lies 1e6 from the others (as a reference it would cost ~12 digits):
+    against the reference's differences."""
     b, n_p, n_q, d = shape
     p, q = seeded_samples(b, n_p, n_q, d, torch.float64, 11, 1.1, 0.4)
     if case == "offset":
@@ -368,7 +378,7 @@ def test_product_distances_far_from_the_origin_keep_their_digits(shape, dtype, c
     else:
         p[:, 0] += 1e6  # the first stacked point (the prior's first: the denominator, not reversed)
     p, q = p.to(dtype), q.to(dtype)
-    with _cuda_emulation.switched("set_product_tile_distances", True):
+    with _cuda_emulation.switched(switch, True):
         if case == "offset":
             assert_equals_cpu_kernels(p, q, False)
             return
@@ -470,30 +480,42 @@ def host_reads(fn) -> tuple[list, object]:
 
 
 # kl.cu's fused small, pair_sqdist and pair_tile paths; the generic path's ATen median and median.cu;
-# the tiles' norms and products (set_product_tile_distances, the benches' A/B) on the paths with tiles
-@pytest.mark.parametrize("n,d,products", [(20, 3, False), (10, 3000, False), (70, 200, False), (160, 20, False),
-                                          (200, 40, False), (70, 200, True), (160, 20, True), (200, 40, True)])
-def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, products):
+# the tiles' norms and products (set_product_tile_distances, the benches' A/B) on the paths with tiles;
+# cuBLAS's GEMM for the wide path's (set_gemm_pair_distances, another A/B) where d >= N
+PRODUCTS, GEMM = "set_product_tile_distances", "set_gemm_pair_distances"
+
+
+@pytest.mark.parametrize("n,d,switch", [(20, 3, None), (10, 3000, None), (70, 200, None), (160, 20, None),
+                                        (200, 40, None), (70, 200, PRODUCTS), (160, 20, PRODUCTS),
+                                        (200, 40, PRODUCTS), (10, 3000, GEMM), (70, 200, GEMM)])
+def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, switch):
     """As test_cuda.py's test on a GPU: a NaN in q_z, every distance 0 (a zero median), an Inf in
     prior_z (with an explicit bandwidth too, where no median is taken), a bandwidth that is not
     positive, samples so small that their median is below 1e-150 (its square would underflow), every
     point but the first the same (a zero median again: with norms and products too, whose reference,
-    the middle of three points' coordinates, then differs from the first point); the other elements equal the CPU kernels'. Nothing is read back to the host,
+    the middle of three points' coordinates, then differs from the first point), half the points the
+    same and the rest apart (a zero median by differences, and by a GEMM only where it sets the
+    distances below its rounding to 0); the other elements equal the CPU kernels'. Nothing is read back to the host,
     where the generic path's CPU build reads its checks' results (which shows the profiler sees such
     reads)."""
-    p, q = seeded_samples(7, n, n, d, torch.float64, n + d, 1.0, 0.0)
+    p, q = seeded_samples(8, n, n, d, torch.float64, n + d, 1.0, 0.0)
     q[1, 3, 1] = float("nan")
     p[2], q[2] = 0.0, 0.0
     p[3, 2, 0] = float("inf")
     p[5], q[5] = p[5] * 1e-160, q[5] * 1e-160
     p[6, 1:], q[6] = 0.7, 0.7
-    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 1.0], dtype=torch.float64) * d ** 0.5
-    with _cuda_emulation.switched("set_product_tile_distances", products):
+    # all points but q_z's first and last at one point x0: over half the pairs are 0 ((2n - 2) points
+    # of 2n), and the centre (the middle of x0 and those two) is not x0, so a Gram's entries for them
+    # are sums of many rounded products
+    x0 = q[7, 1].clone()
+    p[7], q[7, 1:-1] = x0, x0
+    bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 1.0], dtype=torch.float64) * d ** 0.5
+    with contextlib.nullcontext() if switch is None else _cuda_emulation.switched(switch, True):
         reads, ((value, _, sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False))
         given_reads, ((given, _, given_sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False, sigma=bandwidth))
     assert reads == given_reads == []
-    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3, 5, 6]].isnan().all()
-    assert sigma[[1, 2, 3, 5, 6]].isnan().all()
+    assert value[[0, 4]].isfinite().all() and value[[1, 2, 3, 5, 6, 7]].isnan().all()
+    assert sigma[[1, 2, 3, 5, 6, 7]].isnan().all()
     assert given[0].isfinite() and given[[1, 3, 4]].isnan().all(), given
     assert given_sigma[[0, 2]].isfinite().all() and given_sigma[[1, 3, 4]].isnan().all(), given_sigma
     good = [0, 4]

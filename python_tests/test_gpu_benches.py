@@ -67,12 +67,12 @@ def test_bench_compiled_and_steps_write_what_gpu_tables_reads(tmp_path):
 def test_the_profile_times_each_switch_both_ways_and_reads_the_stage_clocks():
     # 3 x (12, 3): a batch of more than one wave on the stand-in's two multiprocessors;
     # (300, 3): more than 512 points, the generic path (its tiled distances); (20, 50): the weight state;
-    # (40, 100): the fused wide path's tiled distances
+    # (40, 100): the fused wide path's tiled distances, and with d >= N its distances by cuBLAS
     out = stand_in("gpu", *FAST, "--profile", "--shapes", "3x12x3,300x3,20x50,40x100")
     switches = switches_set(out)
     for name in ("set_paired_elimination", "set_gathered_selection", "set_two_blocks_per_sm", "set_generic_kernels",
                  "set_gemm_kernel_values", "set_tile_subblocks", "set_balanced_tile_ranges", "set_paired_weight_dims",
-                 "set_weight_kernel", "set_product_tile_distances"):
+                 "set_weight_kernel", "set_product_tile_distances", "set_gemm_pair_distances"):
         assert switches[name][True] > 0 and switches[name][False] > 0, (name, switches)
     # on, then off, for the default kernel and each switch's other variant (the stand-in fills the
     # clocks on the generic path too)
@@ -82,7 +82,7 @@ def test_the_profile_times_each_switch_both_ways_and_reads_the_stage_clocks():
     for line in ("set_paired_elimination: on", "set_gathered_selection: on", "set_two_blocks_per_sm: on",
                  "set_generic_kernels: on", "set_gemm_kernel_values: on", "set_tile_subblocks: on",
                  "set_balanced_tile_ranges: on", "set_paired_weight_dims: on", "set_weight_kernel: on",
-                 "set_product_tile_distances: on",
+                 "set_product_tile_distances: on", "set_gemm_pair_distances: on",
                  "(one column a step)", "(the median a pass for every digit)",
                  "floors: ours fwd+bwd at 1 x (3, 2)", "torch's fwd+bwd of q * 2 there", "host: "):
         assert line in out, line

@@ -160,6 +160,11 @@ for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 300, 260, 3)]:
     p, q = torch.randn(b, n_p, d, device="cuda"), torch.randn(b, n_q, d, device="cuda", requires_grad=True)
     kivi_fast.kernel_kl(p, q).sum().backward()
 torch.ops.kivi_fast_testing.set_product_tile_distances(False)
+torch.ops.kivi_fast_testing.set_gemm_pair_distances(True)  # (off by default) the pairs by cuBLAS where d >= N
+for b, n_p, n_q, d in [(1, 70, 60, 300), (2, 5, 7, 3000)]:
+    p, q = torch.randn(b, n_p, d, device="cuda"), torch.randn(b, n_q, d, device="cuda", requires_grad=True)
+    kivi_fast.kernel_kl(p, q).sum().backward()
+torch.ops.kivi_fast_testing.set_gemm_pair_distances(False)
 for shape in [(3, 100, 8), (2, 7, 33), (1, 10, 3000)]:  # the diagonal contrast's kernels (cuda/contrast.cu)
     q = torch.randn(shape, device="cuda", requires_grad=True)
     kivi_fast.adaptive_contrast_kl(q, None, contrast="diagonal").sum().backward()

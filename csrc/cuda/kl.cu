@@ -30,6 +30,8 @@
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/triu_indices.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -1237,6 +1239,9 @@ std::atomic<bool> balanced_tile_ranges{true};
 // set_product_tile_distances's switch (benches: the tiled distances, pair_tile_kernel's and kernel_block's,
 // from norms and products, the GEMM's form, against differences).
 std::atomic<bool> product_tile_distances{false};
+// set_gemm_pair_distances's switch (benches: kl's many-dimension distances by gemm_pair_sqdist, against
+// the pair kernels).
+std::atomic<bool> gemm_pair_distances{false};
 
 // set_stage_clocks's buffer (benches only), and the device it lives on.
 std::atomic<long long*> stage_clocks{nullptr};
@@ -1336,6 +1341,50 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
   }
 }
 
+
+// The squared distances of kl's many-dimension path by cuBLAS (set_gemm_pair_distances, off by default;
+// the benches' A/B, where d >= N): into dist [B, P] float64, packed as pair_index. The stacked points
+// less their centre (generic::centre_point, the middle of three points' coordinates, as the CPU
+// kernels' Gram and the product-form tiles), as float64 in chunks of dimensions of at most 16 MB, each
+// added into their Gram G [B, N, N] by a float64 GEMM (Hopper's float64 tensor cores); then
+// D_ij = G_ii + G_jj - 2 G_ij. The pure sides take their distances this way (in float32 for the fast
+// one); pair_tile_kernel's float64 differences cost ~0.36 ms at (100, 50000) on an H200.
+// - Centred on a middle point, norms and products keep the differences' accuracy
+//   (bench/distance_schemes.py's "the same from a middle point"), except where most points sit in a
+//   cluster far tighter than its distance from the centre (two of the three rows the centre comes
+//   from far out): their distances are then below the GEMM's resolution, and the element's median
+//   is 0, NaN, where the differences give its value (the CPU kernels' Gram says the system is not
+//   positive definite there).
+// - G's own diagonal as the norms: a point against itself is exactly 0. For two distinct points with
+//   the same coordinates cuBLAS need not sum G_ij in G_ii's order, so a distance below the GEMM's
+//   rounding bound, (d + 2) 2^-52 (G_ii + G_jj), is set to 0: such points are the same to the GEMM, and
+//   a sample most of whose points coincide keeps a median of 0 (NaN for its element), as by
+//   differences. NaN and Inf coordinates give NaN or Inf distances for their points' pairs alone
+//   (strict comparisons leave them).
+// Memory: a chunk (16 MB) and three [B, N, N] float64 beside dist.
+void gemm_pair_sqdist(const Tensor& denom, const Tensor& numer, Tensor& dist) {
+  const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
+  const int64_t N = n_den + n_num;
+  const auto f64 = denom.options().dtype(at::kDouble);
+  const Tensor centre = generic::centre_point(denom, numer);  // [B, 1, d]
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(d, (int64_t{1} << 21) / std::max<int64_t>(1, B * N)));
+  Tensor x = at::empty({B, N, chunk}, f64);
+  Tensor gram = at::zeros({B, N, N}, f64);
+  for (int64_t s = 0; s < d; s += chunk) {
+    const int64_t c = std::min(chunk, d - s);
+    Tensor xc = x.narrow(2, 0, c);
+    xc.narrow(1, 0, n_den).copy_(denom.narrow(2, s, c));
+    if (n_num > 0) xc.narrow(1, n_den, n_num).copy_(numer.narrow(2, s, c));
+    xc.sub_(centre.narrow(2, s, c));
+    gram.baddbmm_(xc, xc.transpose(1, 2));
+  }
+  const Tensor norms = gram.diagonal(0, 1, 2);
+  const Tensor both = norms.unsqueeze(2).add(norms.unsqueeze(1));  // G_ii + G_jj
+  gram.mul_(-2.0).add_(both);
+  gram.masked_fill_(gram.lt(both.mul(static_cast<double>(d + 2) * std::ldexp(1.0, -52))), 0.0);
+  const Tensor upper = at::triu_indices(N, N, 1, f64.dtype(at::kLong));  // [2, P], row by row
+  dist.copy_(gram.view({B, N * N}).index_select(1, upper.select(0, 0).mul(N).add_(upper.select(0, 1))));
+}
 }  // namespace
 
 bool handles_kl(int64_t n_total, int64_t d, int64_t batch, int device) {
@@ -1433,7 +1482,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl", [&] {
     const scalar_t* den = roles.denom.data_ptr<scalar_t>();
     const scalar_t* num = roles.numer.data_ptr<scalar_t>();
-    if (!a.compute_dist) {
+    if (!a.compute_dist && gemm_pair_distances.load() && d >= N) {
+      gemm_pair_sqdist(roles.denom, roles.numer, dist);
+    } else if (!a.compute_dist) {
       launch_pair_sqdist(den, num, B, a.n_den, a.n_num, d, dist, sms, limit, stream);
     }
     const auto forward = two_per_sm ? kl_forward_kernel<scalar_t, 2> : kl_forward_kernel<scalar_t, 1>;
@@ -1467,6 +1518,7 @@ bool use_generic_kernels() { return generic_kernels.load(); }
 bool set_tile_subblocks(bool flag) { return tile_subblocks.exchange(flag); }
 bool set_balanced_tile_ranges(bool flag) { return balanced_tile_ranges.exchange(flag); }
 bool set_product_tile_distances(bool flag) { return product_tile_distances.exchange(flag); }
+bool set_gemm_pair_distances(bool flag) { return gemm_pair_distances.exchange(flag); }
 
 bool set_paired_weight_dims(bool flag) { return paired_weight_dims.exchange(flag); }
 bool set_weight_kernel(bool flag) { return weight_kernel.exchange(flag); }

@@ -98,6 +98,7 @@ TORCH_LIBRARY(kivi_fast_cuda_emulation, m) {
   m.def("set_tile_subblocks(bool flag) -> bool", &cuda::set_tile_subblocks);
   m.def("set_balanced_tile_ranges(bool flag) -> bool", &cuda::set_balanced_tile_ranges);
   m.def("set_product_tile_distances(bool flag) -> bool", &cuda::set_product_tile_distances);
+  m.def("set_gemm_pair_distances(bool flag) -> bool", &cuda::set_gemm_pair_distances);
   m.def("set_paired_weight_dims(bool flag) -> bool", &cuda::set_paired_weight_dims);
   m.def("set_weight_kernel(bool flag) -> bool", &cuda::set_weight_kernel);
   m.def("configure(int multiprocessors, int shared_per_block_optin, int shared_per_multiprocessor,"
