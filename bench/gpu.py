@@ -326,7 +326,7 @@ def main(argv=None) -> int:
                     if 2 * n <= 512:  # few tile pairs (up to 8 tiles): pair_tile_kernel's ranges by cost
                         print(switch_ab(p, q, "set_balanced_tile_ranges", args.target_s))
                     print(switch_ab(p, q, "set_product_tile_distances", args.target_s))
-                if 2 * n <= 512 and 2 * n * d > 6144 and d >= 2 * n:  # the pair distances by cuBLAS
+                if 2 * n <= 256 and 2 * n * d > 6144 and d >= 2 * n:  # the pair distances by cuBLAS
                     print(switch_ab(p, q, "set_gemm_pair_distances", args.target_s))
                 if d + 1 >= 2 * n and n * 2 * n <= 2**16:  # the weight state's backward kernel
                     print(switch_ab(p, q, "set_paired_weight_dims", args.target_s))

@@ -278,7 +278,8 @@ VARIANT_CASES = [
     ("set_product_tile_distances", (1, 70, 60, 2011)),    # 3 tiles, the last of 2 points; a partial last slab
     ("set_product_tile_distances", (1, 300, 290, 3)),     # the generic path's pairs for its median
     ("set_gemm_pair_distances", (1, 100, 100, 3000)),  # the wide path's distances by cuBLAS, not pair_tile_kernel
-    ("set_gemm_pair_distances", (2, 9, 13, 3000)),     # not pair_sqdist_kernel; a chunk of 2^21 / 44 dimensions
+    ("set_gemm_pair_distances", (2, 9, 13, 50000)),    # not pair_sqdist_kernel; chunks of 2^21 / 44 = 47,662
+                                                       # dimensions, the second partial
 ]
 VARIANT_IDS = ["tiles-wide", "tiles-generic-200", "tiles-generic", "tiles-uneven", "ranges-wide", "ranges-uneven",
                "weights-fused", "weights-tiled", "weights-gemm-fused", "weights-gemm-tiled", "products-wide",
@@ -321,6 +322,21 @@ def test_the_benches_other_kernel_variants_equal_the_defaults_on_cuda(switch, sh
                 runs.append(value_and_grad(kivi_fast.kernel_kl, p.to(CUDA), q.to(CUDA)))
         for on, off in zip(*runs):
             assert_close_rel(off, on.cpu(), 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 100, 100, 3000), (2, 9, 13, 3000)], ids=["tiles", "warp-pairs"])
+def test_the_gemm_distances_run_instead_of_the_pair_kernels_without_host_reads(shape):
+    """set_gemm_pair_distances (the benches' A/B): under the switch no pair kernel runs (cuBLAS's GEMM
+    does), nothing is read back to the host, and the KL equals the default's within float32's rounding."""
+    b, n_p, n_q, d = shape
+    p, q = (t.to(CUDA) for t in seeded_samples(b, n_p, n_q, d, torch.float32, 17, 1.2, 0.3))
+    want = kivi_fast.kernel_kl(p, q)
+    with switched("set_gemm_pair_distances", True):
+        names = kernels_run(lambda: kivi_fast.kernel_kl(p, q))
+        with no_host_sync():
+            got = kivi_fast.kernel_kl(p, q)
+    assert not any("pair_tile" in k or "pair_sqdist" in k for k in names), names
+    assert_close_rel(got, want, 1e-5)
 
 
 def test_a_batch_beyond_one_grids_height_equals_its_elements_alone():

@@ -376,7 +376,7 @@ def test_product_distances_far_from_the_origin_keep_their_digits(switch, shape, 
     if case == "offset":
         p, q = p + 1e4, q + 1e4
     else:
-        p[:, 0] += 1e6  # the first stacked point (the prior's first: the denominator, not reversed)
+        p[:, 0] += 1e6  # the prior's first point, a centre row (stacked row N / 2: [q_z; prior_z], not reversed)
     p, q = p.to(dtype), q.to(dtype)
     with _cuda_emulation.switched(switch, True):
         if case == "offset":
@@ -504,11 +504,11 @@ def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, sw
     p[3, 2, 0] = float("inf")
     p[5], q[5] = p[5] * 1e-160, q[5] * 1e-160
     p[6, 1:], q[6] = 0.7, 0.7
-    # all points but q_z's first and last at one point x0: over half the pairs are 0 ((2n - 2) points
-    # of 2n), and the centre (the middle of x0 and those two) is not x0, so a Gram's entries for them
-    # are sums of many rounded products
+    # all points but the first of each sample at one point x0: over half the pairs are 0 ((2n - 2)
+    # points of 2n), and the centre (the middle of stacked rows 0, N / 2 and N - 1: q_z's first, the
+    # prior's first, x0) is not x0, so a Gram's entries for them are sums of many rounded products
     x0 = q[7, 1].clone()
-    p[7], q[7, 1:-1] = x0, x0
+    p[7, 1:], q[7, 1:] = x0, x0
     bandwidth = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 1.0], dtype=torch.float64) * d ** 0.5
     with contextlib.nullcontext() if switch is None else _cuda_emulation.switched(switch, True):
         reads, ((value, _, sigma, _), _) = host_reads(lambda: emulated_kl(p, q, False))
@@ -523,6 +523,29 @@ def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, sw
         cpu_reads, cpu = host_reads(lambda: cpu_kl(p[good], q[good], False))
     assert cpu_reads
     assert_close_rel(value[good], cpu[0][0], 1e-9)
+
+
+@pytest.mark.parametrize("n,d", [(10, 3000), (70, 300)], ids=["warp-pairs", "tiles"])
+def test_gemm_distances_of_a_cluster_far_from_the_centre_give_nan(n, d):
+    """set_gemm_pair_distances's limit (the benches' A/B): points within 1e-12 of x0 while two of the
+    centre's three rows lie ~1 away per coordinate. The Gram's entries are then ~d, rounded to ~d 1e-16,
+    far above the points' squared distances (~d 1e-24): the GEMM cannot tell them apart, and the
+    element is NaN. By differences (the default) it has its value, its bandwidth the reference's. (The
+    zeroing of distances below the GEMM's rounding bound is what the bad-values test's coincident
+    points away from the centre check: without it their distances are rounding noise.)"""
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(d, dtype=torch.float64, generator=g)
+    p, q = (x0 + 1e-12 * torch.randn(1, n, d, dtype=torch.float64, generator=g) for _ in range(2))
+    q[0, 0] += torch.randn(d, dtype=torch.float64, generator=g)  # stacked row 0
+    p[0, 0] += torch.randn(d, dtype=torch.float64, generator=g)  # stacked row N / 2
+    (value, _, sigma, _), _ = emulated_kl(p, q, False)
+    assert value.isfinite().all() and sigma.isfinite().all()
+    assert_close_rel(sigma, reference.median_bandwidth(torch.cat([q, p], 1)), 1e-6)
+    with _cuda_emulation.switched("set_gemm_pair_distances", True):
+        launches()
+        (value, _, sigma, _), _ = emulated_kl(p, q, False)
+        assert not any(launch.kernel.startswith(("pair_tile", "pair_sqdist")) for launch in launches())
+    assert value.isnan().all() and sigma.isnan().all()
 
 
 @pytest.mark.parametrize("b,n,d", [(4, 100, 8), (1, 100, 700), (2, 10, 3000)],

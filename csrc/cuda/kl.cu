@@ -30,6 +30,7 @@
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/triu_indices.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -1343,7 +1344,8 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 
 
 // The squared distances of kl's many-dimension path by cuBLAS (set_gemm_pair_distances, off by default;
-// the benches' A/B, where d >= N): into dist [B, P] float64, packed as pair_index. The stacked points
+// the benches' A/B, where d >= N and the Gram takes at most 16 MB): into dist [B, P] float64, packed as
+// pair_index. The stacked points
 // less their centre (generic::centre_point, the middle of three points' coordinates, as the CPU
 // kernels' Gram and the product-form tiles), as float64 in chunks of dimensions of at most 16 MB, each
 // added into their Gram G [B, N, N] by a float64 GEMM (Hopper's float64 tensor cores); then
@@ -1359,9 +1361,11 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 //   the same coordinates cuBLAS need not sum G_ij in G_ii's order, so a distance below the GEMM's
 //   rounding bound, (d + 2) 2^-52 (G_ii + G_jj), is set to 0: such points are the same to the GEMM, and
 //   a sample most of whose points coincide keeps a median of 0 (NaN for its element), as by
-//   differences. NaN and Inf coordinates give NaN or Inf distances for their points' pairs alone
-//   (strict comparisons leave them).
-// Memory: a chunk (16 MB) and three [B, N, N] float64 beside dist.
+//   differences. NaN and Inf coordinates give NaN or Inf distances for their points' pairs (strict
+//   comparisons leave them; all of the element's where the three centre rows are all non-finite in a
+//   coordinate, whose element is NaN anyway).
+// Memory: a chunk and the Gram, each at most 16 MB (kl takes this path only where B N^2 <= 2^21,
+// B N <= 2^21), beside dist; and two temporaries the Gram's size (the norms' sums, the mask).
 void gemm_pair_sqdist(const Tensor& denom, const Tensor& numer, Tensor& dist) {
   const int64_t B = denom.size(0), n_den = denom.size(1), n_num = numer.size(1), d = denom.size(2);
   const int64_t N = n_den + n_num;
@@ -1383,7 +1387,7 @@ void gemm_pair_sqdist(const Tensor& denom, const Tensor& numer, Tensor& dist) {
   gram.mul_(-2.0).add_(both);
   gram.masked_fill_(gram.lt(both.mul(static_cast<double>(d + 2) * std::ldexp(1.0, -52))), 0.0);
   const Tensor upper = at::triu_indices(N, N, 1, f64.dtype(at::kLong));  // [2, P], row by row
-  dist.copy_(gram.view({B, N * N}).index_select(1, upper.select(0, 0).mul(N).add_(upper.select(0, 1))));
+  at::index_select_out(dist, gram.view({B, N * N}), 1, upper.select(0, 0).mul(N).add_(upper.select(0, 1)));
 }
 }  // namespace
 
@@ -1482,7 +1486,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> kl(const Tensor& prior_z_in, const Te
   AT_DISPATCH_FLOATING_TYPES(q_z.scalar_type(), "kivi_fast_cuda_kl", [&] {
     const scalar_t* den = roles.denom.data_ptr<scalar_t>();
     const scalar_t* num = roles.numer.data_ptr<scalar_t>();
-    if (!a.compute_dist && gemm_pair_distances.load() && d >= N) {
+    if (!a.compute_dist && gemm_pair_distances.load() && d >= N && B * N * N <= (int64_t{1} << 21)) {
       gemm_pair_sqdist(roles.denom, roles.numer, dist);
     } else if (!a.compute_dist) {
       launch_pair_sqdist(den, num, B, a.n_den, a.n_num, d, dist, sms, limit, stream);
