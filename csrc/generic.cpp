@@ -114,6 +114,14 @@ Tensor median_of_pairs(const Tensor& pairs) {
 
 namespace generic {
 
+// (kivi.h says what it is.)
+Tensor stacked_chunk(const Tensor& denom, const Tensor& numer, int64_t s, int64_t c, const Tensor& buf) {
+  auto x = buf.narrow(2, 0, c);
+  x.narrow(1, 0, denom.size(1)).copy_(denom.narrow(2, s, c));
+  x.narrow(1, denom.size(1), numer.size(1)).copy_(numer.narrow(2, s, c));
+  return x;
+}
+
 // (kivi.h says what it is.) Coordinate by coordinate: non-finite ones are passed over by fmin and fmax.
 Tensor centre_point(const Tensor& a, const Tensor& b) {
   const int64_t na = a.size(1), n = na + b.size(1);
@@ -141,15 +149,6 @@ Tensor sq_from_gram(const Tensor& x, const Tensor& xn, const Tensor& y, const Te
 // launches stay few on a GPU (~20 chunks at (100, 50000)).
 constexpr int64_t kChunkBytes = int64_t{4} << 20;
 int64_t chunk_columns(int64_t rows) { return std::max<int64_t>(256, kChunkBytes / (8 * std::max<int64_t>(rows, 1))); }
-
-// Columns [s, s + c) of the stacked points [denom; numer] in float64, in the first c columns of buf
-// ([B, N, >= c]: the last chunk, narrower, reuses the buffer).
-Tensor stacked_chunk(const Tensor& denom, const Tensor& numer, int64_t s, int64_t c, const Tensor& buf) {
-  auto x = buf.narrow(2, 0, c);
-  x.narrow(1, 0, denom.size(1)).copy_(denom.narrow(2, s, c));
-  x.narrow(1, denom.size(1), numer.size(1)).copy_(numer.narrow(2, s, c));
-  return x;
-}
 
 // Rows of a chunk of kernel values [B, rows, width] (float64) within `budget` bytes, or kChunkBytes
 // where that is larger, rounded up to whole rows (at most one row over).

@@ -132,6 +132,10 @@ Tensor median_bandwidth(const Tensor& x);         // [B] float64
 // centre_rows(N), the CPU kernels' centre), or none where there are none. Elementwise ATen calls only
 // (no read-back): the generic path's and cuda::gemm_pair_sqdist's Gram points less this.
 Tensor centre_point(const Tensor& a, const Tensor& b);
+// Columns [s, s + c) of the stacked points [denom; numer] in float64, in the first c columns of buf
+// ([B, N, >= c]: the last chunk, narrower, reuses the buffer): the chunks of a Gram over many
+// dimensions (the generic path's, cuda::gemm_pair_sqdist's).
+Tensor stacked_chunk(const Tensor& denom, const Tensor& numer, int64_t s, int64_t c, const Tensor& buf);
 Fit fit(const Tensor& numer, const Tensor& denom, double lam, const std::optional<Tensor>& sigma, Names names);
 // The kl op's forward: (KL [B], grad state [B, n_q, *] (see grad_state_width; width 0 unless
 // grad_state), sigma [B], clipped [B]), float64. clipped: the fraction of the n_q evaluation points

@@ -1375,10 +1375,7 @@ void gemm_pair_sqdist(const Tensor& denom, const Tensor& numer, Tensor& dist) {
   Tensor gram = at::zeros({B, N, N}, f64);
   for (int64_t s = 0; s < d; s += chunk) {
     const int64_t c = std::min(chunk, d - s);
-    Tensor xc = x.narrow(2, 0, c);
-    xc.narrow(1, 0, n_den).copy_(denom.narrow(2, s, c));
-    if (n_num > 0) xc.narrow(1, n_den, n_num).copy_(numer.narrow(2, s, c));
-    xc.sub_(centre.narrow(2, s, c));
+    Tensor xc = generic::stacked_chunk(denom, numer, s, c, x).sub_(centre.narrow(2, s, c));
     gram.baddbmm_(xc, xc.transpose(1, 2));
   }
   const Tensor norms = gram.diagonal(0, 1, 2);
