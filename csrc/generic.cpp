@@ -114,6 +114,13 @@ Tensor median_of_pairs(const Tensor& pairs) {
 
 namespace generic {
 
+// (kivi.h says what it is.) The bound: the float64 rounding of a dot product of d terms, d 2^-53
+// |x| |y| <= d 2^-53 (|x|^2 + |y|^2) / 2, twice over for -2 x.y, plus the norms' own roundings.
+Tensor& zero_below_gram_rounding(Tensor& sq, const Tensor& xn, const Tensor& yn, int64_t d) {
+  const double bound = static_cast<double>(d + 2) * std::ldexp(1.0, -52);
+  return sq.masked_fill_(sq.lt(xn.unsqueeze(2).add(yn.unsqueeze(1)).mul_(bound)), 0.0);
+}
+
 // (kivi.h says what it is.)
 Tensor stacked_chunk(const Tensor& denom, const Tensor& numer, int64_t s, int64_t c, const Tensor& buf) {
   auto x = buf.narrow(2, 0, c);
@@ -261,7 +268,9 @@ class StackedDistances {
       // row r0 + i holds the pairs with columns r0 + 1 + j, j >= i: the upper triangle of the block,
       // gathered by index (a mask's count would be read back to the host off the CPU)
       auto upper = at::triu_indices(rows, cols, 0, norms_.options().dtype(at::kLong));
-      auto chunk = block(r0, rows, r0 + 1, cols).view({B, rows * cols}).index_select(1, upper[0] * cols + upper[1]);
+      auto sq = block(r0, rows, r0 + 1, cols);
+      zero_below_gram_rounding(sq, norms_.narrow(1, r0, rows), norms_.narrow(1, r0 + 1, cols), denom_.size(2));
+      auto chunk = sq.view({B, rows * cols}).index_select(1, upper[0] * cols + upper[1]);
       out.narrow(1, at_pair, chunk.size(1)).copy_(chunk);
       at_pair += chunk.size(1);
     }

@@ -132,6 +132,13 @@ Tensor median_bandwidth(const Tensor& x);         // [B] float64
 // centre_rows(N), the CPU kernels' centre), or none where there are none. Elementwise ATen calls only
 // (no read-back): the generic path's and cuda::gemm_pair_sqdist's Gram points less this.
 Tensor centre_point(const Tensor& a, const Tensor& b);
+// sq [B, n, m], squared distances |x|^2 + |y|^2 - 2 x.y from a Gram over d dimensions (xn [B, n], yn
+// [B, m]: the squared norms), in place: those below the Gram's rounding bound, (d + 2) 2^-52 (|x|^2 +
+// |y|^2), set to 0. Points the Gram cannot tell apart (coincident ones, whose G_ij need not be summed
+// in G_ii's order) are then 0 apart, as by differences, and none is negative (the radix medians read
+// the distances' bits); NaN stays. The median's pairs from a Gram (the generic path's, and
+// cuda::gemm_pair_sqdist's).
+Tensor& zero_below_gram_rounding(Tensor& sq, const Tensor& xn, const Tensor& yn, int64_t d);
 // Columns [s, s + c) of the stacked points [denom; numer] in float64, in the first c columns of buf
 // ([B, N, >= c]: the last chunk, narrower, reuses the buffer): the chunks of a Gram over many
 // dimensions (the generic path's, cuda::gemm_pair_sqdist's).

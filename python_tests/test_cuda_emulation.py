@@ -525,6 +525,25 @@ def test_bad_values_give_nan_for_their_batch_element_without_host_reads(n, d, sw
     assert_close_rel(value[good], cpu[0][0], 1e-9)
 
 
+@pytest.mark.parametrize("n,d", [(160, 20), (200, 40)])
+def test_the_aten_compositions_coincident_points_away_from_the_centre_are_zero_apart(n, d):
+    """The generic path's ATen composition (set_generic_kernels(False); other devices' path) takes its
+    pairs from a Gram: all points of an element but the first of each sample at one point x0, the
+    centre not x0. Coincident points' Gram entries need not round alike, so their distances would be
+    rounding noise (a bandwidth of ~4e-8); below the Gram's rounding bound they are 0, the median 0
+    and the element NaN, as with the CUDA kernels' differences. The other element equals them."""
+    p, q = seeded_samples(2, n, n, d, torch.float64, n + d, 1.0, 0.0)
+    x0 = q[1, 1].clone()
+    p[1, 1:], q[1, 1:] = x0, x0
+    (want, _, want_sigma, _), _ = emulated_kl(p, q, False)
+    with _cuda_emulation.switched("set_generic_kernels", False):
+        (value, _, sigma, _), _ = emulated_kl(p, q, False)
+    assert want[1].isnan() and want_sigma[1].isnan()
+    assert value[1].isnan() and sigma[1].isnan(), (value, sigma)
+    assert_close_rel(value[0], want[0], 1e-9)
+    assert_close_rel(sigma[0], want_sigma[0], 1e-12)
+
+
 @pytest.mark.parametrize("n,d", [(10, 3000), (70, 300)], ids=["warp-pairs", "tiles"])
 def test_gemm_distances_of_a_cluster_far_from_the_centre_give_nan(n, d):
     """set_gemm_pair_distances's limit (the benches' A/B): points within 1e-12 of x0 while two of the

@@ -1358,7 +1358,8 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 //   positive definite there).
 // - G's own diagonal as the norms: a point against itself is exactly 0. For two distinct points with
 //   the same coordinates cuBLAS need not sum G_ij in G_ii's order, so a distance below the GEMM's
-//   rounding bound, (d + 2) 2^-52 (G_ii + G_jj), is set to 0: such points are the same to the GEMM, and
+//   rounding bound, (d + 2) 2^-52 (G_ii + G_jj), is set to 0 (generic::zero_below_gram_rounding, as
+//   the generic path's pairs from its Gram): such points are the same to the GEMM, and
 //   a sample most of whose points coincide keeps a median of 0 (NaN for its element), as by
 //   differences. NaN and Inf coordinates give NaN or Inf distances for their points' pairs (strict
 //   comparisons leave them; all of the element's where the three centre rows are all non-finite in a
@@ -1378,10 +1379,9 @@ void gemm_pair_sqdist(const Tensor& denom, const Tensor& numer, Tensor& dist) {
     Tensor xc = generic::stacked_chunk(denom, numer, s, c, x).sub_(centre.narrow(2, s, c));
     gram.baddbmm_(xc, xc.transpose(1, 2));
   }
-  const Tensor norms = gram.diagonal(0, 1, 2);
-  const Tensor both = norms.unsqueeze(2).add(norms.unsqueeze(1));  // G_ii + G_jj
-  gram.mul_(-2.0).add_(both);
-  gram.masked_fill_(gram.lt(both.mul(static_cast<double>(d + 2) * std::ldexp(1.0, -52))), 0.0);
+  const Tensor norms = gram.diagonal(0, 1, 2).clone();
+  gram.mul_(-2.0).add_(norms.unsqueeze(2)).add_(norms.unsqueeze(1));
+  generic::zero_below_gram_rounding(gram, norms, norms, d);
   const Tensor upper = at::triu_indices(N, N, 1, f64.dtype(at::kLong));  // [2, P], row by row
   at::index_select_out(dist, gram.view({B, N * N}), 1, upper.select(0, 0).mul(N).add_(upper.select(0, 1)));
 }
