@@ -303,9 +303,9 @@ bool set_balanced_tile_ranges(bool flag);
 // points' norms and products (the GEMM's form) or from their differences (the default); returns the
 // old value.
 bool set_product_tile_distances(bool flag);
-// Benches and tests: whether kl's many-dimension path with d >= N (and B N^2 <= 2^21) takes its pair distances from
-// cuBLAS's float64 GEMM of the centred points (gemm_pair_sqdist in cuda/kl.cu) or from the pair
-// kernels' differences (the default); returns the old value.
+// Benches and tests: whether kl's many-dimension path with d >= N (and B N^2 <= 2^21) takes its pair
+// distances from cuBLAS's float64 GEMM of the centred points (gemm_pair_sqdist in cuda/kl.cu) or from
+// the pair kernels' differences (the default); returns the old value.
 bool set_gemm_pair_distances(bool flag);
 // Benches and tests: whether the weight state's backward kernel takes two dimensions a thread (the
 // default) or one; returns the old value.

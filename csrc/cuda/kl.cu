@@ -1342,14 +1342,13 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
   }
 }
 
-
 // The squared distances of kl's many-dimension path by cuBLAS (set_gemm_pair_distances, off by default;
 // the benches' A/B, where d >= N and the Gram takes at most 16 MB): into dist [B, P] float64, packed as
 // pair_index. The stacked points less their centre (generic::centre_point, the middle of three points'
 // coordinates, as the CPU kernels' Gram and the product-form tiles), as float64 in chunks of dimensions
 // of at most 16 MB, each added into their Gram G [B, N, N] by a float64 GEMM (Hopper's float64 tensor
-// cores); then D_ij = G_ii + G_jj - 2 G_ij. The pure sides take their distances this way (in float32 for the fast
-// one); pair_tile_kernel's float64 differences cost ~0.36 ms at (100, 50000) on an H200.
+// cores); then D_ij = G_ii + G_jj - 2 G_ij. The pure sides take their distances this way (in float32
+// for the fast one); pair_tile_kernel's float64 differences cost ~0.36 ms at (100, 50000) on an H200.
 // - Centred on a middle point, norms and products keep the differences' accuracy
 //   (bench/distance_schemes.py's "the same from a middle point"), except where most points sit in a
 //   cluster far tighter than its distance from the centre (two of the three rows the centre comes
@@ -1359,11 +1358,11 @@ void launch_pair_sqdist(const scalar_t* den, const scalar_t* num, int64_t B, int
 // - G's own diagonal as the norms: a point against itself is exactly 0. For two distinct points with
 //   the same coordinates cuBLAS need not sum G_ij in G_ii's order, so a distance below the GEMM's
 //   rounding bound, (d + 2) 2^-52 (G_ii + G_jj), is set to 0 (generic::zero_below_gram_rounding, as
-//   the generic path's pairs from its Gram): such points are the same to the GEMM, and
-//   a sample most of whose points coincide keeps a median of 0 (NaN for its element), as by
-//   differences. NaN and Inf coordinates give NaN or Inf distances for their points' pairs (strict
-//   comparisons leave them; all of the element's where the three centre rows are all non-finite in a
-//   coordinate, whose element is NaN anyway).
+//   the generic path's pairs from its Gram): such points are the same to the GEMM, and a sample most
+//   of whose points coincide keeps a median of 0 (NaN for its element), as by differences. NaN and
+//   Inf coordinates give NaN or Inf distances for their points' pairs (strict comparisons leave them;
+//   all of the element's where the three centre rows are all non-finite in a coordinate, whose
+//   element is NaN anyway).
 // Memory: a chunk and the Gram, each at most 16 MB (kl takes this path only where B N^2 <= 2^21),
 // beside dist; and two temporaries the Gram's size (the norms' sums, the mask).
 void gemm_pair_sqdist(const Tensor& denom, const Tensor& numer, Tensor& dist) {
