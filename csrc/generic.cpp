@@ -427,14 +427,14 @@ Tensor weighted_points(const Tensor& w, const Tensor& zw, const Tensor& z, const
 
 }  // namespace
 
-Tensor sqdist(const Tensor& x, const Tensor& y) {
+Tensor sqdist(const Tensor& x, const Tensor& y, Names names) {
   const auto centre = centre_point(x, y);
   // (copies: the inputs, float64 already, must not be centred in place)
   auto x64 = centred(x.to(at::kDouble, false, true), centre);
   auto y64 = centred(y.to(at::kDouble, false, true), centre);
   auto xn = x64.pow(2).sum(-1);
   auto yn = y64.pow(2).sum(-1);
-  check_finite_rows(at::cat({xn, yn}, 1), x.size(1), {"y", "x"});
+  check_finite_rows(at::cat({xn, yn}, 1), x.size(1), names);
   return sq_from_gram(x64, xn, y64, yn);
 }
 

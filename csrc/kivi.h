@@ -126,8 +126,10 @@ struct Fit {
 // Each backend provides the same functions; generic:: uses ATen calls only (any device), cpu::
 // fuses loops and parallelizes for CPU tensors.
 namespace generic {
-Tensor sqdist(const Tensor& x, const Tensor& y);  // [B, n, m] float64
-Tensor median_bandwidth(const Tensor& x);         // [B] float64
+// [B, n, m] float64; a row that is not finite (or too far out to square) is named as x's or y's, by
+// names.denom and names.numer
+Tensor sqdist(const Tensor& x, const Tensor& y, Names names = {"y", "x"});
+Tensor median_bandwidth(const Tensor& x);  // [B] float64
 // The centre of the stacked points [a; b] ([B, 1, d] float64: centre_coordinate of stacked rows
 // centre_rows(N), the CPU kernels' centre), or none where there are none. Elementwise ATen calls only
 // (no read-back): the generic path's and cuda::gemm_pair_sqdist's Gram points less this.

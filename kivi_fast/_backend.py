@@ -134,6 +134,7 @@ class ReferenceOps:
     @staticmethod
     def ratio(z, numer, denom, alpha, beta, sigma):
         _refuse_meta(z, numer, denom)
+        reference._check_evaluation(z, numer, denom)
         return reference._ratio64(z, numer, denom, alpha, beta, sigma)
 
     @staticmethod
@@ -147,6 +148,7 @@ class ReferenceOps:
         _refuse_meta(x, y)
         _validate_finite("x", x)
         _validate_finite("y", y)
+        reference._check_distances("x", x, y)
         return reference._gram64(x.double(), y.double(), sigma).to(x.dtype)
 
 

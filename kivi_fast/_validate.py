@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 import warnings
 
 import torch
@@ -94,6 +96,20 @@ def check_no_tangents(fn: str, samples) -> None:
                 "its gradient is Eq. 8's, in reverse mode; take it with loss.backward() or torch.autograd.grad")
 
 
+_API_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel (for its caller) that names the first frame outside the estimator's own
+    modules (kivi_fast/*.py; nn/ and experiments/ call them as users do): however deep in kl or
+    adaptive_contrast_kl a warning is raised, it points at the line that called them, and Python shows
+    it once per such line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _API_DIR:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_if_ungraded(name: str, x: torch.Tensor, fn: str) -> None:
     """Warn where a tensor asks for a gradient that the estimator does not give it (the fitted ratio is
     held fixed, the paper's Eq. 8), so that, e.g., a learned prior's sampler does not silently train
@@ -102,7 +118,7 @@ def warn_if_ungraded(name: str, x: torch.Tensor, fn: str) -> None:
         warnings.warn(
             f"kivi_fast.{fn}: {name} requires grad but gets no gradient (the estimator's gradient flows "
             f"through q_z only, the fitted ratio held fixed: the paper's Eq. 8); pass {name}.detach() "
-            "to silence this", UserWarning, stacklevel=3)
+            "to silence this", UserWarning, stacklevel=user_stacklevel())
 
 
 def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from ._backend import constant_under_compile
 
 CONTRASTS = ("auto", "diagonal", "full")
 DEFAULT_LAM = 1e-2  # adaptive contrast's default ridge coefficient; see the module docstring
+MIN_PRIOR_SAMPLES = 4  # kl's prior samples under a contrast; see sample_contrast_kl
 
 
 def standard_normal_log_prob(z: torch.Tensor) -> torch.Tensor:
@@ -56,9 +57,13 @@ def shrinkage_intensity(x: torch.Tensor) -> torch.Tensor:
         lam* = sum_{i != j} Var(r_ij) / sum_{i != j} r_ij^2,
 
     with r_ij the sample correlations and Var(r_ij) = n / (n - 1)^3 sum_k (w_kij - w_bar_ij)^2,
-    w_kij = y_ki y_kj, y the standardized samples. No gradient."""
+    w_kij = y_ki y_kj, y the standardized samples. No gradient. Two samples give 1: their correlations
+    are +-1 whatever the law's, and the formula's variance of them 0 (an intensity of 0, which left the
+    covariance singular). (And an empty batch, where std warns of zero degrees of freedom.)"""
     x = x.detach()
     n = x.shape[-2]
+    if n == 2 or x.numel() == 0:
+        return torch.ones(x.shape[:-2], dtype=x.dtype, device=x.device)
     y = x - x.mean(-2, keepdim=True)
     y = y / y.std(-2, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
     mt = y.transpose(-1, -2)
@@ -70,6 +75,15 @@ def shrinkage_intensity(x: torch.Tensor) -> torch.Tensor:
     num = (var_r * off).sum((-2, -1))
     den = (r.pow(2) * off).sum((-2, -1))
     return (num / den.clamp_min(torch.finfo(x.dtype).tiny)).clamp(0.0, 1.0)
+
+
+def diagonal_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(std, mean) [..., 1, d] of samples [..., n, d] by maximum likelihood (dividing by n). An empty batch
+    gives empty ones without std_mean's warning of zero degrees of freedom."""
+    if x.numel() == 0:
+        empty = x.sum(-2, keepdim=True)
+        return empty, empty
+    return torch.std_mean(x, -2, correction=0, keepdim=True)
 
 
 def shrinks(shrink: str, n: int, d: int) -> bool:
@@ -218,7 +232,7 @@ def _standardize_ops(x: torch.Tensor):
     """The ops that standardize x in one launch each way (``standardize``, ``standardize_grad``):
     torch.ops.kivi_fast for a CUDA tensor where the library has their kernels; None (ATen's composition
     here) otherwise. (The CPU emulation's tests put its ops here.)"""
-    return torch.ops.kivi_fast if x.is_cuda and _has_cuda_standardize() else None
+    return torch.ops.kivi_fast if x.is_cuda and x.numel() and _has_cuda_standardize() else None
 
 
 def standardize(x: torch.Tensor, name: str = "x", to_standard_normal: bool = False, bias: float = 0.0
@@ -235,7 +249,7 @@ def _standardize(ops, x, name, to_standard_normal, bias):
         z, std, t = ops.standardize(x.reshape(-1, n, d), to_standard_normal, bias)
         return z.view(x.shape), std.view(*batch, 1, d), t.view(batch)
     x = x.double()
-    std, mean = torch.std_mean(x, -2, correction=0, keepdim=True)
+    std, mean = diagonal_moments(x)
     check_std(std, name)
     z = (x - mean) / std
     if to_standard_normal:
@@ -243,6 +257,25 @@ def _standardize(ops, x, name, to_standard_normal, bias):
     else:
         t = -std.log().sum((-2, -1))
     return z, std, t
+
+
+class _DifferentiableOnce(torch.autograd.Function):
+    """``grad`` (a backward's result under create_graph=True) as is, with a derivative that raises as the
+    ops' own backwards do (csrc/autograd.cpp). Its node takes ``anchor`` (a tensor of the graph that led
+    to the gradient), so that the path from the gradient back to the samples passes through it: torch's
+    once_differentiable hangs its error off a detached copy instead, which torch.autograd.grad(...,
+    inputs=samples) prunes, and a second derivative then came out partial (the log prior's term only),
+    silently."""
+
+    @staticmethod
+    def forward(ctx, grad, anchor):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, _):
+        raise NotImplementedError(
+            "kivi_fast: second derivatives of the KIVI estimators are not supported (their gradient is the "
+            "paper's Eq. 8, the fitted ratio held fixed, here through the contrast's standardization)")
 
 
 class _DiagonalContrast(torch.autograd.Function):
@@ -272,9 +305,16 @@ class _DiagonalContrast(torch.autograd.Function):
         return z, t
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_z, grad_t):
         z, std, x = ctx.saved_tensors
+        with torch.no_grad():
+            grad = _DiagonalContrast._grad(ctx, grad_z, grad_t, z, std, x)
+        if torch.is_grad_enabled():  # create_graph=True: the gradient is differentiable once
+            grad = _DifferentiableOnce.apply(grad, z)
+        return grad, None, None, None
+
+    @staticmethod
+    def _grad(ctx, grad_z, grad_t, z, std, x):
         if ctx.ops is not None:
             *batch, n, d = z.shape
             # (without x the kernel reads none of it, and z stands in for it; the gradient is then float64)
@@ -282,7 +322,7 @@ class _DiagonalContrast(torch.autograd.Function):
                                             None if grad_t is None else grad_t.reshape(-1), z.view(-1, n, d),
                                             std.view(-1, 1, d), (z if x is None else x).reshape(-1, n, d),
                                             ctx.to_standard_normal)
-            return grad.view(z.shape).to(ctx.dtype), None, None, None
+            return grad.view(z.shape).to(ctx.dtype)
         n = z.shape[-2]
         # d/dx_k of sum_j g_j z_j = (g_k - mean_j g_j - z_k mean_j g_j z_j) / s; of -sum log s: -z_k / (n s);
         # of sum (s^2 + m^2) / 2: (s z_k + m) / n = x_k / n
@@ -294,7 +334,7 @@ class _DiagonalContrast(torch.autograd.Function):
             out = torch.addcmul(grad_z - grad_z.mean(-2, keepdim=True), z, scale, value=-1.0) / std
         if ctx.to_standard_normal and grad_t is not None:
             out = torch.addcmul(out, x.double(), t_scale)
-        return out.to(ctx.dtype), None, None, None
+        return out.to(ctx.dtype)
 
 
 class GaussianFit:
@@ -310,8 +350,7 @@ class GaussianFit:
         # [...] bool, or None where none can: they are diagonal fits, with the diagonal's corrections
         self.fell_back = None
         if self.diagonal:
-            # correction 0 divides by n: the maximum-likelihood fit
-            self.std, self.mean = torch.std_mean(x, -2, correction=0, keepdim=True)
+            self.std, self.mean = diagonal_moments(x)
             check_std(self.std, name)
         else:
             self.mean, self.chol, rho = whitening(x, shrink, name, sample_eps, fallback)
@@ -437,6 +476,12 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     only see what is not Gaussian. The prior samples get no gradient. ``sample_eps``: the samples'
     precision as the user gave them (float16's for float16 samples taken as float32; default the
     dtype's), which sets what counts as a singular covariance (:func:`whitening`)."""
+    # The prior's fitted precision enters log r_p, and the inverse of a variance fitted to 3 or fewer
+    # samples has no finite mean: at q = p = N(0, I) in d = 10 the estimate read a median 28 nats with 3
+    # prior samples and 360 with 2, against 2 with 4 (5 without the contrast)
+    _validate.check_min_samples("prior_z", prior_z, MIN_PRIOR_SAMPLES,
+                                'for a Gaussian contrast (the inverse of a variance fitted to fewer has no finite mean); '
+                                'with fewer pass contrast="none"')
     n, d = min(prior_z.shape[-2], q_z.shape[-2]), q_z.shape[-1]
     # "auto": a side whose covariance is singular (samples on a subspace) is whitened by its diagonal
     fallback = contrast == "auto"
@@ -491,6 +536,9 @@ def adaptive_contrast_kl(
     sample_eps: as in :func:`sample_contrast_kl`.
     """
     _validate.check_samples("q_z", q_z)
+    if log_prior is not None and not callable(log_prior):
+        raise TypeError("log_prior must be a callable mapping samples [..., n, d] to log-densities [..., n] "
+                        f"(or None for N(0, I)), got {type(log_prior).__name__}")
     n = q_z.shape[-2]
     if n < 2:
         raise ValueError(f"q_z must hold at least 2 samples to standardize them, got shape {tuple(q_z.shape)}")

@@ -40,17 +40,30 @@ def _gram64(x: torch.Tensor, y: torch.Tensor, sigma: torch.Tensor) -> torch.Tens
 _NOT_FINITE = " contains NaN or Inf (or points so far apart that their squared distances overflow float64)"
 
 
+def _check_distances(name: str, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+    """Finite squared distances between the rows of (finite) samples x [..., n, d] and those of y (default
+    x's own); else a ValueError naming ``name``, as the compiled ops raise."""
+    x64 = x.detach().double()
+    y64 = x64 if y is None else y.detach().double()
+    if x64.numel() == 0 or y64.numel() == 0:
+        return
+    largest = max(float(x64.abs().amax()), float(y64.abs().amax()))
+    if math.isfinite(4.0 * x64.shape[-1] * largest * largest):
+        return  # (no squared distance exceeds d (2 max |x|)^2)
+    if not bool(torch.isfinite(_sqdist(x64, y64)).all()):
+        raise ValueError(name + _NOT_FINITE)
+
+
 def _check_spread(*named: tuple[str, torch.Tensor]) -> None:
     """Finite squared distances within each named set of (finite) samples [B, n, d], in turn."""
     for name, x in named:
-        x64 = x.detach().double()
-        if x64.numel() == 0:
-            continue
-        largest = float(x64.abs().amax())
-        if math.isfinite(4.0 * x64.shape[-1] * largest * largest):
-            continue  # (no squared distance exceeds d (2 max |x|)^2)
-        if not bool(torch.isfinite(_sqdist(x64, x64)).all()):
-            raise ValueError(name + _NOT_FINITE)
+        _check_distances(name, x)
+
+
+def _check_evaluation(z: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> None:
+    """The fitted ratio's points z [B, m, d]: finite, and at finite squared distances from its centres."""
+    _validate.check_finite("z", z)
+    _check_distances("z", z, torch.cat([den, num], dim=-2))
 
 
 def _median64(x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +146,7 @@ def rbf_gram(x: torch.Tensor, y: torch.Tensor, sigma) -> torch.Tensor:
         raise ValueError("rbf_gram needs a numeric bandwidth sigma")
     _validate.check_finite("x", x)
     _validate.check_finite("y", y)
+    _check_distances("x", x, y)
     return _gram64(x.double(), y.double(), s if batch is not None else s[0]).to(x.dtype)
 
 
@@ -161,6 +175,7 @@ class DensityRatio:
             raise RuntimeError("call fit(numer, denom) before evaluating the ratio")
         _validate.check_pair("z", z, "the fitted samples", self._denom if self.batched else self._denom[0])
         b = (lambda t: t) if self.batched else (lambda t: t[None])
+        _check_evaluation(b(z), self._numer, self._denom)
         r = _ratio64(b(z), self._numer, self._denom, b(self.alpha), self.beta, b(self.sigma))
         return r if self.batched else r[0]
 

@@ -560,6 +560,20 @@ def test_direct_op_calls_with_arguments_on_another_device_raise():
         torch.ops.kivi_fast.kl_grad(torch.ones(2, device=CUDA), state.cpu(), q, p, True)
 
 
+def test_an_empty_batch_on_cuda_gives_empty_results_and_gradients():
+    """B = 0 goes through every estimator's whole path (its arguments are checked as for any batch),
+    where the kernels launch nothing."""
+    p = torch.randn(0, 20, 3, device=CUDA)
+    q = torch.randn(0, 20, 3, device=CUDA, requires_grad=True)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    for estimate in (kivi_fast.kernel_kl(p, q), kivi_fast.kl(p, q, generator=g),
+                     kivi_fast.kl(p, q, contrast="diagonal", generator=g), kivi_fast.adaptive_contrast_kl(q, generator=g),
+                     kivi_fast.adaptive_contrast_kl(q, contrast="diagonal", generator=g)):
+        assert estimate.shape == (0,) and estimate.device.type == "cuda"
+        (grad,) = torch.autograd.grad(estimate.sum(), q, allow_unused=True, materialize_grads=True)
+        assert grad.shape == q.shape
+
+
 @pytest.mark.parametrize("b,n,d", [(4, 100, 8), (2, 10, 30000), (2, 100, 700), (2, 300, 8), (2, 300, 700)],
                          ids=["cuda-kernels", "cuda-kernels-wide", "cuda-kernels-tiles", "generic", "generic-wide"])
 def test_the_estimators_never_read_a_value_back_to_the_host(b, n, d):

@@ -1,5 +1,6 @@
 """Bad input raises a clear Python exception naming the argument, on every implementation."""
 
+import inspect
 import math
 import warnings
 
@@ -166,6 +167,17 @@ def test_mostly_clipped_ratios_warn(impl):
         for _ in range(3):
             kivi_fast.kernel_kl(P, Q, lam=1e10)
     assert sum(issubclass(w.category, kivi_fast.ClippingWarning) for w in seen) == 1
+    # from inside kl and adaptive_contrast_kl too, it names the line that called them: once per such line
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        lines = []
+        for _ in range(2):
+            lines.append(inspect.currentframe().f_lineno + 1)
+            kivi_fast.kl(P, Q, lam=1e10, generator=torch.Generator().manual_seed(0))
+            lines.append(inspect.currentframe().f_lineno + 1)
+            kivi_fast.adaptive_contrast_kl(Q, lam=1e10, generator=torch.Generator().manual_seed(0))
+    clipping = [w for w in seen if issubclass(w.category, kivi_fast.ClippingWarning)]
+    assert [(w.filename, w.lineno) for w in clipping] == [(__file__, line) for line in lines[:2]]
     g = torch.Generator().manual_seed(0)
     p, q = (torch.randn(100, 3, generator=g, dtype=torch.float64) for _ in range(2))
     with warnings.catch_warnings():
@@ -400,6 +412,16 @@ def test_an_empty_batch_gives_empty_results(impl):
     for result in results:
         assert result.shape == (0,) and result.dtype == torch.float64
     assert kivi_fast.DensityRatio().fit(p, q).alpha.shape == (0, 4)
+    # the arguments are checked all the same
+    bad_calls = [(lambda: kivi_fast.adaptive_contrast_kl(q, lam=-1.0), ValueError, "lam must be positive"),
+                 (lambda: kivi_fast.adaptive_contrast_kl(q, contrast="bogus"), ValueError, "contrast must be one of"),
+                 (lambda: kivi_fast.adaptive_contrast_kl(q, 5), TypeError, "log_prior must be a callable"),
+                 (lambda: kivi_fast.adaptive_contrast_kl(q[:, :1]), ValueError, "at least 2 samples"),
+                 (lambda: kivi_fast.kl(p, q, generator=5), TypeError, "generator must be a torch.Generator"),
+                 (lambda: kivi_fast.kl(p, q, reverse="no"), TypeError, "reverse must be a Python bool")]
+    for call, error, message in bad_calls:
+        with pytest.raises(error, match=message):
+            call()
 
 
 def test_points_whose_squared_distances_overflow_are_named(impl):
@@ -412,7 +434,10 @@ def test_points_whose_squared_distances_overflow_are_named(impl):
              (lambda: kivi_fast.kernel_kl(P, Q * 1e155), "q_z"),
              (lambda: kivi_fast.kernel_kl(P, Q * 1e155, bandwidth=1.0), "q_z"),
              (lambda: kivi_fast.median_bandwidth(P * 1e155), "x"),
-             (lambda: kivi_fast.DensityRatio().fit(P, Q * 1e155), "denom")]
+             (lambda: kivi_fast.DensityRatio().fit(P, Q * 1e155), "denom"),
+             (lambda: kivi_fast.DensityRatio().fit(P, Q).ratio(Q * 1e155), "z"),
+             (lambda: kivi_fast.rbf_gram(P * 1e155, Q * 1e155, 1.0), "x"),  # (a kernel of 0 by overflow)
+             (lambda: kivi_fast.rbf_gram(P, Q * 1e155, 1.0), "(x|y)")]
     for call, name in cases:
         with pytest.raises(ValueError, match=f"^{name}{message}"):
             call()
@@ -427,6 +452,11 @@ def test_primitives_reject_nan(impl):
         kivi_fast.rbf_gram(Q, with_value(P, (0, 0), float("inf")), 1.0)
     with pytest.raises(ValueError, match="x contains NaN or Inf"):
         kivi_fast.rbf_gram(bad, Q, 1.0)
+    fit = kivi_fast.DensityRatio().fit(P, Q)
+    with pytest.raises(ValueError, match="z contains NaN or Inf"):
+        fit.ratio(bad)
+    with pytest.raises(ValueError, match="z contains NaN or Inf"):
+        fit.log_ratio(torch.full_like(P, math.inf))
 
 
 def test_ops_called_directly_check_their_samples():

@@ -111,6 +111,36 @@ def test_just_more_samples_than_dimensions_gives_a_kl_of_the_right_size(d):
         assert values.abs().median() < 4 and values.abs().max() < 25, (n, values)
 
 
+def test_a_contrast_with_fewer_than_four_prior_samples_is_refused(impl):
+    """The inverse of a variance fitted to n <= 3 samples has no finite mean, and it enters log r_p: at
+    q = p = N(0, I) in d = 10 the default kl read a median 360 nats (up to 2.8e5) with 2 prior samples and
+    28 with 3; with 4, a median 2 (the paper's estimator: 5). Those are refused, naming the way out."""
+    q = torch.randn(50, 10, generator=gen(1), **f64)
+    for n_p in (2, 3):
+        p = torch.randn(n_p, 10, generator=gen(2), **f64)
+        for contrast in ("auto", "diagonal", "full"):
+            with pytest.raises(ValueError, match='prior_z must hold at least 4 samples for a Gaussian contrast.*'
+                                                 'contrast="none"'):
+                kivi_fast.kl(p, q, contrast=contrast, generator=gen(3))
+        assert torch.isfinite(kivi_fast.kl(p, q, contrast="none"))
+    values = torch.stack([kivi_fast.kl(torch.randn(4, 10, generator=gen(s), **f64), q, generator=gen(s + 50))
+                          for s in range(20)])
+    assert values.abs().median() < 5, values
+
+
+def test_two_samples_shrink_to_their_diagonal():
+    """Two samples' correlations are +-1 whatever the law's, and the Schaefer-Strimmer variance of them
+    0: the intensity is 1, not the formula's 0, which left the full contrast's covariance singular (an
+    error on most draws, on the others a value of ~1e16 nats)."""
+    from kivi_fast import contrast
+
+    x = torch.randn(100, 2, 4, generator=gen(0), **f64)
+    assert (contrast.shrinkage_intensity(x) == 1).all()
+    values = torch.stack([kivi_fast.adaptive_contrast_kl(torch.randn(2, 3, generator=gen(s), **f64), contrast="full",
+                                                         generator=gen(s + 50)) for s in range(20)])
+    assert values.isfinite().all() and values.abs().max() < 20, values
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_samples_on_a_line_have_a_singular_covariance_on_every_draw(dtype):
     """Rounding lets a rank-1 covariance factor with tiny pivots (before: a ValueError on 26 of 40 draws,

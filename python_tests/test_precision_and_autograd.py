@@ -125,8 +125,20 @@ def test_a_second_derivative_is_refused_by_name_and_the_first_is_unchanged(compi
     p = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
     q = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
     fit = kivi_fast.DensityRatio(lam=1e-2).fit(p, q)
+
+    def log_prior(z):
+        return -0.5 * z.square().sum(-1)
+
+    # (the per-dimension contrast has its own backward, and with a log prior a term of the gradient that is
+    # differentiable: a refusal that torch.autograd.grad(..., inputs=z) prunes left that term alone, silently)
     estimates = {"kernel_kl": lambda z: kivi_fast.kernel_kl(p, z).sum(),
                  "kl": lambda z: kivi_fast.kl(p, z, generator=torch.Generator().manual_seed(1)).sum(),
+                 "kl diagonal": lambda z: kivi_fast.kl(p, z, contrast="diagonal",
+                                                      generator=torch.Generator().manual_seed(1)).sum(),
+                 "adaptive_contrast_kl diagonal": lambda z: kivi_fast.adaptive_contrast_kl(
+                     z, log_prior, contrast="diagonal", generator=torch.Generator().manual_seed(1)).sum(),
+                 "adaptive_contrast_kl auto, n <= d": lambda z: kivi_fast.adaptive_contrast_kl(
+                     z[..., :3, :], log_prior, generator=torch.Generator().manual_seed(1)).sum(),
                  "ratio": lambda z: fit.log_ratio(z).sum()}
     for name, estimate in estimates.items():
         z = q.clone().requires_grad_()
