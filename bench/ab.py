@@ -25,14 +25,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import make_inputs, parse_shape  # noqa: E402
+from run import make_inputs, parse_shape, shape_arg  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lib_a")
     ap.add_argument("lib_b")
-    ap.add_argument("shape", help="NxD or BxNxD")
+    ap.add_argument("shape", type=shape_arg, help="NxD or BxNxD")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pass", dest="which", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
@@ -41,6 +41,9 @@ def main():
     ap.add_argument("--switch", action="append", default=[], metavar="NAME=0|1",
                     help="a test switch of both builds (their NS_testing.NAME), e.g. set_few_points_avx512=1")
     args = ap.parse_args()
+    for lib in (args.lib_a, args.lib_b):
+        if not os.path.isfile(lib):
+            ap.error(f"no library file {lib} (bench/build_renamed.sh builds one)")
     torch.set_num_threads(args.threads)
     names = []
     for lib in (args.lib_a, args.lib_b):

@@ -83,6 +83,18 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
+def read_run(path: str) -> dict:
+    """A JSON file of bench/run.py --json, or SystemExit naming it (missing, unreadable, not such JSON)."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"{path}: not a JSON file of bench/run.py --json ({err})") from None
+    if not isinstance(run, dict) or not isinstance(run.get("results"), list):
+        raise SystemExit(f"{path}: not a JSON file of bench/run.py --json (no results list)")
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="JSON files written by bench/run.py --json")
@@ -91,8 +103,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     per_run = []
     for path in args.runs:
-        with open(path) as f:
-            per_run.append(bounds(json.load(f), args.dtype, args.threads))
+        per_run.append(bounds(read_run(path), args.dtype, args.threads))
     keys = [k for k in per_run[0] if all(k in r for r in per_run)]
     if not keys:
         raise SystemExit(f"no {args.dtype} rows at {args.threads} thread(s) common to all the runs given")

@@ -101,7 +101,7 @@ def peak_of(run) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="1000x32,2000x32,100x50000,128x100x8,100x700,5000x64",
+    ap.add_argument("--shapes", type=cpu_bench.shapes_arg, default="1000x32,2000x32,100x50000,128x100x8,100x700,5000x64",
                     help="comma-separated NxD or BxNxD")
     ap.add_argument("--dtype", default="float32", choices=sorted(cpu_bench.DTYPES))
     ap.add_argument("--launches", action="store_true",
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         return 2
     print(f"peak MB of one forward + backward, {args.dtype}, on the CPU (ours: the GPU's path, emulated)")
     print(f"{'shape':>14} {'ours on a GPU':>14} {'ATen composition':>17} {'strong':>9} {'fast':>9}")
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         b, n, d, batched = cpu_bench.parse_shape(shape)
         p, q = cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[args.dtype])
         pure = {name: peak_of(lambda: cpu_bench.call(cpu_bench.IMPLS[name], p, q, True)) for name in ("strong", "fast")}

@@ -276,8 +276,10 @@ def save_json(path: str | None, info: dict, rows: list) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=cpu_bench.DEFAULT_SHAPES, help="comma-separated NxD or BxNxD")
-    ap.add_argument("--dtypes", default="float32,float64")
+    ap.add_argument("--shapes", type=cpu_bench.shapes_arg, default=cpu_bench.DEFAULT_SHAPES,
+                    help="comma-separated NxD or BxNxD")
+    ap.add_argument("--dtypes", type=cpu_bench.dtypes_arg, default="float32,float64",
+                    help="comma-separated float32, float64")
     ap.add_argument("--target-s", type=float, default=0.5, help="seconds per implementation and timing")
     ap.add_argument("--json", metavar="PATH", help="save the device and the results as JSON")
     ap.add_argument("--compiled", action="store_true", help="also the pure sides under torch.compile")
@@ -299,9 +301,9 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device(DEVICE)
     if args.profile:
-        for shape in args.shapes.split(","):
+        for shape in args.shapes:
             b, n, d, batched = cpu_bench.parse_shape(shape)
-            for dtype_name in args.dtypes.split(","):
+            for dtype_name in args.dtypes:
                 p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
                 print(f"{cpu_bench.shape_name(b, n, d, batched)} {dtype_name}: ours, forward + backward")
                 ours = cpu_bench.IMPLS["ours"]
@@ -343,9 +345,9 @@ def main(argv=None) -> int:
         # (not fullgraph: a break, which would cost ours time, is timed rather than leaving ours out)
         compiled["ours_compiled"] = torch.compile(cpu_bench.IMPLS["ours"], dynamic=False, mode=args.compile_mode)
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         b, n, d, batched = cpu_bench.parse_shape(shape)
-        for dtype_name in args.dtypes.split(","):
+        for dtype_name in args.dtypes:
             p, q = (t.to(dev) for t in cpu_bench.make_inputs(b, n, d, batched, cpu_bench.DTYPES[dtype_name]))
             for backward in backwards:
                 run_compiled = cpu_bench.compiled_for(compiled, p, q, backward)  # (failures left out, and said so)

@@ -19,14 +19,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import make_inputs, parse_shape  # noqa: E402
+from run import make_inputs, parse_shape, shape_arg  # noqa: E402
 
 import kivi_fast  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="100x8", help="NxD (n_p = n_q = N)")
+    ap.add_argument("--shape", type=shape_arg, default="100x8", help="NxD (n_p = n_q = N)")
     ap.add_argument("--seconds", type=float, default=10.0)
     args = ap.parse_args()
     torch.set_num_threads(1)

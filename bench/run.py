@@ -57,13 +57,40 @@ LAM = 1e-3
 
 
 def parse_shape(s: str) -> tuple[int, int, int, bool]:
-    """'n x d' -> (1, n, d, False); 'B x n x d' -> (B, n, d, True)."""
-    parts = [int(v) for v in s.lower().split("x")]
-    if len(parts) == 2:
-        return 1, parts[0], parts[1], False
-    if len(parts) == 3:
-        return parts[0], parts[1], parts[2], True
-    raise ValueError(f"shape must be NxD or BxNxD, got {s!r}")
+    """'n x d' -> (1, n, d, False); 'B x n x d' -> (B, n, d, True); a ValueError for anything else."""
+    try:
+        parts = [int(v) for v in s.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) in (2, 3) and min(parts) > 0:
+        return (1, *parts, False) if len(parts) == 2 else (*parts, True)
+    raise ValueError(f"a shape is NxD or BxNxD, of positive whole numbers; got {s!r}")
+
+
+def shape_arg(text: str) -> str:
+    """An argparse type: one shape (parse_shape's), checked."""
+    try:
+        parse_shape(text.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text.strip()
+
+
+def shapes_arg(text: str) -> list[str]:
+    """An argparse type: comma-separated shapes (parse_shape's), checked."""
+    shapes = [shape_arg(s) for s in text.split(",") if s.strip()]
+    if not shapes:
+        raise argparse.ArgumentTypeError("expected comma-separated NxD or BxNxD shapes, got none")
+    return shapes
+
+
+def dtypes_arg(text: str) -> list[str]:
+    """An argparse type: comma-separated names of DTYPES."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes of {', '.join(DTYPES)}; got {text!r}")
+    return names
 
 
 def shape_name(b: int, n: int, d: int, batched: bool) -> str:
@@ -363,8 +390,9 @@ def compiled_table(rows: list[dict], names: list[str], markdown: bool) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=None, help=f"comma-separated NxD or BxNxD (default {DEFAULT_SHAPES})")
-    ap.add_argument("--dtypes", default="float32,float64")
+    ap.add_argument("--shapes", type=shapes_arg, default=None,
+                    help=f"comma-separated NxD or BxNxD (default {DEFAULT_SHAPES})")
+    ap.add_argument("--dtypes", type=dtypes_arg, default="float32,float64", help="comma-separated float32, float64")
     ap.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2 capped at the CPUs)")
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, shorter timing, smaller probes")
     ap.add_argument("--target-s", type=float, default=None, help="seconds per timing (default 1.0, --quick 0.3)")
@@ -384,8 +412,8 @@ def main(argv=None) -> int:
         _mem_child(*args._mem)
         return 0
 
-    shapes = [s.strip() for s in (args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)).split(",") if s.strip()]
-    dtypes = [s.strip() for s in args.dtypes.split(",") if s.strip()]
+    shapes = args.shapes or shapes_arg(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    dtypes = args.dtypes
     ncpu = os.cpu_count() or 1
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, min(2, ncpu)})
     target_s = args.target_s if args.target_s is not None else (0.3 if args.quick else 1.0)

@@ -10,9 +10,12 @@ runs, printed here as a markdown table, with ours' own time (median over the run
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bounds import read_run  # noqa: E402
 
 
 def _spread(values, fmt):
@@ -29,8 +32,7 @@ def main(argv=None) -> int:
     cells: dict[tuple, list[dict]] = {}
     loads = []
     for path in args.runs:
-        with open(path) as f:
-            run = json.load(f)
+        run = read_run(path)
         loads.append((run.get("load_average", [[None], [None]]), run.get("idle_fraction_before")))
         for row in run["results"]:
             if row["dtype"] == args.dtype and row.get("ours_s") is not None:

@@ -80,3 +80,19 @@ def test_files_from_different_gpus_are_refused(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_tables.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "different GPUs" in run.stderr
+
+
+def test_bad_arguments_of_the_bench_scripts_end_in_one_line(tmp_path):
+    """A shape or dtype that is not one, or a run file that is not one: an error naming it, before any
+    timing (--dtypes float16 ran the self-check and the machine's rates first, then a traceback a shape)."""
+    not_json = tmp_path / "run.json"
+    not_json.write_text("not json")
+    cases = [(["run.py", "--shapes", "100x8,garbage"], "argument --shapes: a shape is NxD or BxNxD"),
+             (["run.py", "--dtypes", "float16"], "argument --dtypes: expected comma-separated dtypes"),
+             (["gpu.py", "--shapes", "0x8"], "argument --shapes: a shape is NxD or BxNxD, of positive"),
+             (["spread.py", str(tmp_path / "missing.json")], "missing.json: not a JSON file of bench/run.py"),
+             (["bounds.py", str(not_json)], "run.json: not a JSON file of bench/run.py")]
+    for argv, message in cases:
+        run = subprocess.run([sys.executable, os.path.join(BENCH, argv[0]), *argv[1:]], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, (argv, run.stderr)

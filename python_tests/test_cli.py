@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kivi_fast import cli
+from kivi_fast.experiments import runs
 from kivi_fast.experiments.options import HelpFormatter, plural
 
 # per command, bad arguments (split at spaces): each must stop at the argument check
@@ -113,6 +114,7 @@ def test_a_file_in_the_way_or_an_unforeseen_error_is_one_line(tmp_path, capsys, 
     from kivi_fast.experiments import toy
 
     (tmp_path / "run" / "results.json.tmp").mkdir(parents=True)
+    (tmp_path / "run" / runs.RUN_MARKER).write_text("toy\n")  # (a toy run's folder)
     assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert f"kivi-fast toy: error: Is a directory: {tmp_path / 'run' / 'results.json.tmp'}" in err
@@ -147,6 +149,40 @@ def test_a_folder_of_another_kind_of_run_is_refused(tmp_path, capsys):
     assert f"--run-dir: {run} holds a reverse-ablation run, not a toy one" in capsys.readouterr().err
     assert not (run / "results.json").exists() and (run / "metrics.json").read_bytes() == before
     assert cli.main(["reverse-ablation", "--quick", "--no-progress", "--run-dir", str(run)]) == 0
+    failed = tmp_path / "failed"  # a run that failed before writing anything does not hold its folder
+    assert cli.main(["mnist", "--quick", "--no-progress", "--data-dir", str(tmp_path / "none"), "--run-dir",
+                     str(failed)]) == 1
+    assert "mnist.npz not found" in capsys.readouterr().err
+    assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(failed)]) == 0
+    assert (failed / runs.RUN_MARKER).read_text() == "toy\n"
+
+
+def test_files_without_a_run_and_a_running_run_are_refused(tmp_path, capsys):
+    """A folder with files but no run marker (a vae run's files from before the markers were written
+    over by an mnist run), a folder whose run another process is running (both wrote one checkpoint),
+    and an empty --run-dir (it ran into a new folder under --out): usage errors that write nothing."""
+    unmarked = tmp_path / "old"
+    unmarked.mkdir()
+    (unmarked / "results.json").write_text("{}")
+    running = tmp_path / "running"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kivi_fast.experiments import runs; "
+                               "runs.run_folder('unused', 'toy', sys.argv[1]); print('held', flush=True); "
+                               "time.sleep(60)", str(running)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cases = [(unmarked, f"--run-dir: {unmarked} holds files but no kivi_fast run"),
+                 (running, f"--run-dir: {running} is in use: another process is running its toy run"),
+                 ("", "--run-dir: expected a folder, got an empty name")]
+        for folder, message in cases:
+            with pytest.raises(SystemExit) as exit_:
+                cli.main(["toy", "--quick", "--no-progress", "--out", str(tmp_path / "out"), "--run-dir", str(folder)])
+            assert exit_.value.code == 2 and message in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(f.name for f in unmarked.iterdir()) == ["results.json"] and not (tmp_path / "out").exists()
+    assert sorted(f.name for f in running.iterdir()) == [runs.RUN_MARKER]
+    assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(running)]) == 0  # its process has ended
 
 
 def test_toy_failing_before_any_update_does_not_blame_the_learning_rate(tmp_path, capsys):

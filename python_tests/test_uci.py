@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributions import Gamma, kl_divergence
 
 from kivi_fast.experiments import datasets, regression, runs, uci
+from kivi_fast.experiments.options import UsageError
 from kivi_fast.nn import bnn
 
 # ---- the noise precision (App. E) -------------------------------------------------------------------
@@ -450,6 +451,7 @@ def test_resuming_from_a_run_folder_with_an_unsafe_checkpoint_stops_cleanly(tmp_
 
     run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
     run_dir.mkdir()
+    (run_dir / runs.RUN_MARKER).write_text("uci-yacht-kivi\n")  # (a run of this command, its checkpoint replaced)
     torch.save({"split": 0, "model": _Touch(marker)}, run_dir / "checkpoint.pt")
     assert cli.main(["uci", "--quick", "--dataset", "yacht", "--no-progress", "--run-dir", str(run_dir)]) == 1
     err = capsys.readouterr().err
@@ -461,8 +463,10 @@ def test_resume_refuses_other_settings(tmp_path, monkeypatch):
     monkeypatch.setattr(regression, "plot_training", lambda *a, **k: None)
     common = ["--dataset", "yacht", "--splits", "0", "--run-dir", str(tmp_path / "run")]
     assert uci.run(make_args(tmp_path, *common, "--epochs", "1")) == 0
-    assert uci.run(make_args(tmp_path, *common, "--epochs", "2")) == 2
-    assert uci.run(make_args(tmp_path, *common, "--epochs", "1", "--generator-init", "torch")) == 2
+    with pytest.raises(UsageError, match="holds a run with other settings \\(epochs 1 there, 2 here\\)"):
+        uci.run(make_args(tmp_path, *common, "--epochs", "2"))
+    with pytest.raises(UsageError, match="\\(generator_init 'glorot' there, 'torch' here\\)"):
+        uci.run(make_args(tmp_path, *common, "--epochs", "1", "--generator-init", "torch"))
 
 
 def test_a_checkpoint_trained_with_other_settings_or_another_model_is_refused(tmp_path, monkeypatch):
@@ -514,7 +518,8 @@ def test_run_folders_from_before_generator_init_resume_as_torch_init(tmp_path, m
     config = json.loads(config_path.read_text())
     del config["generator_init"]  # as written before the option existed
     config_path.write_text(json.dumps(config))
-    assert uci.run(make_args(tmp_path, *common)) == 2  # the default is glorot now
+    with pytest.raises(UsageError, match="other settings"):  # the default is glorot now
+        uci.run(make_args(tmp_path, *common))
     assert uci.run(make_args(tmp_path, *common, "--generator-init", "torch")) == 0
 
 

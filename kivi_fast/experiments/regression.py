@@ -253,7 +253,7 @@ def _check_resumable(path: Path, ckpt: dict, settings: dict) -> None:
     written before they carried their settings are trusted: the run folder's config.json vouches."""
     old = ckpt.get("settings")
     if isinstance(old, dict):
-        differ = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        differ = runs.config_differences(old, settings)
         if differ:
             said = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differ.items())
             raise runs.CheckpointError(f"{path} was trained with other settings ({said}); remove it, or use "

@@ -40,21 +40,72 @@ RUN_MARKER = ".kivi-fast-run"  # in each run folder: the kind of run it holds (r
 
 
 def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) -> Path:
-    """``explicit`` if given (reused, so a run can resume), else ``root/name-YYYYmmdd-HHMMSS``. A folder
-    that holds another kind of run (its RUN_MARKER names another ``name``: another command, or another
-    data set or method of uci) is refused: the two would write over each other's files."""
+    """``explicit`` if given (reused, so a run can resume), else ``root/name-YYYYmmdd-HHMMSS``. Refused,
+    since the two would write over each other's files: a folder that holds another kind of run (its
+    RUN_MARKER names another ``name``: another command, or another data set or method of uci; a marker
+    alone, of a run that failed before it wrote anything, holds nothing), files without a marker, or a
+    run that another process is running (the marker stays locked while this process lives: a job
+    resubmitted while it still runs)."""
     from .options import UsageError
 
+    if explicit is not None and not str(explicit).strip():
+        raise UsageError("--run-dir: expected a folder, got an empty name")
     path = Path(explicit) if explicit else Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    make_folder(path, "--run-dir" if explicit else "--out")
+    option = "--run-dir" if explicit else "--out"
+    make_folder(path, option)
     marker = path / RUN_MARKER
     if marker.is_file():
         held = marker.read_text(errors="replace").strip()
-        if held != name:
-            raise UsageError(f"--run-dir: {path} holds a {held} run, not a {name} one: use another folder")
-    else:
+        # (a marker alone is a run that failed before it wrote anything: e.g. a wrong --data-dir)
+        if held != name and any(f.name != RUN_MARKER for f in path.iterdir()):
+            raise UsageError(f"{option}: {path} holds a {held} run, not a {name} one: use another folder")
+    elif any(path.iterdir()):
+        raise UsageError(f"{option}: {path} holds files but no kivi_fast run (no {RUN_MARKER}: another program's "
+                         f"files, or a run of a kivi_fast before the marker): use another folder; to resume such a "
+                         f"run of this command there, write {name} into {marker}")
+    if path.resolve() not in _HELD:  # (else this process's own run, again: a test, or a caller's loop)
+        lock = exclusive_lock(marker, mode="a")
+        if lock is None:
+            raise UsageError(f"{option}: {path} is in use: another process is running its {name} run; wait for "
+                             "it to end, or use another folder")
+        _HELD[path.resolve()] = lock
+    if marker.read_text(errors="replace").strip() != name:
         marker.write_text(name + "\n")
     return path
+
+
+_HELD: dict = {}  # run folder -> its locked marker, open while this process lives
+
+
+def mark_new_folder(path: Path, name: str) -> None:
+    """Mark an empty folder as holding a ``name`` run, for a child process's run_folder (a folder a parent
+    makes and writes into first, as uci-batch does: its lock and log). A folder with files keeps what it
+    has, for the child to judge."""
+    if not any(path.iterdir()):
+        (path / RUN_MARKER).write_text(name + "\n")
+
+
+def exclusive_lock(path: Path, mode: str = "w"):
+    """``path`` opened (in ``mode``) with an exclusive lock on it, or None if another process holds one;
+    the lock lasts while the file stays open, in any child that inherits it too. (Without fcntl, not on
+    POSIX: no lock.)"""
+    f = open(path, mode)
+    try:
+        import fcntl
+    except ImportError:
+        return f
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def config_differences(old: dict, new: dict) -> dict:
+    """{key: (old value, new value)} for each of ``new``'s keys whose value ``old`` does not share: what
+    refuses a resumed run with other settings."""
+    return {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
 
 
 def make_folder(path: Path, option: str) -> None:

@@ -194,7 +194,7 @@ ADDED_SETTINGS = {"cuda_graph": False, "tf32": False}
 def check_resumable(state: dict, config: dict, path) -> None:
     """A checkpoint continues only the run that made it: every setting in ``config`` must match."""
     saved = {**ADDED_SETTINGS, **state["config"]}
-    differs = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
+    differs = runs.config_differences(saved, config)
     if differs:
         raise CheckpointError(f"{path} was made with other settings ({differs}: checkpoint's, this run's); "
                               "use another --run-dir")

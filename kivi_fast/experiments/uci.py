@@ -41,6 +41,11 @@ from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_la
 QUICK_EPOCHS = 10
 
 
+def run_name(dataset: str, method: str) -> str:
+    """The kind of run a uci run folder holds (runs.RUN_MARKER's text): one data set and method."""
+    return f"uci-{dataset}-{method}"
+
+
 def dataset_name(text: str) -> str:
     """An argparse type: a UCI data set this project can run (``year`` is refused with the reason)."""
     if text in datasets.UNAVAILABLE:
@@ -190,12 +195,13 @@ def run(args, callback=None) -> int:
         raise UsageError(f"argument --splits: {err} ({args.dataset} has "
                          f"{plural(datasets.n_splits(args.dataset, args.data_dir), 'split')})") from None
 
-    run_dir = runs.run_folder(args.out, f"uci-{args.dataset}-{args.method}", args.run_dir)
+    run_dir = runs.run_folder(args.out, run_name(args.dataset, args.method), args.run_dir)
     config = {k: getattr(args, k) for k in regression.RESUME_KEYS}
     old = runs.read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else None
     if old is not None and regression.resume_config(old) != config:
-        print(f"{run_dir} holds a run with other settings ({old}); use another --run-dir", file=sys.stderr)
-        return 2
+        said = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in
+                         runs.config_differences(regression.resume_config(old), config).items())
+        raise UsageError(f"--run-dir: {run_dir} holds a run with other settings ({said}); use another --run-dir")
     runs.write_json(run_dir / "config.json", {**config, "splits": splits, "data_dir": str(args.data_dir or "")})
     print(f"run folder: {run_dir}", file=sys.stderr)
 

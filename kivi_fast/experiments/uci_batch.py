@@ -139,17 +139,7 @@ def _die_with_parent() -> None:
 def _lock(folder: Path):
     """An exclusive lock on the split's folder, or None if another batch is running that split. The
     child inherits it, so it holds as long as either lives."""
-    try:
-        import fcntl
-    except ImportError:  # not on POSIX: no lock
-        return open(folder / "lock", "w")
-    f = open(folder / "lock", "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
+    return runs.exclusive_lock(folder / "lock")
 
 
 class _Interrupted(Exception):
@@ -195,6 +185,7 @@ def run(args) -> int:
                 task = todo.pop(0)
                 folder = split_folder(out, *task)
                 runs.make_folder(folder, "--out")
+                runs.mark_new_folder(folder, uci.run_name(task[0], task[1]))
                 lock = _lock(folder)
                 if lock is None:
                     busy.append(task)
