@@ -18,8 +18,10 @@ namespace kivi_fast {
 TORCH_LIBRARY(kivi_fast_testing, m) {
   // The device-generic kernels (the path CUDA tensors take) for CPU tensors too.
   m.def("set_force_generic(bool flag) -> bool", &set_force_generic);
-  // The few-points kernels' AVX-512 (true) or AVX2 (false) version, where the CPU has both.
+  // The few-points kernels' AVX-512 (true) or AVX2 (false) version, where the CPU has both; and
+  // whether this CPU has AVX-512 (else the switch's true runs the AVX2 version).
   m.def("set_few_points_avx512(bool flag) -> bool", &few_points::set_avx512);
+  m.def("few_points_avx512_available() -> bool", &few_points::avx512_available);
   // The Gram's register tiles (true, where the CPU has AVX2 + FMA) or the split GEMMs (false); and
   // whether this CPU can run the tiles.
   m.def("set_gram_tiles(bool flag) -> bool", &gram_tiles::set_enabled);

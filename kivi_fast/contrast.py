@@ -480,8 +480,8 @@ def sample_contrast_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float, *, 
     # samples has no finite mean: at q = p = N(0, I) in d = 10 the estimate read a median 28 nats with 3
     # prior samples and 360 with 2, against 2 with 4 (5 without the contrast)
     _validate.check_min_samples("prior_z", prior_z, MIN_PRIOR_SAMPLES,
-                                'for a Gaussian contrast (the inverse of a variance fitted to fewer has no finite mean); '
-                                'with fewer pass contrast="none"')
+                                "for a Gaussian contrast (the inverse of a variance fitted to fewer has no finite "
+                                'mean); with fewer pass contrast="none"')
     n, d = min(prior_z.shape[-2], q_z.shape[-2]), q_z.shape[-1]
     # "auto": a side whose covariance is singular (samples on a subspace) is whitened by its diagonal
     fallback = contrast == "auto"

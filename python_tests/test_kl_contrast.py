@@ -73,13 +73,15 @@ def test_gaussian_posterior_gradient_matches_the_closed_form():
 def test_a_non_gaussian_prior_known_only_by_samples():
     """p = 0.5 N(-2, 1) + 0.5 N(2, 1), q = N(2, 1): KL(q || p) = 0.633 (Monte Carlo, 10^6 draws). The
     kernel term of the prior's side carries what the Gaussian fitted to p misses: a Gaussian prior
-    N(0, 5) in its place would give 0.805; the paper's estimator gives 5-6 here."""
+    N(0, 5) in its place would give 0.805; the paper's estimator gives 5-6 here. The mean of 8
+    estimates read 0.073 high with a standard deviation of 0.016 over 30 seeds; of 32, within 0.1 by
+    3 of theirs."""
     g = gen(0)
     zz = 2 + torch.randn(10**6, generator=g, **f64)
     log_q = -0.5 * (zz - 2) ** 2
     log_p = torch.logsumexp(torch.stack([-0.5 * (zz - 2) ** 2, -0.5 * (zz + 2) ** 2]), 0) - math.log(2)
     truth = float((log_q - log_p).mean())
-    reps, n = 8, 1000
+    reps, n = 32, 1000
     sign = torch.randint(0, 2, (reps, n, 1), generator=g).to(torch.float64) * 4 - 2
     p = sign + torch.randn(reps, n, 1, generator=g, **f64)
     q = 2 + torch.randn(reps, n, 1, generator=g, **f64)

@@ -219,6 +219,8 @@ def test_median_bandwidth_equals_numpy(impl, n, d, ties):
 ])
 @pytest.mark.parametrize("avx512", [False, True])  # each version where the CPU has AVX-512 (the default: isa.h)
 def test_few_points_kernels_equal_reference(compiled, n_p, n_q, d, batch, dtype, threads, avx512):
+    if avx512 and not torch.ops.kivi_fast_testing.few_points_avx512_available():
+        pytest.skip("the few-points kernels' AVX-512 version needs an AVX-512 CPU (this one runs the AVX2 one)")
     pr = dict(n_p=n_p, n_q=n_q, d=d, batch=batch, dtype=dtype, scale=1.0, shift=0.1, seed=n_p * d)
     p, q = make_samples(pr)
     with switched({torch.ops.kivi_fast_testing.set_few_points_avx512: avx512}, threads):
@@ -388,6 +390,8 @@ def on_far_path(path):
     kivi_fast.backend()  # (loads the ops and their test switches)
     if flags.get("set_gram_tiles") and not torch.ops.kivi_fast_testing.gram_tiles_available():
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
+    if flags.get("set_few_points_avx512") and not torch.ops.kivi_fast_testing.few_points_avx512_available():
+        pytest.skip("the few-points kernels' AVX-512 version needs an AVX-512 CPU (this one runs the AVX2 one)")
     switches = {getattr(torch.ops.kivi_fast_testing, name): flag for name, flag in flags.items()}
     with implementation(path.split(",")[0] if path.startswith("generic") else "cpu"), switched(switches, threads):
         yield n, d

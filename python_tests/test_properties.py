@@ -109,25 +109,31 @@ def test_adaptive_contrast_on_a_gaussian_matches_the_exact_kl(impl):
     # The KIVI term of two standardized Gaussians carries a small positive bias (about 0.1-0.2 nats
     # at n = 200, d = 4; see test_q_equal_p_shrinks_toward_zero_as_n_grows).
     assert sum(estimates) / len(estimates) == pytest.approx(exact, rel=0.1)
-    plain = kivi_fast.kernel_kl(torch.randn(200, d, generator=g, dtype=torch.float64), z).item()
-    assert abs(sum(estimates) / len(estimates) - exact) < abs(plain - exact)
 
 
-def test_adaptive_contrast_uses_the_given_prior_and_keeps_gradients(impl):
+def test_adaptive_contrast_uses_the_given_prior_and_gives_the_exact_gradient(impl):
+    """q = N(m, s^2) against the prior N(0, 4), per dimension (m = 1, s = 0.5, d = 2), samples m + s eps:
+    KL = log(2 / s) + (s^2 + m^2) / 8 - 1/2, with dKL/dm = m / 4 and dKL/ds = s / 4 - 1 / s, the latter
+    mostly the entropy's -1/s, which the log prior's term alone would miss. Over 40 seeds of 24
+    estimates: the mean value 0.044 high (standard deviation 0.024), the gradients within 0.005 (m)
+    and 0.014 (s)."""
     g = torch.Generator().manual_seed(1)
-    z = (torch.randn(3, 100, 2, generator=g, dtype=torch.float64) * 0.5 + 1).requires_grad_(True)
+    m = torch.full((24, 1, 2), 1.0, dtype=torch.float64, requires_grad=True)
+    s = torch.full((24, 1, 2), 0.5, dtype=torch.float64, requires_grad=True)
     prior_std = 2.0
 
     def log_prior(x):
         return (-0.5 * (x / prior_std) ** 2 - math.log(prior_std) - 0.5 * math.log(2 * math.pi)).sum(-1)
 
-    kl = kivi_fast.adaptive_contrast_kl(z, log_prior, generator=g)
-    assert kl.shape == (3,)
-    # Exact: N(1, 0.25) vs N(0, 4) per dimension.
+    kl = kivi_fast.adaptive_contrast_kl(m + s * torch.randn(24, 100, 2, generator=g, dtype=torch.float64), log_prior,
+                                        generator=g)
+    assert kl.shape == (24,)
     exact = 2 * (math.log(prior_std / 0.5) + (0.25 + 1) / (2 * prior_std**2) - 0.5)
     assert kl.mean().item() == pytest.approx(exact, abs=0.15)
     kl.sum().backward()
-    assert torch.isfinite(z.grad).all() and z.grad.abs().sum() > 0
+    # (each estimate's gradient w.r.t. its own m and s; the mean over the batch against the closed form)
+    assert m.grad.mean().item() == pytest.approx(1.0 / 4, abs=0.02)
+    assert s.grad.mean().item() == pytest.approx(0.5 / 4 - 1 / 0.5, abs=0.05)
 
 
 def _correlated_gaussian(d=4, seed=0):

@@ -103,17 +103,22 @@ def linear_gaussian(seed: int, n: int = 24, d: int = 3, D: int = 10, s: float = 
     return log_likelihood, exact, (W, b, s, x)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_ais_recovers_the_exact_marginal_likelihood_of_a_linear_gaussian_model(seed):
-    log_likelihood, exact, _ = linear_gaussian(seed)
-    r = ais.ais_log_likelihood(log_likelihood, exact.shape[0], 3, chains=16, steps=1000, leapfrog=5,
-                               generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    err = r["log_likelihood"] - exact
-    # measured over seeds 0-2: per-image error mean -0.01 to 0.02, standard deviation 0.1, so the mean of
-    # 24 images is within 0.06 (3 standard errors); 300 temperatures leave -0.04 to -0.13
-    assert abs(float(err.mean())) < 0.06, float(err.mean())
-    assert float(err.abs().max()) < 0.5, float(err.abs().max())
-    assert 0.5 < r["acceptance"] < 0.8
+def test_ais_recovers_the_exact_marginal_likelihood_of_a_linear_gaussian_model():
+    """Five models (each seed draws its own W, b and images), their errors pooled: a seed's mean error over
+    its 24 images varies between seeds with a standard deviation of 0.027 (seeds 3-48: 3 of 46 beyond
+    0.06 alone), so the mean over five seeds is within 0.05 (4 standard errors); 300 temperatures
+    leave -0.04 to -0.13 a seed."""
+    errors, acceptances = [], []
+    for seed in range(5):
+        log_likelihood, exact, _ = linear_gaussian(seed)
+        r = ais.ais_log_likelihood(log_likelihood, exact.shape[0], 3, chains=16, steps=1000, leapfrog=5,
+                                   generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        errors.append(r["log_likelihood"] - exact)
+        acceptances.append(r["acceptance"])
+    means = torch.stack([e.mean() for e in errors])
+    assert abs(float(means.mean())) < 0.05, means
+    assert float(torch.cat(errors).abs().max()) < 0.8, [float(e.abs().max()) for e in errors]
+    assert all(0.5 < a < 0.8 for a in acceptances), acceptances
 
 
 def test_ais_with_few_temperatures_reads_low_and_iwae_with_the_exact_posterior_is_exact():

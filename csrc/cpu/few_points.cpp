@@ -461,6 +461,7 @@ bool has_avx512() { return use_avx512().load() && isa::cpu_has(isa::Level::kAvx5
 }  // namespace
 
 bool available() { return isa::cpu_has(isa::Level::kAvx2); }
+bool avx512_available() { return isa::cpu_has(isa::Level::kAvx512); }
 
 bool set_avx512(bool flag) { return use_avx512().exchange(flag); }
 
@@ -501,6 +502,7 @@ void weighted_rows(const double* weights, int64_t m, int64_t n, const double* co
 #else  // not an x86-64 GCC/Clang build: the callers keep the GEMM path
 
 bool available() { return false; }
+bool avx512_available() { return false; }
 bool set_avx512(bool flag) { return false; }
 void add_gram_lower(const float* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }
 void add_gram_lower(const double* const*, int64_t, int64_t, double*) { TORCH_CHECK(false, "few_points unavailable"); }

@@ -21,6 +21,8 @@ inline constexpr int64_t kMaxRows = 32;
 inline constexpr int64_t kMaxOutRows = 16;
 
 bool available();
+// Whether this CPU runs the AVX-512 kernels (else set_avx512(true) leaves the AVX2 ones).
+bool avx512_available();
 // Tests: the AVX-512 kernels (true; where the CPU has AVX-512) or the AVX2 ones (false), so that both
 // run where AVX-512 exists; by default isa::prefer_512_bit(). Returns the old setting.
 bool set_avx512(bool flag);
