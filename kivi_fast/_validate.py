@@ -191,6 +191,14 @@ def check_clip(value) -> float:
     return value
 
 
+def check_reverse(reverse) -> None:
+    """The kernel fit's direction: a Python bool (an op's schema takes nothing else)."""
+    if not isinstance(reverse, bool):
+        kind = type(reverse)
+        raise TypeError(f"reverse must be a Python bool (True or False), got "
+                        f"{kind.__module__ + '.' if kind.__module__ != 'builtins' else ''}{kind.__name__}")
+
+
 def check_min_samples(name: str, x: torch.Tensor, least: int, why: str) -> None:
     """At least ``least`` samples (rows) in ``x``; ``why`` ends the message."""
     if x.shape[-2] < least:

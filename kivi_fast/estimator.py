@@ -88,10 +88,7 @@ def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, cl
 
 def _fixed_ratio_kl(prior_z, q_z, lam: float, clip: float, sigma, reverse) -> torch.Tensor:
     """:func:`kernel_kl` on checked arguments (``kl(contrast="none")`` comes here, checked once)."""
-    if not isinstance(reverse, bool):
-        kind = type(reverse)
-        raise TypeError(f"reverse must be a Python bool (True or False), got "
-                        f"{kind.__module__ + '.' if kind.__module__ != 'builtins' else ''}{kind.__name__}")
+    _validate.check_reverse(reverse)
     # without a gradient to come the op skips what only the backward needs
     grad_state = q_z.requires_grad and torch.is_grad_enabled()
     # unbatched samples go in as they are (the op takes them): no view nodes in the graph

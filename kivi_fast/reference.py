@@ -189,6 +189,7 @@ def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, cl
               bandwidth="median", reverse: bool = True) -> torch.Tensor:
     """The paper's estimator from samples; see :func:`kivi_fast.kernel_kl` for the full contract."""
     lam, clip, sigma = _validate.kl_arguments(prior_z, q_z, lam, clip, bandwidth)
+    _validate.check_reverse(reverse)
     batched = q_z.dim() == 3
     b = (lambda t: t) if batched else (lambda t: t[None])
     value, _ = _kl_and_clipped(b(prior_z), b(q_z), lam, clip, sigma, reverse)

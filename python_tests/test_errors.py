@@ -317,6 +317,8 @@ def test_adaptive_contrast_errors(impl):
             kivi_fast.adaptive_contrast_kl(Q, lambda z: with_value(-z.pow(2).sum(-1), (3,), value))
     with pytest.raises(TypeError, match="reverse must be a Python bool \\(True or False\\), got numpy.bool"):
         kivi_fast.kernel_kl(P, Q, reverse=__import__("numpy").bool_(True))
+    with pytest.raises(TypeError, match="reverse must be a Python bool \\(True or False\\), got str"):
+        reference.kernel_kl(P, Q, reverse="no")  # (the oracle too: it took any truthy value)
     with pytest.raises(TypeError, match="generator must be a torch.Generator, got int"):
         kivi_fast.adaptive_contrast_kl(Q, generator=3)
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
