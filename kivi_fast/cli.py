@@ -73,6 +73,7 @@ def given_options(command: str, argv) -> frozenset[str]:
 
 def main(argv=None) -> int:
     from .experiments.options import UsageError
+    from .experiments import runs
     from .experiments.runs import RunError
 
     import torch
@@ -112,6 +113,7 @@ def main(argv=None) -> int:
               "shows where)", file=sys.stderr)
         return 1
     finally:
+        runs.release_run_folders()  # (a caller's next command, or another process, may take them)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

@@ -115,7 +115,9 @@ def kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = DEFAULT_LAM, *, co
         prior_z, q_z: samples [n_p, d] and [n_q, d], or [B, n_p, d] and [B, n_q, d] for B independent
             estimates; at least 2 on each side, and with a contrast at least 4 prior samples (the
             inverse of a variance fitted to fewer has no finite mean: at q = p = N(0, I) in d = 10, 3
-            prior samples read a median 28 nats, 4 read 2).
+            prior samples read a median 28 nats under "auto", 4 read 2). ``contrast="full"`` asks for
+            more than d a side: with n_p <= d the prior's shrunk covariance reads far off (d = 10:
+            a median 19 nats with 4 prior samples, 2.3 with 8).
         lam: ridge coefficient of the kernel fits, at least 1e-10.
         contrast: "auto" ("full" when both sides have more than d samples, else "diagonal"; and
             "diagonal" for a side of a batch element whose samples lie on a subspace, where "full"

@@ -119,7 +119,7 @@ def test_quick_run_writes_its_files(tmp_path, capsys):
 @pytest.mark.parametrize("bad", ["--lams=0", "--lams=1e-12", "--clip=1", "--seeds=0", "--steps=-1", "--samples=1",
                                  "--lr=0", "--noise-std=nan", "--methods=vae", "--eval-samples=1",
                                  "--seed=4294967296", "--model-seed=-1", "--samples=2",
-                                 "--quick --methods ac-full --samples 2"])
+                                 "--quick --methods kl --samples 3"])
 def test_bad_values_are_usage_errors(bad, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["amortized", *bad.split(), "--no-progress", "--out", str(tmp_path)])

@@ -15,7 +15,8 @@ from kivi_fast.experiments.options import HelpFormatter, plural
 BAD_ARGUMENTS = {
     "uci": "--splits=25 | --splits=abc | --splits=5-3 | --epochs=0 | --epochs=-5 | --epochs=1.5 | --samples=1 | "
            "--lam=0 | --lam=1e-12 | --lr=-1 | --lr=nan | --batch-size=0 | --eval-every=0 | --threads=0 | --checkpoint-seconds=-1 | "
-           "--dataset=year | --dataset=mnist | --seed=-1 | --n-hidden=0 | --eval-samples=0",
+           "--dataset=year | --dataset=mnist | --seed=-1 | --n-hidden=0 | --eval-samples=0 | "
+           "--method=kivi-contrast --samples=3",
     "toy": "--steps=0 | --n-samples=1 | --lr=0 | --noise-dim=0 | --s0=-1 | --lam=0 | --clip=0 | --clip=1 | --bandwidth=-1 | --bandwidth=1e-200 | "
            "--bandwidth=abc | --grad-clip=-1 | --eval-samples=1 | --bin-width=0 | --threads=0 | "
            "--seed=99999999999999999999999 | --threads=100000 | --bin-width=1e6 | --bin-width=1e-9 | "
@@ -28,11 +29,11 @@ BAD_ARGUMENTS = {
            "--eval-samples=1 | --kivi-seeds=0 | --contrast=spherical | --seed=4294967296 | --data-seed=-1 | "
            "--seed=4294967295",
     "client-loop": "--seeds=0 | --steps=0 | --lr=0 | --samples=1 | --dim=0 | --n-data=0 | --noise=nan | "
-                   "--settings=svgd | --eval-samples=1",
+                   "--settings=svgd | --eval-samples=1 | --samples=3",
     "reverse-ablation": "--steps=0 | --samples=1 | --lam=0 | --clip=1e10 | --lr=0 | --log-every=0 | --eval-samples=1 | "
                         "--seed=4294967296",
     "kl-accuracy": "--dims=0 | --ns=1 | --lams=0 | --lams 1e-3 1e-11 | --reps=0 | --clip=0 | --clip=1.5 | "
-                   "--flow-truth-samples=1 | --ns=2 | --quick --ns 2 --dims 8 | --seed=4294967296",
+                   "--flow-truth-samples=1 | --ns=3 | --quick --ns 3 --dims 8 | --seed=4294967296",
     "boston-posterior": "--epochs=0 | --samples=1 | --lam=0 | --plot-samples=1 | --split=20",
 }
 BAD = [(command, case.split()) for command, cases in BAD_ARGUMENTS.items() for case in cases.split(" | ")]
@@ -183,6 +184,22 @@ def test_files_without_a_run_and_a_running_run_are_refused(tmp_path, capsys):
     assert sorted(f.name for f in unmarked.iterdir()) == ["results.json"] and not (tmp_path / "out").exists()
     assert sorted(f.name for f in running.iterdir()) == [runs.RUN_MARKER]
     assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(running)]) == 0  # its process has ended
+    assert not runs._HELD  # and the command has let it go again, for a caller's next one or another process
+
+
+def test_a_file_system_without_locks_runs_with_a_warning(tmp_path, monkeypatch):
+    """flock failing for a reason other than another holder (NFS without its lock daemon: ENOLCK) read as
+    "in use", and no run could start on such a file system."""
+    import errno
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(RuntimeWarning, match="cannot lock it here \\(No locks available\\)"):
+        assert cli.main(["toy", "--quick", "--no-progress", "--run-dir", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "results.json").exists()
 
 
 def test_toy_failing_before_any_update_does_not_blame_the_learning_rate(tmp_path, capsys):

@@ -158,7 +158,7 @@ def test_quick_run_writes_its_files(tmp_path, capsys):
 BAD = ["--dims=0", "--reps=1", "--base-n=1", "--base-lam=0", "--rules=mean", "--factors=-1", "--lams=0",
        "--ns=1", "--prior-ratios=0", "--grid=all", "--condition=0.5", "--condition=nan", "--clip=0",
        "--flow-truth-samples=10", "--seed=-1", "--cases=mnist", "--base-lam=1e-300", "--seed=4294967296",
-       "--base-n=2", "--ns=2", "--quick --base-n 2 --cases blr"]
+       "--base-n=3", "--ns=3", "--quick --base-n 3 --cases blr"]
 
 
 @pytest.mark.parametrize("bad", BAD)

@@ -114,6 +114,8 @@ def test_a_planar_flow_samples_where_and_as_its_parameters_are():
      ValueError, "lam must be at least 1e-10"),
     (lambda: ClassificationBNN((12, 6, 6, 3), clip=0.0), ValueError, "clip must be positive and finite"),
     (lambda: ClassificationBNN((12, 6, 6, 3), n_prior=1), ValueError, "n_prior must be at least 2"),
+    (lambda: RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 9))], "kivi-contrast",
+                           n_prior=3), ValueError, "n_prior must be at least 4 for kl_method 'kivi-contrast'"),
 ])
 def test_bad_sizes_are_named(build, error, message):
     """Each was truncated (2.7 -> 2, True -> 1, '23' -> (2, 3)), passed over (noise_at=1.5 built no

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# A long run in pieces, one device lease a piece: the paper's full VAE and MNIST protocols on a GPU.
-# A lease's machine starts bare, a command there runs at most 10 minutes, and only 8 files of at most
-# 16 MiB each come back from its $OUT; so between leases the run folder travels packed, in parts:
+# A long run in pieces, one device lease a piece: the paper's full VAE protocol on a GPU. A lease's
+# machine starts bare, a command there runs at most 10 minutes, only 8 files of at most 16 MiB each come
+# back from its $OUT, and what `carry` takes to the next is 64 MiB with the working tree (~42 MiB); so
+# between leases the run folder travels packed, in parts, and must stay under ~20 MiB (the VAE's: 16;
+# MNIST's at L = 400 is ~57, more than carry takes: run it in calls that follow each other on one warm
+# machine, where STATE/run stays between them):
 #   bash scripts/lease_run.sh STATE OUT_DIR -- COMMAND ARGS...
 # - STATE: a folder carried to the machine (the device tool's `carry`), holding the parts the last
 #   piece brought back (run.tar.part-NN), or nothing before the first piece. The parts are unpacked
@@ -69,7 +72,13 @@ if [ -d "$run" ]; then
   for f in history.json results.json; do
     [ -f "$run/$f" ] && cp "$run/$f" "$out/$f"
   done
-  echo "lease_run: packed $run into $(ls "$out"/run.tar.part-* | wc -l) parts in $out"
+  n_parts=$(ls "$out"/run.tar.part-* | wc -l)
+  mib=$(( $(cat "$out"/run.tar.part-* | wc -c) >> 20 ))
+  echo "lease_run: packed $run into $n_parts parts ($mib MiB) in $out"
+  if (( mib > ${CARRY_MIB:-20} )); then
+    echo "lease_run: WARNING: $mib MiB is more than carry takes beside the working tree (CARRY_MIB=${CARRY_MIB:-20});" \
+         "continue on this machine while it is warm (STATE/run stays), not on the next lease"
+  fi
 else
   echo "lease_run: the command made no run folder $run to pack"
 fi

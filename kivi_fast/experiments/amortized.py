@@ -49,7 +49,7 @@ import kivi_fast
 
 from . import runs
 from .grad_accuracy import gaussian_kl
-from .options import (add_common, apply_quick, check_full_contrast_samples, int_at_least, kivi_clip, kivi_lam,
+from .options import (add_common, apply_quick, check_prior_samples, int_at_least, kivi_clip, kivi_lam,
                       positive_float, positive_int, random_seed)
 from .training import check_loss_is_finite, estimator_refusal_as_run_error
 
@@ -361,8 +361,8 @@ def _load_previous(path, settings: dict) -> list[dict]:
 
 def run(args) -> int:
     apply_quick(args, QUICK)  # (begin applies it too: the same values) for --samples in the check below
-    if "ac-full" in args.methods:
-        check_full_contrast_samples("--samples", args.samples, LATENT, "ac-full")
+    if "kl" in args.methods:
+        check_prior_samples("--samples", args.samples, "kl")
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     model = LinearGaussian.from_seed(args.model_seed, args.w_scale, args.noise_std)

@@ -43,7 +43,7 @@ import kivi_fast
 
 from . import runs
 from .amortized import TARGET_MEAN_ERROR, TARGET_RATIOS, meets_target, worst_ratio  # the same target
-from .options import add_common, int_at_least, plural, positive_float, positive_int, random_seed
+from .options import add_common, check_prior_samples, int_at_least, plural, positive_float, positive_int, random_seed
 
 NAME = "client-loop"
 SETTINGS = ("kl-paper", "kl", "ac-paper", "ac")
@@ -161,6 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if "kl" in args.settings:
+        check_prior_samples("--samples", args.samples, "kl")
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     seeds = list(range(args.seed, args.seed + args.seeds))

@@ -90,7 +90,7 @@ from kivi_fast.contrast import DEFAULT_LAM, GaussianFit, gaussian_contrast, stan
 
 from ..nn import PlanarFlow
 from . import runs
-from .options import (add_common, apply_quick, check_full_contrast_samples, int_at_least, kivi_clip, kivi_lam,
+from .options import (add_common, apply_quick, check_prior_samples, int_at_least, kivi_clip, kivi_lam,
                       plural, positive_float, positive_int, random_seed)
 
 NAME = "grad-accuracy"
@@ -782,11 +782,8 @@ def write_results(path, header: dict, cases: list, rows: list[dict]) -> None:
 
 def run(args) -> int:
     apply_quick(args, QUICK)  # (begin applies it too: the same values) for the sample sizes checked below
-    dims = set(args.dims) if set(args.cases) != {"blr"} else set()  # the cases' d: --dims, and 2 for blr
-    if "blr" in args.cases:
-        dims.add(2)
     for option, n in (("--base-n", args.base_n), *(("--ns", n) for n in args.ns)):
-        check_full_contrast_samples(option, n, max(dims), "ac-full")
+        check_prior_samples(option, n, "kl")  # (n_p = n times a prior ratio, at least n)
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     cases = make_cases(args.cases, args.dims, args.condition, args.flow_truth_samples, args.seed)

@@ -43,7 +43,7 @@ import kivi_fast
 from ..contrast import GaussianFit, gaussian_contrast
 from ..nn import PlanarFlow, gaussian_kl_to_standard_normal
 from . import runs
-from .options import (add_common, apply_quick, check_full_contrast_samples, int_at_least, kivi_clip, kivi_lam, plural,
+from .options import (add_common, apply_quick, check_prior_samples, int_at_least, kivi_clip, kivi_lam, plural,
                       positive_int, random_seed)
 
 NAME = "kl-accuracy"
@@ -239,7 +239,7 @@ def plot_clipped(path, rows, families, dims, lams) -> None:
 def run(args) -> int:
     apply_quick(args, QUICK)  # (begin applies it too: the same values) for the sample sizes checked below
     for n in args.ns:
-        check_full_contrast_samples("--ns", n, max(args.dims), "ac-full")
+        check_prior_samples("--ns", n, "kl")
     out = runs.begin(args, NAME, QUICK)
     t0 = time.time()
     families = [Family(f, d, args.flow_truth_samples, args.seed) for d in args.dims for f in FAMILIES]

@@ -117,13 +117,14 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_full_contrast_samples(option: str, n: int, d: int, methods: str) -> None:
-    """A full-covariance contrast fitted to ``n`` samples in ``d`` dimensions: n = 2 with d >= 2 is a usage
-    error. (Two samples are perfectly correlated in every pair of dimensions, so their covariance stays
-    singular even shrunk toward its diagonal; from 3 samples on the shrunk fit works, also for n <= d.)"""
-    if n < 3 and d >= 2:
-        raise UsageError(f"{option} {n}: {methods} (a full-covariance contrast) needs at least 3 samples in "
-                         f"d = {d} (2 samples lie on a line, so their covariance is singular)")
+def check_prior_samples(option: str, n: int, methods: str) -> None:
+    """Prior samples that kivi_fast.kl's Gaussian contrast fits (``methods``: what takes them): fewer than
+    contrast.MIN_PRIOR_SAMPLES is a usage error naming the option, not a failure at the first step."""
+    from ..contrast import MIN_PRIOR_SAMPLES
+
+    if n < MIN_PRIOR_SAMPLES:
+        raise UsageError(f"{option} {n}: {methods} (kivi_fast.kl's Gaussian contrast of the prior's samples) needs "
+                         f"at least {MIN_PRIOR_SAMPLES} (the inverse of a variance fitted to fewer has no finite mean)")
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:

@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -63,10 +64,11 @@ def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) 
         raise UsageError(f"{option}: {path} holds files but no kivi_fast run (no {RUN_MARKER}: another program's "
                          f"files, or a run of a kivi_fast before the marker): use another folder; to resume such a "
                          f"run of this command there, write {name} into {marker}")
-    if path.resolve() not in _HELD:  # (else this process's own run, again: a test, or a caller's loop)
-        lock = exclusive_lock(marker, mode="a")
+    if path.resolve() not in _HELD:  # (else this process's own run, again: a caller's loop)
+        lock = exclusive_lock(marker)
         if lock is None:
-            raise UsageError(f"{option}: {path} is in use: another process is running its {name} run; wait for "
+            held = marker.read_text(errors="replace").strip() or name
+            raise UsageError(f"{option}: {path} is in use: another process is running its {held} run; wait for "
                              "it to end, or use another folder")
         _HELD[path.resolve()] = lock
     if marker.read_text(errors="replace").strip() != name:
@@ -74,7 +76,14 @@ def run_folder(root: str | os.PathLike, name: str, explicit: str | None = None) 
     return path
 
 
-_HELD: dict = {}  # run folder -> its locked marker, open while this process lives
+_HELD: dict = {}  # run folder -> its locked marker, open until release_run_folders()
+
+
+def release_run_folders() -> None:
+    """Unlock the run folders this process holds: the end of a command (cli.main's), so that a caller
+    that runs commands in its own process (a notebook, a sweep) does not keep them from others."""
+    while _HELD:
+        _HELD.popitem()[1].close()
 
 
 def mark_new_folder(path: Path, name: str) -> None:
@@ -85,20 +94,24 @@ def mark_new_folder(path: Path, name: str) -> None:
         (path / RUN_MARKER).write_text(name + "\n")
 
 
-def exclusive_lock(path: Path, mode: str = "w"):
-    """``path`` opened (in ``mode``) with an exclusive lock on it, or None if another process holds one;
-    the lock lasts while the file stays open, in any child that inherits it too. (Without fcntl, not on
-    POSIX: no lock.)"""
-    f = open(path, mode)
+def exclusive_lock(path: Path):
+    """``path`` (made if missing) opened with an exclusive lock on it, or None if another process holds
+    one; the lock lasts while the file stays open, in any child that inherits it too. Opened to read: a
+    lock needs no write permission. Where the system has no such locks (not POSIX; a network file
+    system without them), open without one, with a warning for the latter."""
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
     try:
         import fcntl
     except ImportError:
         return f
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # another process holds it
         f.close()
         return None
+    except OSError as err:  # (ENOLCK on NFS without its lock daemon, ENOSYS on Lustre mounted without flock)
+        warnings.warn(f"{path}: cannot lock it here ({err.strerror or err}); nothing keeps a second process from "
+                      "running in this folder at the same time", RuntimeWarning, stacklevel=2)
     return f
 
 

@@ -35,8 +35,8 @@ import kivi_fast
 from ..nn import bnn
 from ..nn.generator import INITS
 from . import datasets, regression, runs
-from .options import (UsageError, add_common, apply_quick, int_at_least, kivi_lam, nonnegative_float, plural,
-                      positive_float, positive_int, random_seed, thread_count)
+from .options import (UsageError, add_common, apply_quick, check_prior_samples, int_at_least, kivi_lam,
+                      nonnegative_float, plural, positive_float, positive_int, random_seed, thread_count)
 
 QUICK_EPOCHS = 10
 
@@ -188,6 +188,8 @@ def run(args, callback=None) -> int:
     args.eval_every = args.eval_every or max(1, args.epochs // 30)
     if args.method == "factorized":
         args.generator_init = None  # no generator
+    if args.method == "kivi-contrast":
+        check_prior_samples("--samples", args.samples, "kivi-contrast")
     args.command_line = getattr(args, "command_line", None) or " ".join(["python -m kivi_fast.cli uci"] + sys.argv[2:])
     try:
         splits = regression.parse_splits(args.splits, datasets.n_splits(args.dataset, args.data_dir))

@@ -25,6 +25,7 @@ from torch import nn
 
 import kivi_fast
 
+from ..contrast import MIN_PRIOR_SAMPLES
 from ._checks import batch, exact, kl_options, positive_float, positive_int, positive_ints, samples
 from .flows import PlanarFlow
 
@@ -153,6 +154,10 @@ class RegressionBNN(nn.Module):
         self.kl_method = kl_method
         self.lam, _, self.contrast = kl_options(lam, None, contrast)
         self.n_prior = n_prior if kl_method == "factorized" else samples("n_prior", n_prior)
+        if kl_method == "kivi-contrast" and not isinstance(self.n_prior, torch.SymInt) and \
+                self.n_prior < MIN_PRIOR_SAMPLES:
+            raise ValueError(f"n_prior must be at least {MIN_PRIOR_SAMPLES} for kl_method 'kivi-contrast' "
+                             f"(kivi_fast.kl's Gaussian contrast of the prior's samples), got {self.n_prior}")
 
     def sample_weights(self, n: int) -> list[torch.Tensor]:
         """n flat samples per layer, [n, (n_in + 1) n_out] each."""
