@@ -39,6 +39,7 @@ import torch
 
 from . import _validate
 from ._backend import constant_under_compile
+from ._random import standard_normal
 
 CONTRASTS = ("auto", "diagonal", "full")
 DEFAULT_LAM = 1e-2  # adaptive contrast's default ridge coefficient; see the module docstring
@@ -447,7 +448,7 @@ def reference_draws(shape, contrast: str, device, generator: Optional[torch.Gene
             on = "a device that cannot draw"
         if not isinstance(on, torch.device) or on.type != torch.device(device).type:
             raise ValueError(f"generator must be on q_z's device ({device}), got a generator on {on}")
-    return whiten_reference(torch.randn(shape, dtype=torch.float64, device=device, generator=generator), contrast)
+    return whiten_reference(standard_normal(shape, generator, dtype=torch.float64, device=device), contrast)
 
 
 def whiten_reference(eps: torch.Tensor, contrast: str, name: str = "the N(0, I) draws") -> torch.Tensor:

@@ -183,6 +183,30 @@ def test_the_regression_bnn_names_bad_data():
         model.elbo(x, y, 5, n_samples=10)
     with pytest.raises(ValueError, match="n_data must be a positive int, got 0"):
         model.elbo(x, y, 0, n_samples=10)
+    # evaluate: a y_raw of another shape broadcast into a plausible RMSE (0.33 where it is 0.86)
+    from kivi_fast.nn.bnn import evaluate
+
+    assert set(evaluate(model, x, y, 0.0, 1.0, 20)) == {"rmse", "test_ll", "test_ll_plugin"}
+    for y_raw in (y[:1], y[:, None]):
+        with pytest.raises(ValueError, match=r"y_raw must have shape \[10\]"):
+            evaluate(model, x, y_raw, 0.0, 1.0, 20)
+    with pytest.raises(ValueError, match="y_std must be"):
+        evaluate(model, x, y, 0.0, 0.0, 20)
+
+
+def test_the_predictive_and_the_encoders_density_name_bad_shapes():
+    """A row's z was scored under every row's q ([3, 3] from x [3, 10], z [3, 2]), and one image [784]
+    gave its samples' probabilities [S, 10] as if a batch: broadcast, no error."""
+    encoder = GaussianEncoder(10, (6,), 2)
+    x = torch.randn(3, 10)
+    assert encoder.log_prob(x, torch.randn(3, 4, 2)).shape == (3, 4)
+    for z in (torch.randn(3, 2), torch.randn(1, 4, 2), torch.randn(3, 4, 1)):
+        with pytest.raises(ValueError, match="z must have shape"):
+            encoder.log_prob(x, z)
+    model = ClassificationBNN((12, 6, 6, 3), "bbb")
+    assert model.predict_proba(torch.randn(5, 12), 4).shape == (5, 3)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, 12\]"):
+        model.predict_proba(torch.randn(12), 4)
 
 
 def test_the_regression_bnn_checks_its_layers_against_its_posteriors():
@@ -266,3 +290,16 @@ def test_the_factorized_bnn_takes_closed_form_posteriors_only():
     assert model.elbo(torch.randn(4, 3), torch.randn(4), 10, n_samples=3)["elbo"].isfinite()
     with pytest.raises(TypeError, match=r"posteriors\[0\] is a PlanarFlow"):  # (its KL is Monte Carlo)
         RegressionBNN((3, 8, 1), [PlanarFlow(32), FactorizedGaussian(9)], "factorized")
+
+
+@pytest.mark.parametrize("kl", ["kivi", "kivi-ac", "gaussian"])
+def test_a_float64_vae_draws_in_float64(kl):
+    """VAE.draws' default dtype is the model's: float32 draws for a float64 model failed its KL's dtype
+    check ("kivi", "kivi-ac") or promoted the encoder's output."""
+    torch.manual_seed(0)
+    model = build_vae(kl, x_dim=12, hidden=(8,), z_dim=2, n_q=5, n_p=5).double()
+    x = torch.rand(3, 12, dtype=torch.float64).round()
+    draws = model.draws(3, torch.Generator().manual_seed(0), "cpu")
+    assert all(d.dtype == torch.float64 for d in draws.values())
+    for term in model(x, draws):  # (the reconstruction term and the KL, [B] each)
+        assert term.dtype == torch.float64 and term.shape == (3,) and torch.isfinite(term).all()

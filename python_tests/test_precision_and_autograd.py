@@ -487,3 +487,27 @@ def test_torch_compile_dynamic_shapes(compiled, reverse):
         expected.backward()
         torch.testing.assert_close(value, expected)
         torch.testing.assert_close(q1.grad, q2.grad)
+
+
+def test_torch_compile_of_the_contrasts_and_a_sampler_at_another_sample_count():
+    """kl's own N(0, I) draws (adaptive_contrast_kl's are the same function's) and a posterior's sampler,
+    compiled and called at a second sample count (the sizes then symbolic): torch.randn(size,
+    generator=None) failed there in torch 2.13 (kivi_fast._random)."""
+    from kivi_fast.nn import FactorizedGaussian
+
+    def estimate(p, q):
+        return kivi_fast.kl(p, q)
+
+    compiled_estimate = torch.compile(estimate, backend="aot_eager")
+    sampler = FactorizedGaussian(3, std=0.5)
+    compiled_sample = torch.compile(lambda n: sampler.sample(n), backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+    for n in (20, 24):
+        p, q = (torch.randn(n, 3, generator=g, dtype=torch.float64) for _ in range(2))
+        with torch.random.fork_rng():
+            torch.manual_seed(n)  # the same draws in both
+            value, draws = compiled_estimate(p, q), compiled_sample(n)
+            torch.manual_seed(n)
+            expected, expected_draws = estimate(p, q), sampler.sample(n)
+        torch.testing.assert_close(value, expected)
+        torch.testing.assert_close(draws, expected_draws)

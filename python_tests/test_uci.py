@@ -40,6 +40,11 @@ def test_precision_kl_is_zero_at_the_prior_and_positive_elsewhere():
     q = bnn.GammaPrecision()
     assert abs(float(q.kl().detach())) < 1e-6
     assert float(bnn.GammaPrecision(10.0, 3.0).kl().detach()) > 0
+    # in float64 the prior's numbers are float64 too (float32 ones left -7.5e-8 at the prior)
+    kl64 = bnn.GammaPrecision(6.0 * (1 + 1e-9), 6.0).double().kl()
+    expected = kl_divergence(Gamma(*(torch.tensor(v, dtype=torch.float64) for v in (6.0 * (1 + 1e-9), 6.0))),
+                             Gamma(torch.tensor(6.0, dtype=torch.float64), torch.tensor(6.0, dtype=torch.float64)))
+    assert kl64.dtype == torch.float64 and abs(float(kl64) - float(expected)) < 1e-15
 
 
 def test_expected_log_likelihood_matches_monte_carlo_over_the_precision():

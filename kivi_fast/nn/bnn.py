@@ -41,7 +41,11 @@ def gamma_kl(alpha_q, beta_q, alpha_p, beta_p) -> torch.Tensor:
 
     (a_q - a_p) psi(a_q) - lgamma(a_q) + lgamma(a_p) + a_p (log b_q - log b_p) + a_q (b_p - b_q) / b_q.
     """
-    a_q, b_q, a_p, b_p = (torch.as_tensor(v) for v in (alpha_q, beta_q, alpha_p, beta_p))
+    # (numbers in the dtype and on the device of the first tensor: float32 constants beside float64
+    # parameters left a KL of -7.5e-8 at the prior)
+    like = next((v for v in (alpha_q, beta_q, alpha_p, beta_p) if isinstance(v, torch.Tensor)), None)
+    kw = {} if like is None else {"dtype": like.dtype, "device": like.device}
+    a_q, b_q, a_p, b_p = (torch.as_tensor(v, **kw) for v in (alpha_q, beta_q, alpha_p, beta_p))
     return ((a_q - a_p) * torch.digamma(a_q) - torch.lgamma(a_q) + torch.lgamma(a_p)
             + a_p * (b_q.log() - b_p.log()) + a_q * (b_p - b_q) / b_q)
 
@@ -78,7 +82,7 @@ class GammaPrecision(nn.Module):
 
     def kl(self) -> torch.Tensor:
         """KL(q(lambda) || prior), a 0-d tensor (closed form: :func:`gamma_kl`)."""
-        return gamma_kl(self.alpha, self.beta, *(torch.tensor(v) for v in self.prior))
+        return gamma_kl(self.alpha, self.beta, *self.prior)
 
     def predictive_log_prob(self, y: torch.Tensor, y_hat: torch.Tensor, integrate: bool = True) -> torch.Tensor:
         """log p(y | y_hat) with the precision under q(lambda), elementwise.
@@ -220,7 +224,10 @@ def evaluate(model: RegressionBNN, x: torch.Tensor, y_raw: torch.Tensor, y_mean:
     posterior mean precision instead. Normalized -> original units: y = y_std y_n + y_mean, so the
     density gains a factor 1 / y_std.
     """
-    y_hat = model.predict(x, n_samples)  # [S, B]
+    y_hat = model.predict(x, n_samples)  # [S, B] (x checked)
+    # (a y of another shape broadcast against the [S, B] predictions into a plausible wrong RMSE)
+    exact("y_raw", y_raw, (x.shape[0],))
+    y_std = positive_float("y_std", y_std)
     y_n = (y_raw - y_mean) / y_std
     rmse = ((y_hat.mean(0) * y_std + y_mean - y_raw).pow(2).mean().sqrt())
     out = {"rmse": float(rmse)}

@@ -169,6 +169,7 @@ class ClassificationBNN(nn.Module):
     @torch.no_grad()
     def predict_proba(self, x: torch.Tensor, n_samples: int = 10) -> torch.Tensor:
         """The posterior predictive: class probabilities averaged over ``n_samples`` weight draws, [B, 10]."""
+        batch(x, self.sizes[0])  # (one image [784] gave [S, 10], the samples' probabilities, as a batch)
         return self.logits(x, self.sample_weights(n_samples)).softmax(-1).mean(0)
 
 

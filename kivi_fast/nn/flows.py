@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..contrast import standard_normal_log_prob
+from .._random import standard_normal
 from ._checks import positive_int, trailing
 
 
@@ -86,7 +87,7 @@ class PlanarFlow(nn.Module):
         """n samples [n, dim] and their exact log-density log q(z) [n] (change of variables), on the
         parameters' device, in ``dtype`` (default: the parameters')."""
         p = self.u
-        x = torch.randn(positive_int("n", n), self.dim, generator=generator, dtype=dtype or p.dtype, device=p.device)
+        x = standard_normal((positive_int("n", n), self.dim), generator, dtype=dtype or p.dtype, device=p.device)
         z, log_det = self(x)
         return z, standard_normal_log_prob(x) - log_det
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn.functional import softplus
 
+from .._random import standard_normal
 from ._checks import positive_float, positive_int, trailing
 
 STD_PARAMETERIZATIONS = ("softplus", "exp")
@@ -60,8 +61,8 @@ class FactorizedGaussian(nn.Module):
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, dim] reparameterized samples."""
-        eps = torch.randn(positive_int("n", n), self.dim, generator=generator, dtype=self.mean.dtype,
-                          device=self.mean.device)
+        eps = standard_normal((positive_int("n", n), self.dim), generator, dtype=self.mean.dtype,
+                              device=self.mean.device)
         return self.mean + self.std * eps
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:

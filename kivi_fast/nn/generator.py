@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .._random import standard_normal
 from ._checks import integer, positive_int, positive_ints, trailing
 
 INITS = ("glorot", "torch")
@@ -27,7 +28,7 @@ class NoiseInjection(nn.Module):
         caller (default: drawn here)."""
         trailing("h", h, self.log_std.shape)
         if xi is None:
-            xi = torch.randn(h.shape, generator=generator, dtype=h.dtype, device=h.device)
+            xi = standard_normal(h.shape, generator, dtype=h.dtype, device=h.device)
         return h + xi * self.log_std.exp()
 
 
@@ -96,7 +97,7 @@ class MLPGenerator(nn.Module):
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, dim] samples, differentiable w.r.t. the parameters (reparameterized)."""
         p = self.net[0].weight
-        eps = torch.randn(positive_int("n", n), self.noise_dim, generator=generator, dtype=p.dtype, device=p.device)
+        eps = standard_normal((positive_int("n", n), self.noise_dim), generator, dtype=p.dtype, device=p.device)
         return self(eps, generator)
 
 

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .._random import standard_normal
 from ._checks import positive_int, positive_ints, trailing
 
 
@@ -85,8 +86,8 @@ class MMNN(nn.Module):
     def sample_matrices(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, M, N] samples, differentiable w.r.t. the parameters (reparameterized)."""
         p = self.layers[0].left
-        return self(torch.randn(positive_int("n", n), *self.noise_shape, generator=generator, dtype=p.dtype,
-                                device=p.device))
+        return self(standard_normal((positive_int("n", n), *self.noise_shape), generator, dtype=p.dtype,
+                                    device=p.device))
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, M N] samples, each matrix flattened row-major."""

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
+from .._random import standard_normal
 from ._checks import batch, exact, kl_options, positive_float, positive_int, positive_ints, samples, trailing
 from .gaussian import gaussian_kl_to_standard_normal
 from .generator import NoiseInjection
@@ -121,6 +122,10 @@ class GaussianEncoder(nn.Module):
 
     def log_prob(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """log q(z | x) for z [B, n, z_dim] -> [B, n] (importance weights: IWAE bounds)."""
+        batch(x, self.x_dim, least=0)
+        trailing("z", z, (self.z_dim,))
+        if z.dim() != 3 or z.shape[0] != x.shape[0]:  # (else broadcast: each row's z under every row's q)
+            raise ValueError(f"z must have shape [B, n, {self.z_dim}] with x's B = {x.shape[0]}, got {list(z.shape)}")
         mean, log_std = self.moments(x)
         u = (z - mean[:, None, :]) / log_std.exp()[:, None, :]
         return (-0.5 * u.pow(2) - log_std[:, None, :] - 0.5 * math.log(2 * math.pi)).sum(-1)
@@ -157,18 +162,18 @@ class VAE(nn.Module):
         # (the Gaussian encoder's KL is closed-form: its n_q, n_p are unused)
         self.n_q, self.n_p = (n_q, n_p) if kl == "gaussian" else (samples("n_q", n_q), samples("n_p", n_p))
 
-    def draws(self, batch: int, generator: torch.Generator | None, device, dtype=torch.float32,
+    def draws(self, batch: int, generator: torch.Generator | None, device, dtype=None,
               n_q: int | None = None) -> dict[str, torch.Tensor]:
         """The random numbers of one step on ``batch`` data points: ``noise``, the encoder's
         [batch, n_q, noise width] (``encoder.noise_shape``), and ``prior``, N(0, I) samples for the KL
         [batch, n_p, z_dim] (prior samples for "kivi", reference draws for "kivi-ac"; none for
-        "gaussian", whose training step draws only the n_rec samples it needs: n_q 1 unless given)."""
+        "gaussian", whose training step draws only the n_rec samples it needs: n_q 1 unless given).
+        ``dtype``: default the parameters' (float32 draws for a float64 model failed its KL's check)."""
         n_q = (1 if self.kl_estimator == "gaussian" else self.n_q) if n_q is None else n_q
-        out = {"noise": torch.randn(self.encoder.noise_shape(batch, n_q), generator=generator, device=device,
-                                    dtype=dtype)}
+        dtype = next(self.parameters()).dtype if dtype is None else dtype
+        out = {"noise": standard_normal(self.encoder.noise_shape(batch, n_q), generator, device=device, dtype=dtype)}
         if self.kl_estimator != "gaussian":
-            out["prior"] = torch.randn((batch, self.n_p, self.encoder.z_dim), generator=generator, device=device,
-                                       dtype=dtype)
+            out["prior"] = standard_normal((batch, self.n_p, self.encoder.z_dim), generator, device=device, dtype=dtype)
         return out
 
     def estimated_kl(self, z: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
