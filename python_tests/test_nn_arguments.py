@@ -11,7 +11,7 @@ import torch
 from kivi_fast.nn import (MMNN, BernoulliDecoder, FactorizedGaussian, GammaPrecision, GaussianEncoder,
                           ImplicitEncoder, MatrixMultiplicationLayer, MLPGenerator, NoiseInjection, PlanarFlow,
                           RegressionBNN, VAE, build_vae)
-from kivi_fast.nn.classification import ClassificationBNN
+from kivi_fast.nn.classification import ClassificationBNN, MatrixPosterior
 
 
 def gen(seed: int) -> torch.Generator:
@@ -114,6 +114,19 @@ def test_a_planar_flow_samples_where_and_as_its_parameters_are():
      ValueError, "lam must be at least 1e-10"),
     (lambda: ClassificationBNN((12, 6, 6, 3), clip=0.0), ValueError, "clip must be positive and finite"),
     (lambda: ClassificationBNN((12, 6, 6, 3), n_prior=1), ValueError, "n_prior must be at least 2"),
+    # initial values: NaN or inf gave NaN samples, a string or a bool passed as a number, a std outside
+    # float32's range was stored as 0 or overflowed without a name
+    (lambda: FactorizedGaussian(3, mean=math.nan), ValueError, "mean must be finite"),
+    (lambda: FactorizedGaussian(3, mean="1"), TypeError, "mean must be a number"),
+    (lambda: FactorizedGaussian(3, mean_init_std=math.inf), ValueError, "mean_init_std must be finite"),
+    (lambda: FactorizedGaussian(3, std=1e-50), ValueError, "std must lie within float32's normal range"),
+    (lambda: FactorizedGaussian(3, std=1e40), ValueError, "std must lie within float32's normal range"),
+    (lambda: MLPGenerator((4, 10, 3), noise_at=1, noise_init_log_std=math.inf), ValueError,
+     "noise_init_log_std must be finite"),
+    (lambda: PlanarFlow(3, init_scale=True), TypeError, "init_scale must be a number"),
+    (lambda: PlanarFlow.random(3, strength=math.nan), ValueError, "strength must be finite"),
+    (lambda: ClassificationBNN((12, 6, 6, 3), "bbb", bbb_init_std=0), ValueError, "bbb_init_std must be positive"),
+    (lambda: MatrixPosterior([(2, 2), (4, 3)], init_std=0), ValueError, "init_std must be positive"),
     (lambda: RegressionBNN((3, 8, 1), [MLPGenerator((4, 10, 32)), MLPGenerator((4, 10, 9))], "kivi-contrast",
                            n_prior=3), ValueError, "n_prior must be at least 4 for kl_method 'kivi-contrast'"),
 ])

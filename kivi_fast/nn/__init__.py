@@ -13,11 +13,14 @@ Each posterior is an ``nn.Module`` with ``sample(n) -> [n, d]`` (reparameterized
 
 :mod:`kivi_fast.nn.bnn` holds the BNN for regression of the paper's Sec. 4 / App. E
 (:class:`RegressionBNN`, its Gamma noise precision and test metrics), one posterior per weight matrix;
+:mod:`kivi_fast.nn.classification` the BNN for MNIST classification of Sec. 5.2.2
+(:class:`ClassificationBNN`: MMNN posteriors with KIVI, or the BBB and prior-contrastive baselines);
 :mod:`kivi_fast.nn.vae` the VAE of Sec. 5.3 (:func:`build_vae`: an implicit or Gaussian encoder, a
 Bernoulli decoder, the KL by KIVI or in closed form).
 """
 
 from .bnn import GammaPrecision, RegressionBNN, mlp_forward
+from .classification import ClassificationBNN
 from .flows import PlanarFlow
 from .gaussian import FactorizedGaussian, gaussian_kl_to_standard_normal
 from .generator import MLPGenerator, NoiseInjection, stochastic_net_2d
@@ -25,6 +28,6 @@ from .mmnn import MMNN, MatrixMultiplicationLayer
 from .vae import VAE, BernoulliDecoder, GaussianEncoder, ImplicitEncoder, build_vae
 
 __all__ = ["MLPGenerator", "NoiseInjection", "stochastic_net_2d", "MMNN", "MatrixMultiplicationLayer",
-           "FactorizedGaussian", "gaussian_kl_to_standard_normal", "PlanarFlow", "RegressionBNN",
+           "FactorizedGaussian", "gaussian_kl_to_standard_normal", "PlanarFlow", "RegressionBNN", "ClassificationBNN",
            "GammaPrecision", "mlp_forward", "VAE", "BernoulliDecoder", "GaussianEncoder", "ImplicitEncoder",
            "build_vae"]

@@ -8,6 +8,7 @@ sample s against target s).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Sequence
 
@@ -46,6 +47,18 @@ def positive_float(name: str, value) -> float:
     value = float(value)
     if not 0 < value < float("inf"):
         raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value
+
+
+def finite_float(name: str, value, least: float = -float("inf")) -> float:
+    """``value`` as a finite float, at least ``least`` (NaN or inf here gave NaN samples, and a string or a
+    bool was taken as a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= least):
+        raise ValueError(f"{name} must be finite{'' if least == -float('inf') else f' and at least {least:g}'}, "
+                         f"got {value}")
     return value
 
 

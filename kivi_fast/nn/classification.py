@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import kivi_fast
 
-from ._checks import batch, exact, kl_options, positive_int, positive_ints, samples
+from ._checks import batch, exact, kl_options, positive_float, positive_int, positive_ints, samples
 from .bnn import mlp_forward
 from .gaussian import FactorizedGaussian
 from .mmnn import MMNN
@@ -55,7 +55,7 @@ class MatrixPosterior(nn.Module):
         self.dim = self.mmnn.dim
         with torch.no_grad():
             last = self.mmnn.layers[-1]
-            last.right.mul_(init_std / float(self.mmnn.sample_matrices(4).std()))
+            last.right.mul_(positive_float("init_std", init_std) / float(self.mmnn.sample_matrices(4).std()))
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[n, (n_in + 1) n_out] samples (reparameterized)."""
@@ -103,6 +103,7 @@ class ClassificationBNN(nn.Module):
         hidden = paper_mmnn_hidden(sizes[1]) if mmnn_hidden is None else positive_int("mmnn_hidden", mmnn_hidden)
         if method == "bbb":
             # near a point estimate at the start, as mean-field VI for BNNs usually starts (Blundell et al.)
+            bbb_init_std = positive_float("bbb_init_std", bbb_init_std)
             self.posteriors = nn.ModuleList(FactorizedGaussian(a * b, std=bbb_init_std, mean_init_std=1.0)
                                             for a, b in self.shapes)
         else:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..contrast import standard_normal_log_prob
 from .._random import standard_normal
-from ._checks import positive_int, trailing
+from ._checks import finite_float, positive_int, trailing
 
 
 class PlanarFlow(nn.Module):
@@ -33,9 +33,7 @@ class PlanarFlow(nn.Module):
         super().__init__()
         self.dim = dim = positive_int("dim", dim)
         n_layers = positive_int("n_layers", n_layers)
-        scale = dim ** -0.5 if init_scale is None else float(init_scale)
-        if not 0.0 <= scale < float("inf"):
-            raise ValueError(f"init_scale must be finite and non-negative, got {init_scale}")
+        scale = dim ** -0.5 if init_scale is None else finite_float("init_scale", init_scale, least=0.0)
 
         def start(*shape: int) -> torch.Tensor:  # (scale 0 draws nothing: random()'s stream stays its own)
             if scale == 0:
@@ -55,7 +53,7 @@ class PlanarFlow(nn.Module):
         with torch.no_grad():
             u = torch.randn(n_layers, dim, generator=generator)
             w = torch.randn(n_layers, dim, generator=generator)
-            flow.u.copy_(strength * u / u.norm(dim=-1, keepdim=True))
+            flow.u.copy_(finite_float("strength", strength) * u / u.norm(dim=-1, keepdim=True))
             flow.w.copy_(3.0 * w / w.norm(dim=-1, keepdim=True))
             flow.b.copy_(torch.randn(n_layers, generator=generator))
         return flow

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import softplus
 
 from .._random import standard_normal
-from ._checks import positive_float, positive_int, trailing
+from ._checks import finite_float, positive_float, positive_int, trailing
 
 STD_PARAMETERIZATIONS = ("softplus", "exp")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -41,9 +41,13 @@ class FactorizedGaussian(nn.Module):
         if std_param not in STD_PARAMETERIZATIONS:
             raise ValueError(f"std_param must be one of {STD_PARAMETERIZATIONS}, got {std_param!r}")
         std = positive_float("std", std)
+        f32 = torch.finfo(torch.float32)
+        if not f32.tiny <= std <= f32.max / 2:  # (1e-50 was stored as 0; 1e40 overflowed unnamed)
+            raise ValueError(f"std must lie within float32's normal range [{f32.tiny:.3g}, {f32.max / 2:.3g}], "
+                             f"got {std}")
         self.dim, self.std_param = positive_int("dim", dim), std_param
-        init_mean = torch.full((self.dim,), float(mean))
-        if mean_init_std:
+        init_mean = torch.full((self.dim,), finite_float("mean", mean))
+        if finite_float("mean_init_std", mean_init_std, least=0.0):
             init_mean = init_mean + torch.randn(self.dim) * mean_init_std
         self.mean = nn.Parameter(init_mean)
         # the inverse of the std's map: softplus^-1(s) = log(exp(s) - 1) = s + log(1 - exp(-s)) (which

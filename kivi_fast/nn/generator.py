@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._random import standard_normal
-from ._checks import integer, positive_int, positive_ints, trailing
+from ._checks import finite_float, integer, positive_int, positive_ints, trailing
 
 INITS = ("glorot", "torch")
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
@@ -20,7 +20,7 @@ class NoiseInjection(nn.Module):
 
     def __init__(self, dim: int, init_log_std: float = 0.0):
         super().__init__()
-        self.log_std = nn.Parameter(torch.full((positive_int("dim", dim),), float(init_log_std)))
+        self.log_std = nn.Parameter(torch.full((positive_int("dim", dim),), finite_float("init_log_std", init_log_std)))
 
     def forward(self, h: torch.Tensor, generator: torch.Generator | None = None,
                 xi: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +57,7 @@ class MLPGenerator(nn.Module):
     def __init__(self, sizes: Sequence[int], activation: str = "relu", init: str = "glorot",
                  noise_at: int | None = None, noise_init_log_std: float = 0.0):
         super().__init__()
+        noise_init_log_std = finite_float("noise_init_log_std", noise_init_log_std)
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
         if activation not in ACTIVATIONS:
