@@ -456,12 +456,14 @@ std::atomic<bool>& use_avx512() {
   return flag;
 }
 
-bool has_avx512() { return use_avx512().load() && isa::cpu_has(isa::Level::kAvx512); }
-
 }  // namespace
 
 bool available() { return isa::cpu_has(isa::Level::kAvx2); }
 bool avx512_available() { return isa::cpu_has(isa::Level::kAvx512); }
+
+namespace {
+bool has_avx512() { return use_avx512().load() && avx512_available(); }
+}  // namespace
 
 bool set_avx512(bool flag) { return use_avx512().exchange(flag); }
 

@@ -136,12 +136,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _lock(folder: Path):
-    """An exclusive lock on the split's folder, or None if another batch is running that split. The
-    child inherits it, so it holds as long as either lives."""
-    return runs.exclusive_lock(folder / "lock")
-
-
 class _Interrupted(Exception):
     pass
 
@@ -186,7 +180,8 @@ def run(args) -> int:
                 folder = split_folder(out, *task)
                 runs.make_folder(folder, "--out")
                 runs.mark_new_folder(folder, uci.run_name(task[0], task[1]))
-                lock = _lock(folder)
+                # None if another batch runs this split; the child inherits it: it holds while either lives
+                lock = runs.exclusive_lock(folder / "lock")
                 if lock is None:
                     busy.append(task)
                     tqdm.write(f"{task}: running in another batch, skipped", file=sys.stderr)

@@ -42,9 +42,8 @@ class FactorizedGaussian(nn.Module):
             raise ValueError(f"std_param must be one of {STD_PARAMETERIZATIONS}, got {std_param!r}")
         std = positive_float("std", std)
         f32 = torch.finfo(torch.float32)
-        if not f32.tiny <= std <= f32.max / 2:  # (1e-50 was stored as 0; 1e40 overflowed unnamed)
-            raise ValueError(f"std must lie within float32's normal range [{f32.tiny:.3g}, {f32.max / 2:.3g}], "
-                             f"got {std}")
+        if not f32.tiny <= std <= f32.max:  # (1e-50 was stored as 0; 1e40 overflowed unnamed)
+            raise ValueError(f"std must lie within float32's normal range [{f32.tiny:.3g}, {f32.max:.3g}], got {std}")
         self.dim, self.std_param = positive_int("dim", dim), std_param
         init_mean = torch.full((self.dim,), finite_float("mean", mean))
         if finite_float("mean_init_std", mean_init_std, least=0.0):
