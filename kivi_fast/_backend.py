@@ -148,7 +148,7 @@ class ReferenceOps:
         _refuse_meta(x, y)
         _validate_finite("x", x)
         _validate_finite("y", y)
-        reference._check_distances("x", x, y)
+        reference._check_distances("x", x, y, "y")
         return reference._gram64(x.double(), y.double(), sigma).to(x.dtype)
 
 

@@ -40,18 +40,20 @@ def _gram64(x: torch.Tensor, y: torch.Tensor, sigma: torch.Tensor) -> torch.Tens
 _NOT_FINITE = " contains NaN or Inf (or points so far apart that their squared distances overflow float64)"
 
 
-def _check_distances(name: str, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+def _check_distances(name: str, x: torch.Tensor, y: torch.Tensor | None = None, name_y: str | None = None) -> None:
     """Finite squared distances between the rows of (finite) samples x [..., n, d] and those of y (default
-    x's own); else a ValueError naming ``name``, as the compiled ops raise."""
+    x's own); else a ValueError naming the set that reaches farther out (``name``, or ``name_y`` for y's),
+    as the compiled ops name the set far from the points' centre."""
     x64 = x.detach().double()
     y64 = x64 if y is None else y.detach().double()
     if x64.numel() == 0 or y64.numel() == 0:
         return
-    largest = max(float(x64.abs().amax()), float(y64.abs().amax()))
-    if math.isfinite(4.0 * x64.shape[-1] * largest * largest):
+    x_far, y_far = float(x64.abs().amax()), float(y64.abs().amax())
+    largest = max(x_far, y_far)
+    if math.isfinite(4.0 * x64.shape[-1] * largest * largest):  # (a product, where ** would raise)
         return  # (no squared distance exceeds d (2 max |x|)^2)
     if not bool(torch.isfinite(_sqdist(x64, y64)).all()):
-        raise ValueError(name + _NOT_FINITE)
+        raise ValueError((name_y if name_y is not None and y_far > x_far else name) + _NOT_FINITE)
 
 
 def _check_spread(*named: tuple[str, torch.Tensor]) -> None:
@@ -146,7 +148,7 @@ def rbf_gram(x: torch.Tensor, y: torch.Tensor, sigma) -> torch.Tensor:
         raise ValueError("rbf_gram needs a numeric bandwidth sigma")
     _validate.check_finite("x", x)
     _validate.check_finite("y", y)
-    _check_distances("x", x, y)
+    _check_distances("x", x, y, "y")
     return _gram64(x.double(), y.double(), s if batch is not None else s[0]).to(x.dtype)
 
 
