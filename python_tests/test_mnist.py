@@ -203,6 +203,31 @@ def test_the_command_line_writes_its_files_and_refuses_bad_values(tmp_path, caps
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_bbb_init_std_sets_the_start_names_the_run_and_must_match_to_resume(tmp_path, capsys, one_thread):
+    argv = ["mnist", "--quick", "--method", "bbb", "--no-progress", "--bbb-init-std", "0.05"]
+    args = argparse.Namespace(**{**vars(mnist_cmd_args(argv[1:])), "hidden": 50, "mmnn_hidden": 40})
+    stds = torch.cat([q.std.detach() for q in mnist_cmd.build(args).posteriors])
+    assert torch.allclose(stds, torch.full_like(stds, 0.05))
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 0
+    config = json.loads((tmp_path / "run" / "results.json").read_text())["config"]
+    assert config["bbb_init_std"] == 0.05
+    assert mnist_report.run_label(config) == "bbb-50_bbbinitstd0.05"
+    # the default is not named, and an older run without the setting had the default
+    assert mnist_report.run_label({**config, "bbb_init_std": 1e-3}) == "bbb-50"
+    assert mnist_report.run_label({k: v for k, v in config.items() if k != "bbb_init_std"}) == "bbb-50"
+    # a KIVI run does not use it: not named
+    assert mnist_report.run_label({**config, "method": "kivi"}) == "kivi-50_N40"
+    capsys.readouterr()
+    assert cli.main([*argv[:-1], "0.1", "--epochs", "2", "--run-dir", str(tmp_path / "run")]) != 0
+    assert "bbb_init_std" in capsys.readouterr().err
+
+
+def mnist_cmd_args(argv):
+    p = argparse.ArgumentParser()
+    mnist_cmd.add_arguments(p)
+    return p.parse_args(argv)
+
+
 def test_the_report_collects_runs_beside_the_paper_and_compares_with_bbb_at_equal_budget(tmp_path, capsys,
                                                                                       one_thread):
     for name, extra in (("kivi", []), ("bbb", ["--method", "bbb"]),

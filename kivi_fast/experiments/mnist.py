@@ -40,7 +40,7 @@ import torch
 from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
-from .options import UsageError, add_common, int_at_least, plural, positive_int
+from .options import UsageError, add_common, int_at_least, plural, positive_float, positive_int
 from .graphs import trainer_adam, trainer_step
 from .training import (Checkpoints, Distributed, Position, add_device_options, add_gpu_options, add_training_options,
                        check_finite_parameters, check_gpu_options, config_of, device_of, diverged_as_run_error,
@@ -50,7 +50,8 @@ from .training import (Checkpoints, Distributed, Position, add_device_options, a
 NAME = "mnist"
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
-               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph", "tf32")
+               "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph", "tf32",
+               "bbb_init_std")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_training_options(p, epochs=300, batch=100, lr_halve_every=100)
     p.add_argument("--samples", type=int_at_least(2), default=10, help="posterior samples per step (n_q = M)")
     p.add_argument("--n-p", type=int_at_least(2), default=10, help="prior samples per layer for KIVI's KL")
+    p.add_argument("--bbb-init-std", type=positive_float, default=1e-3,
+                   help="bbb: the posteriors' standard deviation at the start (the means start at the prior's scale)")
     p.add_argument("--eval-every", type=positive_int, default=1, help="test and validation error every N epochs")
     p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
     p.add_argument("--eval-samples", type=positive_int, default=10, help="weight draws of the posterior predictive")
@@ -74,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args) -> ClassificationBNN:
     return ClassificationBNN((784, args.hidden, args.hidden, 10), args.method, mmnn_hidden=args.mmnn_hidden,
-                             lam=args.lam, clip=args.clip, n_prior=args.n_p)
+                             lam=args.lam, clip=args.clip, n_prior=args.n_p, bbb_init_std=args.bbb_init_std)
 
 
 @torch.no_grad()

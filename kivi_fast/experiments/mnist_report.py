@@ -36,6 +36,8 @@ PAPER_TABLE = {
 }
 # settings of the paper's protocol that name a run when they differ (the budget is reported, not named)
 PAPER_SETTINGS = {"batch": 100, "samples": 10, "n_p": 10, "lam": 1e-3, "clip": 1e-8, "lr": 1e-3}
+ONLY_FOR = {"n_p": "kivi", "lam": "kivi", "clip": "kivi", "bbb_init_std": "bbb"}  # settings one method uses
+DEFAULT_SETTINGS = {**PAPER_SETTINGS, "bbb_init_std": 1e-3}  # (the paper gives no BBB initialization)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,12 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_label(config: dict) -> str:
-    """``<method>-<L>``, then each setting that differs from the paper's, e.g. "kivi-400_lam0.01"."""
+    """``<method>-<L>``, then each setting that differs from the paper's (or, where it gives none, the
+    default), e.g. "kivi-400_lam0.01"."""
+    config = {**ADDED_SETTINGS, **config}
     label = f"{config['method']}-{config['hidden']}"
     if config.get("mmnn_hidden") is not None and config["method"] != "bbb":
         label += f"_N{config['mmnn_hidden']}"
-    for key, paper in PAPER_SETTINGS.items():
-        if config[key] != paper and not (config["method"] != "kivi" and key in ("n_p", "lam", "clip")):
+    for key, default in DEFAULT_SETTINGS.items():
+        if config[key] != default and ONLY_FOR.get(key, config["method"]) == config["method"]:
             label += f"_{key.replace('_', '')}{config[key]:g}"
     return label
 

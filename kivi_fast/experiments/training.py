@@ -188,7 +188,7 @@ def set_lr(optimizer, value: float) -> None:
 
 # Settings added after checkpoints with other settings were written: an older checkpoint, without the
 # key, was made with this value.
-ADDED_SETTINGS = {"cuda_graph": False, "tf32": False}
+ADDED_SETTINGS = {"cuda_graph": False, "tf32": False, "bbb_init_std": 1e-3}
 
 
 def check_resumable(state: dict, config: dict, path) -> None:
