@@ -1,8 +1,9 @@
 """Argument checks shared by both backends.
 
-Everything here looks at metadata only (rank, shapes, dtype, device, Python scalars), so it costs
-nothing next to the estimate. Checks that must read the data (NaN/Inf, a zero median distance) live
-in the backends, where the data is read anyway.
+Most look at metadata only (rank, shapes, dtype, device, Python scalars), which costs nothing next to
+the estimate. The few that read values (``check_finite``, a bandwidth tensor's range) run only where
+reading them does not stall a device. Checks the kernels make as they read the data anyway (NaN/Inf
+samples, a zero median distance) live in the backends.
 """
 
 from __future__ import annotations

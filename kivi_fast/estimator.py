@@ -49,7 +49,7 @@ def _warn_if_mostly_clipped(clipped: torch.Tensor, clip: float) -> None:
 def kernel_kl(prior_z: torch.Tensor, q_z: torch.Tensor, lam: float = 1e-3, *, clip: float = 1e-8,
               bandwidth="median", reverse: bool = True) -> torch.Tensor:
     """The paper's estimator: KL(q || p) from samples with KIVI's kernel density-ratio fit (Shi et al.,
-    2018), the compiled op. :func:`kl` with ``contrast="none"``; :func:`kl`'s default builds on it.
+    2018), the compiled op. :func:`kl` with ``contrast="none", lam=1e-3``; :func:`kl`'s default builds on it.
 
     Args:
         prior_z: samples of the prior p, [n_p, d], or [B, n_p, d] for B independent estimates.
