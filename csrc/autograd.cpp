@@ -8,8 +8,14 @@
 // They are registered in C++ under the Autograd key rather than from Python: a training step then
 // never enters the interpreter for this op's forward or backward, which at small shapes (a VAE
 // latent, 100 x 8) cost more than the numerics. Fake kernels for torch.compile stay in Python.
+//
+// The other ops have no gradient (the Python API detaches their inputs, and the contrast's standardize
+// ops have theirs in kivi_fast/contrast.py's autograd.Function). Called directly on inputs that require
+// grad, they raise at backward naming the op: without a kernel under this key, torch's fallback would
+// only warn and give those inputs no gradient.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
@@ -176,6 +182,9 @@ TORCH_LIBRARY_IMPL(kivi_fast, Autograd, m) {
   m.impl("ratio", &ratio_autograd);
   m.impl("kl_grad", &kl_grad_autograd);
   m.impl("weighted_grad", &weighted_grad_autograd);
+  for (const char* op : {"sqdist", "rbf_gram", "median_bandwidth", "fit", "standardize", "standardize_grad"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }
 
 }  // namespace kivi_fast

@@ -14,7 +14,8 @@ backward (kivi_fast/contrast.py), have CUDA kernels only.
 
 The autograd formulas of ``kl`` and ``ratio`` (the paper's Eq. 8, through the ``kl_grad`` and
 ``weighted_grad`` ops) are registered in C++ (csrc/autograd.cpp), so that a training step stays out
-of Python.
+of Python. The other ops have no gradient: called on inputs that require one, their backward raises
+naming the op.
 """
 
 from __future__ import annotations

@@ -267,6 +267,26 @@ def test_the_gram_and_the_median_record_no_gradient(impl):
     torch.testing.assert_close(kivi_fast.rbf_gram(x, Q, 0.7), reference.rbf_gram(P, Q, 0.7), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("implementation_name", ["cpu", "generic"])
+def test_the_ops_without_a_gradient_raise_at_backward_when_called_directly(implementation_name):
+    """torch.ops.kivi_fast's sqdist, rbf_gram, median_bandwidth and fit have no gradient (the API
+    detaches their inputs): called directly on inputs that require one, backward raises naming the op,
+    where torch's fallback would have warned and left those inputs' gradients out."""
+    kivi_fast.backend()
+    ops = torch.ops.kivi_fast
+    x, y = P.clone().requires_grad_(), Q.clone().requires_grad_()
+    calls = {"sqdist": lambda: ops.sqdist(x[None], y[None]),
+             "rbf_gram": lambda: ops.rbf_gram(x[None], y[None], torch.tensor(0.7, dtype=x.dtype)),
+             "median_bandwidth": lambda: ops.median_bandwidth(x[None]),
+             "fit": lambda: ops.fit(x[None], y[None], 1e-2, None)[0]}
+    with implementation(implementation_name):
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match=f"derivative for kivi_fast::{name} is not implemented"):
+                (call().sum() + x.sum() + y.sum()).backward()
+            with torch.no_grad():
+                assert not call().requires_grad
+
+
 def test_density_ratio_errors(impl):
     fit = kivi_fast.DensityRatio(lam=1e-2).fit(P, Q)
     with pytest.raises(ValueError, match="same sample dimension"):

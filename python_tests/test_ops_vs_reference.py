@@ -6,13 +6,15 @@ lam, scales, dtypes and both settings of ``reverse``; values and gradients must 
 
 import contextlib
 import hashlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from scipy.spatial.distance import pdist
+from scipy.spatial.distance import cdist, pdist
 
 import kivi_fast
 from kivi_fast import reference
@@ -474,9 +476,11 @@ def test_a_bad_value_in_a_centre_row_names_its_own_argument(path):
 def test_the_centre_passes_over_two_far_points_of_its_three(path):
     """The Gram paths' centre takes each coordinate's middle of stacked points 0, N / 2 and N - 1
     (kivi.h, centre_coordinate): with two of them far out in opposite directions it is the third's
-    coordinate, and with the third far out in other coordinates, the others' there. sqdist's stacked
-    points [x; y] (60: points 0 and 30 of x, 19 of y) against the reference's exact differences;
-    centred on any of the three, the distances between near points would lose ~1e-7 of their size."""
+    coordinate, and with the third far out in other coordinates, the others' there. The stacked points
+    [x; y] (60: points 0 and 30 of x, 19 of y): sqdist's distances between x and y (on the CPU, one GEMM
+    of the centred points a column block) and the median of all pairs (the fit's triangle, by the path
+    named) against the reference's exact differences; centred on any of the three, the distances between
+    near points would lose ~1e-7 of their size."""
     kivi_fast.backend()
     if path == "tiles" and not torch.ops.kivi_fast_testing.gram_tiles_available():
         pytest.skip("the Gram's register tiles need an AVX2 + FMA CPU")
@@ -489,7 +493,47 @@ def test_the_centre_passes_over_two_far_points_of_its_three(path):
     switches = {} if path == "generic" else {torch.ops.kivi_fast_testing.set_gram_tiles: path == "tiles"}
     with implementation("generic" if path == "generic" else "cpu"), switched(switches):
         sq = torch.ops.kivi_fast.sqdist(x, y)
+        sigma = kivi_fast.median_bandwidth(torch.cat([x, y], 1))
     torch.testing.assert_close(sq, (x.unsqueeze(-2) - y.unsqueeze(-3)).pow(2).sum(-1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(sigma, reference.median_bandwidth(torch.cat([x, y], 1)), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("nx,ny,d,batch", [
+    (300, 4, 3, 2),      # differences (few dimensions), many x against few y
+    (3, 500, 8, 1),      # few x against many y
+    (1, 1, 1, 3),
+    (10, 20, 3000, 2),   # few points (the few-points Gram of the stacked points, where the CPU has it)
+    (70, 45, 20, 1),     # the Gram of the centred points, one column block
+    (40, 260, 3000, 2),  # several column blocks
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cross_distances_equal_numpy_differences_far_from_the_origin(compiled, nx, ny, d, batch, dtype):
+    """sqdist and rbf_gram compute the nx x ny distances between the two sets, not the triangle of their
+    stacked points (csrc/cpu/distances.cpp, cross_distances_one; up to 32 points, where the few-points
+    Gram reads the rows once, the triangle): against numpy's differences in float64, 1e4 standard
+    deviations from the origin, to the centred Gram's rounding."""
+    g = torch.Generator().manual_seed(nx + ny + d)
+    x = (torch.randn(batch, nx, d, generator=g, dtype=torch.float64) + 1e4).to(dtype)
+    y = (0.8 * torch.randn(batch, ny, d, generator=g, dtype=torch.float64) + 1e4 + 0.3).to(dtype)
+    exact = np.stack([cdist(a, b, "sqeuclidean") for a, b in zip(x.double().numpy(), y.double().numpy())])
+    sq = torch.ops.kivi_fast.sqdist(x, y)
+    assert sq.shape == (batch, nx, ny) and sq.dtype == torch.float64
+    np.testing.assert_allclose(sq.numpy(), exact, rtol=1e-9, atol=1e-9 * exact.max())
+    np.testing.assert_allclose(kivi_fast.rbf_gram(x.double(), y.double(), 2.0).numpy(), np.exp(-exact / 8),
+                               rtol=1e-9, atol=1e-12)
+
+
+def test_cross_distances_of_many_points_against_few_take_no_square_of_their_count():
+    """rbf_gram of 30,000 points against 3 allocates for their 90,000 distances, not for the 900 M of
+    the stacked points' square (7.2 GB), which raised the process's peak memory by that much (measured
+    in a process of its own). The ratio op's Gram path (many dimensions) takes these distances too."""
+    code = ("import resource, torch, kivi_fast; kivi_fast.backend();"
+            "x = torch.randn(1, 30000, 2, dtype=torch.float64); y = torch.randn(1, 3, 2, dtype=torch.float64);"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+            "k = torch.ops.kivi_fast.rbf_gram(x, y, torch.tensor(1.0, dtype=torch.float64));"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)")
+    grown_mb = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert grown_mb < 200, grown_mb
 
 
 def test_generic_gram_in_chunks_of_columns_far_from_the_origin_equals_numpy():

@@ -97,12 +97,9 @@ Tensor sqdist(const Tensor& x, const Tensor& y) {
   const int64_t nx = x.size(1), ny = y.size(1), n = s.rows;
   auto out = at::empty({s.batch, nx, ny}, at::kDouble);
   for_each_element(s, [&](int64_t b, bool parallel, Work& work) {
-    double* sq = work.sq.get(n * n);
     double* norms = work.norms.get(n);
-    distances_one(s, b, sq, norms, parallel, work);
+    cross_distances_one(s, b, nx, out.data_ptr<double>() + b * nx * ny, norms, parallel, work);
     check_finite(norms, nx, n, {"y", "x"});
-    double* o = out.data_ptr<double>() + b * nx * ny;
-    for (int64_t i = 0; i < nx; ++i) std::copy_n(sq + i * n + nx, ny, o + i * ny);
   });
   return out;
 }
