@@ -502,8 +502,9 @@ def test_the_centre_passes_over_two_far_points_of_its_three(path):
     (300, 4, 3, 2),      # differences (few dimensions), many x against few y
     (3, 500, 8, 1),      # few x against many y
     (1, 1, 1, 3),
+    (600, 7, 3, 1),      # differences, the x rows split over threads
     (10, 20, 3000, 2),   # few points (the few-points Gram of the stacked points, where the CPU has it)
-    (70, 45, 20, 1),     # the Gram of the centred points, one column block
+    (70, 45, 40, 1),     # the Gram of the centred points, one column block
     (40, 260, 3000, 2),  # several column blocks
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

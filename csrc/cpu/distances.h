@@ -55,9 +55,9 @@ void distances_one(const Stack& s, int64_t b, double* sq, double* norms, bool pa
 // The squared distances between the first nx stacked points of batch element b and the other ny into
 // out ([nx, ny]), and every stacked point's squared distance from the centre into norms ([N]), as
 // distances_one takes them: summed from differences where it would, and by the few-points Gram (the
-// same values, bit for bit), else by one GEMM of the centred points a column block. distances_one's triangle would cost (nx + ny)^2 / 2
-// pairs where nx ny are asked for: rbf_gram's, and the ratio's many evaluation points against a fit's
-// few centres (at (N, m) = (300, 40000) in 5000 dimensions, 12.8 GB where this takes 96 MB).
+// same values, bit for bit), else by one GEMM of the centred points a column block. distances_one's
+// triangle would cost (nx + ny)^2 / 2 pairs where nx ny are asked for: rbf_gram's, and the ratio's many
+// evaluation points against a fit's few centres ((N, m) = (300, 40000): a 13 GB square, 96 MB here).
 void cross_distances_one(const Stack& s, int64_t b, int64_t nx, double* out, double* norms, bool parallel,
                          Work& work);
 
