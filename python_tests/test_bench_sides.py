@@ -89,6 +89,22 @@ def compiled_sides_equal_the_reference(p, q) -> dict:
     return graphs
 
 
+@pytest.mark.parametrize("n_q,n_p", [(20, 20), (20, 21), (20, 23), (7, 9), (1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpus_middles_by_topk_on_bit_patterns_equal_the_sorted_pairs(n_q, n_p, dtype):
+    """Eagerly on a CPU the median's two middles come from one topk of the pairs' integer views and
+    its two least: the same as reading them off all pairs sorted, with ties (points on a grid: many
+    equal distances, zeros among them), odd and even pair counts, per batch element."""
+    g = torch.Generator().manual_seed(n_q * 100 + n_p)
+    q, p = (torch.round(2 * torch.randn(4, n, 2, generator=g, dtype=dtype)) for n in (n_q, n_p))
+    _, _, both = pure_torch._sqdists(q, p, dtype)
+    pairs = both[:, pure_torch._pair_index(n_q, n_p, both.device)].clamp_min(0).sort(-1).values
+    m = pairs.shape[1]
+    lo, hi = pure_torch._median_small(both, n_q, n_p)
+    assert torch.equal(lo, pairs[:, (m + 1) // 2 - 1]) and torch.equal(hi, pairs[:, m // 2])
+    assert (pairs[:, 1:] == pairs[:, :-1]).any()  # (ties drawn)
+
+
 @pytest.mark.parametrize("n_q", [300, 299], ids=["even-pairs", "odd-pairs"])
 def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dynamo):
     """Off the CPU a selection over more than 2^17 gathered pairs sorts them (a GPU's kthvalue gives a
@@ -99,11 +115,11 @@ def test_a_gpus_selection_over_many_pairs_sorts_them(n_q, monkeypatch, fresh_dyn
     q = q[:n_q]
     n = 300 + n_q
     both = torch.rand(2, n_q * n + 300 * 300, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
-    by_kthvalue = pure_torch._median_small(both, n_q, 300)
+    by_selection = pure_torch._median_small(both, n_q, 300)
     calls = []
     monkeypatch.setattr(pure_torch, "_sorts_long_rows", lambda t: calls.append(t.shape) or True)
     by_sort = pure_torch._median_small(both, n_q, 300)
-    assert calls and all(torch.equal(a, b) for a, b in zip(by_sort, by_kthvalue))
+    assert calls and all(torch.equal(a, b) for a, b in zip(by_sort, by_selection))
     monkeypatch.setattr(pure_torch, "_sorts_long_rows", lambda t: True)  # (no side effect in a traced graph)
     for graph in compiled_sides_equal_the_reference(p, q).values():
         assert "torch.sort" in graph and "kthvalue" not in graph  # (kthvalue would give the same values)
