@@ -29,6 +29,26 @@ void gram_rows_to_sqdist(double* g, int64_t n, const double* norms, int64_t i0, 
   }
 }
 
+// Batch element b's stacked points into pt transposed ([d, N]: the differences' inner loops run over
+// points), each point's squared distance from the centre (centre_point) into norms (they only check the
+// values); returns the points as loaded ([N, d]).
+std::vector<double> transposed_points(const Stack& s, int64_t b, double* pt, double* norms) {
+  const int64_t n = s.rows, d = s.d;
+  std::vector<double> rows(n * d), centre(d);
+  s.load(b, 0, d, rows.data());
+  centre_point(s, b, 0, d, centre.data());
+  for (int64_t i = 0; i < n; ++i) {
+    double sq = 0.0;
+    for (int64_t k = 0; k < d; ++k) {
+      pt[k * n + i] = rows[i * d + k];
+      const double x = rows[i * d + k] - centre[k];
+      sq += x * x;
+    }
+    norms[i] = sq;
+  }
+  return rows;
+}
+
 // Squared distances of batch element b by differences into the upper triangle of out ([N, N]), with
 // a zero diagonal. Leaves the points transposed ([d, N]: the inner loops run over points) in work.points,
 // which has room for one more row (kl's ratio column).
@@ -38,18 +58,7 @@ void direct_sqdist(const Stack& s, int64_t b, double* out, double* norms, bool p
   double* const pt = work.points.get(n * (d + 1));
   std::optional<BracketTally> tally;
   {
-    std::vector<double> rows(n * d), centre(d);
-    s.load(b, 0, d, rows.data());
-    centre_point(s, b, 0, d, centre.data());  // (the norms only check the values)
-    for (int64_t i = 0; i < n; ++i) {
-      double sq = 0.0;
-      for (int64_t k = 0; k < d; ++k) {
-        pt[k * n + i] = rows[i * d + k];
-        const double x = rows[i * d + k] - centre[k];
-        sq += x * x;
-      }
-      norms[i] = sq;
-    }
+    const std::vector<double> rows = transposed_points(s, b, pt, norms);
     // The median's bracket counts each row of distances while it is in L1, as gram_one's tiles do for
     // large matrices: at 128x(100, 8) the bins' passes over the finished triangle (copy, histogram,
     // gather) take ~2x their time on the same values in cache, ~20% of the call (counted here, the
@@ -251,20 +260,7 @@ void cross_distances_one(const Stack& s, int64_t b, int64_t nx, double* out, dou
   const int64_t n = s.rows, d = s.d, ny = n - nx;
   if (use_direct_distances(n, d)) {
     double* const pt = work.points.get(n * d);
-    {
-      std::vector<double> rows(n * d), centre(d);
-      s.load(b, 0, d, rows.data());
-      centre_point(s, b, 0, d, centre.data());
-      for (int64_t i = 0; i < n; ++i) {
-        double sq = 0.0;
-        for (int64_t k = 0; k < d; ++k) {
-          pt[k * n + i] = rows[i * d + k];
-          const double x = rows[i * d + k] - centre[k];
-          sq += x * x;
-        }
-        norms[i] = sq;
-      }
-    }
+    transposed_points(s, b, pt, norms);
     auto x_rows = [&](int64_t i0, int64_t i1) {
       std::vector<double> row(n);  // (sqdist_from_point writes entries [nx, n))
       for (int64_t i = i0; i < i1; ++i) {
