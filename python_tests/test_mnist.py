@@ -197,7 +197,8 @@ def test_the_command_line_writes_its_files_and_refuses_bad_values(tmp_path, caps
     assert "test error" in capsys.readouterr().out
     for argv, message in ((["--train-images", "60000"], "50000"), (["--eval-images", "20000"], "10000"),
                           (["--method", "sgd"], "invalid choice"), (["--hidden", "0"], "positive integer"),
-                          (["--cuda-graph"], "--cuda-graph needs a GPU"), (["--tf32"], "--tf32 needs a GPU")):
+                          (["--cuda-graph"], "--cuda-graph needs a GPU"), (["--tf32"], "--tf32 needs a GPU"),
+                          (["--bbb-init-std", "0.1"], "only --method bbb"), (["--bbb-init-std", "0"], "positive")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["mnist", *argv, "--run-dir", str(tmp_path / "x")])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

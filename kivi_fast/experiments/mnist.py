@@ -48,6 +48,7 @@ from .training import (Checkpoints, Distributed, Position, add_device_options, a
                        train_epochs)
 
 NAME = "mnist"
+BBB_INIT_STD = 1e-3  # Bayes-by-Backprop's standard deviations at the start (near a point estimate)
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
                "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph", "tf32",
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_training_options(p, epochs=300, batch=100, lr_halve_every=100)
     p.add_argument("--samples", type=int_at_least(2), default=10, help="posterior samples per step (n_q = M)")
     p.add_argument("--n-p", type=int_at_least(2), default=10, help="prior samples per layer for KIVI's KL")
-    p.add_argument("--bbb-init-std", type=positive_float, default=1e-3,
+    p.add_argument("--bbb-init-std", type=positive_float, default=BBB_INIT_STD,
                    help="bbb: the posteriors' standard deviation at the start (the means start at the prior's scale)")
     p.add_argument("--eval-every", type=positive_int, default=1, help="test and validation error every N epochs")
     p.add_argument("--eval-images", type=positive_int, default=10000, help="validation and test images evaluated")
@@ -95,6 +96,8 @@ def error_rate(model: ClassificationBNN, x: torch.Tensor, y: torch.Tensor, sampl
 def run(args) -> int:
     if args.eval_images > 10000:
         raise UsageError(f"--eval-images: the validation and test sets have 10000 images, got {args.eval_images}")
+    if args.bbb_init_std != BBB_INIT_STD and args.method != "bbb":  # (else a setting that would refuse resumes)
+        raise UsageError(f"--bbb-init-std: only --method bbb starts from standard deviations, got --method {args.method}")
     check_gpu_options(args)
     comm, run_dir = start(args, QUICK, lambda a: f"{NAME}-{a.hidden}-{a.method}")  # (named after --quick's L)
     result = train(args, run_dir, comm)
