@@ -646,6 +646,43 @@ def test_a_training_step_that_calls_kl_is_captured_in_a_cuda_graph():
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("b,n,d", [(2, 10, 30000), (2, 100, 700), (2, 300, 8), (1, 300, 700)],
+                         ids=["cuda-kernels-wide", "cuda-kernels-tiles", "generic", "generic-wide"])
+def test_kernel_kl_captured_in_a_cuda_graph_replays_its_eager_values(b, n, d):
+    """The paths the training-step capture above does not take, captured in a CUDA graph: the wide
+    ones (distances split over dimension chunks, summed with atomics into buffers zeroed in the graph:
+    pair_sqdist_kernel, pair_tile_kernel) and the generic one (median.cu's launches, cuSOLVER's
+    Cholesky). Each replay on new samples gives the eager call's value and gradient on them."""
+    g = torch.Generator(device=CUDA).manual_seed(n + d)
+    draws = [(torch.randn(b, n, d, device=CUDA, dtype=torch.float64, generator=g),
+              0.8 * torch.randn(b, n, d, device=CUDA, dtype=torch.float64, generator=g) + 0.3) for _ in range(4)]
+    weights = torch.arange(1, b + 1, dtype=torch.float64, device=CUDA)  # each element its own gradient
+
+    def value_and_gradient(p, q):
+        value = kivi_fast.kernel_kl(p, q)
+        return value, torch.autograd.grad((value * weights).sum(), q)[0]
+
+    static_p, static_q = draws[0][0].clone(), draws[0][1].clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture: library handles, the allocator's blocks
+        for _ in range(3):
+            value_and_gradient(static_p, static_q)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_value, static_grad = value_and_gradient(static_p, static_q)
+    for p, q in draws[1:]:
+        with torch.no_grad():
+            static_p.copy_(p)
+            static_q.copy_(q)
+        graph.replay()
+        value, grad = value_and_gradient(p, q.clone().requires_grad_())
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(static_value, value, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(static_grad, grad, rtol=1e-8, atol=1e-12)
+
+
 def test_torch_compile_on_cuda():
     p, q = torch.randn(2, 50, 4, device=CUDA), torch.randn(2, 50, 4, device=CUDA)
     compiled = torch.compile(kivi_fast.kernel_kl, fullgraph=True)
