@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..nn.classification import POSTERIORS, ClassificationBNN, n_weights
+from ..nn.classification import BBB_INIT_STD, POSTERIORS, ClassificationBNN, n_weights
 from . import runs
 from .mnist_data import load_mnist
 from .options import UsageError, add_common, int_at_least, plural, positive_float, positive_int
@@ -48,7 +48,6 @@ from .training import (Checkpoints, Distributed, Position, add_device_options, a
                        train_epochs)
 
 NAME = "mnist"
-BBB_INIT_STD = 1e-3  # Bayes-by-Backprop's standard deviations at the start (near a point estimate)
 QUICK = {"epochs": 1, "train_images": 500, "eval_images": 200, "hidden": 50, "mmnn_hidden": 40}
 CONFIG_KEYS = ("method", "hidden", "mmnn_hidden", "train_images", "batch", "lr", "lr_halve_every", "samples",
                "n_p", "lam", "clip", "seed", "eval_every", "eval_images", "eval_samples", "cuda_graph", "tf32",

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from . import runs
-from .mnist import CONFIG_KEYS, plot_history
+from .mnist import BBB_INIT_STD, CONFIG_KEYS, plot_history
 from .training import ADDED_SETTINGS
 from .options import add_common
 
@@ -37,7 +37,7 @@ PAPER_TABLE = {
 # settings of the paper's protocol that name a run when they differ (the budget is reported, not named)
 PAPER_SETTINGS = {"batch": 100, "samples": 10, "n_p": 10, "lam": 1e-3, "clip": 1e-8, "lr": 1e-3}
 ONLY_FOR = {"n_p": "kivi", "lam": "kivi", "clip": "kivi", "bbb_init_std": "bbb"}  # settings one method uses
-DEFAULT_SETTINGS = {**PAPER_SETTINGS, "bbb_init_std": 1e-3}  # (the paper gives no BBB initialization)
+DEFAULT_SETTINGS = {**PAPER_SETTINGS, "bbb_init_std": BBB_INIT_STD}  # (the paper gives no BBB initialization)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import distributed as dist
 from tqdm.auto import tqdm
 
+from ..nn.classification import BBB_INIT_STD
 from .options import (UsageError, apply_quick, int_at_least, kivi_clip, kivi_lam, nonnegative_float, positive_float,
                       positive_int, random_seed, thread_count)
 from . import runs
@@ -188,7 +189,7 @@ def set_lr(optimizer, value: float) -> None:
 
 # Settings added after checkpoints with other settings were written: an older checkpoint, without the
 # key, was made with this value.
-ADDED_SETTINGS = {"cuda_graph": False, "tf32": False, "bbb_init_std": 1e-3}
+ADDED_SETTINGS = {"cuda_graph": False, "tf32": False, "bbb_init_std": BBB_INIT_STD}
 
 
 def check_resumable(state: dict, config: dict, path) -> None:

@@ -23,6 +23,7 @@ from .gaussian import FactorizedGaussian
 from .mmnn import MMNN
 
 POSTERIORS = ("kivi", "bbb", "pc")
+BBB_INIT_STD = 1e-3  # "bbb": the standard deviations at the start, near a point estimate (Blundell et al.)
 
 
 def mmnn_shapes(n_out: int, n_in_plus_bias: int, hidden: int, last_layer: bool, noise=(30, 30)) -> list:
@@ -88,7 +89,7 @@ class ClassificationBNN(nn.Module):
 
     def __init__(self, sizes: Sequence[int] = (784, 400, 400, 10), method: str = "kivi", *,
                  mmnn_hidden: int | None = None, lam: float = 1e-3, clip: float = 1e-8, n_prior: int = 10,
-                 bbb_init_std: float = 1e-3):
+                 bbb_init_std: float = BBB_INIT_STD):
         super().__init__()
         if method not in POSTERIORS:
             raise ValueError(f"method must be one of {', '.join(POSTERIORS)}, got {method!r}")
@@ -102,7 +103,6 @@ class ClassificationBNN(nn.Module):
         self.shapes = [(n_in + 1, n_out) for n_in, n_out in zip(sizes[:-1], sizes[1:])]
         hidden = paper_mmnn_hidden(sizes[1]) if mmnn_hidden is None else positive_int("mmnn_hidden", mmnn_hidden)
         if method == "bbb":
-            # near a point estimate at the start, as mean-field VI for BNNs usually starts (Blundell et al.)
             bbb_init_std = positive_float("bbb_init_std", bbb_init_std)
             self.posteriors = nn.ModuleList(FactorizedGaussian(a * b, std=bbb_init_std, mean_init_std=1.0)
                                             for a, b in self.shapes)
